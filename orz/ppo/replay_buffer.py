@@ -1,0 +1,395 @@
+"""Experience, the replay buffer, and how it is cut for an update: mini-batches, micro-batches, packing.
+
+One token layout, everywhere:
+
+    sequences       p p p r r r r 0 0    (B, S) prompt + response token ids, right-padded
+    attention_mask  1 1 1 1 1 1 1 0 0    (B, S) 1 on prompt and response tokens
+    prompt_lengths  3                    (B,)   the response starts at this position
+    response_mask         1 1 1 1 0 0    (B, T) 1 on response tokens that count in the loss
+
+Response token t of row b is ``sequences[b, prompt_lengths[b] + t]``; every (B, T) field is indexed
+like ``response_mask``. A response token may be attended but masked out of the loss (tool output in
+a multi-turn response). A Megatron worker feeds ``sequences`` with ``position_ids()``, or
+``pack()`` for variable-length attention, computes per-token results over (B, S) — the value at s
+belongs to token s, e.g. its log-prob from the logits at s − 1 — and reads the response part back
+with ``gather_response``.
+
+Gradient accumulation does not change the loss: every micro-batch carries its mini-batch's loss
+normalisers (``MicroBatch.loss_denominators``), so summing ``aggregate(..., denominator=...)`` over
+micro-batches and data-parallel ranks gives the loss of the whole mini-batch for every mode.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from orz.ppo.core_algos import AGGREGATIONS, aggregate_denominator, whiten
+
+__all__ = ["Experience", "PackedSequences", "pack_sequences", "MiniBatch", "MicroBatch", "ReplayBuffer"]
+
+
+def _tensor(dims: str, required: bool = False) -> Any:
+    """A tensor field whose dimensions are the letters of ``dims``: B batch, S sequence, T response."""
+    if required:
+        return field(metadata={"dims": dims})
+    return field(default=None, metadata={"dims": dims})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experience:
+    """A batch of rollouts with everything the update needs. Optional fields are None until filled."""
+
+    # tokens
+    sequences: Tensor = _tensor("BS", required=True)       # (B, S) int64 prompt + response ids, right-padded
+    attention_mask: Tensor = _tensor("BS", required=True)  # (B, S) 1 on prompt and response tokens
+    prompt_lengths: Tensor = _tensor("B", required=True)   # (B,) int64 prompt tokens; the response starts here
+    response_mask: Tensor = _tensor("BT", required=True)   # (B, T) 1 on response tokens in the loss
+    # log-probs of the response tokens
+    old_logprobs: Tensor | None = _tensor("BT")      # (B, T) log π_old(a|s), the trainer's actor before the update
+    ref_logprobs: Tensor | None = _tensor("BT")      # (B, T) log π_ref(a|s), the frozen reference model
+    rollout_logprobs: Tensor | None = _tensor("BT")  # (B, T) log π_rollout(a|s) as reported by the vLLM engine
+    # critic
+    values: Tensor | None = _tensor("BT")            # (B, T) V(sₜ) of the critic before the update
+    # rewards and advantages
+    scores: Tensor | None = _tensor("B")             # (B,) verifier score of each response
+    rewards: Tensor | None = _tensor("BT")           # (B, T) per-token reward: score on the last token − β·kl
+    advantages: Tensor | None = _tensor("BT")        # (B, T) Aₜ
+    returns: Tensor | None = _tensor("BT")           # (B, T) the critic's targets
+    group_index: Tensor | None = _tensor("B")        # (B,) int64 prompt id; responses to one prompt share it
+    # per-sample extras for metrics and inspection: name → (B,) tensor (response length, truncated, ...)
+    info: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes: dict[str, int] = {}
+        for name, dims, value in self.tensor_fields():
+            if not isinstance(value, Tensor) or value.dim() != len(dims):
+                raise ValueError(f"{name} must be a tensor with dims ({', '.join(dims)}), got {_describe(value)}")
+            for letter, size in zip(dims, value.shape):
+                if sizes.setdefault(letter, size) != size:
+                    raise ValueError(f"{name} has {letter} = {size}, other fields have {letter} = {sizes[letter]}")
+        for name, value in self.info.items():
+            if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != sizes["B"]:
+                raise ValueError(f"info[{name!r}] must be a tensor with B = {sizes['B']} rows, got {_describe(value)}")
+        _check_right_padded(self.attention_mask)
+        _check_response_inside_sequence(self)
+
+    # -- looping over fields ------------------------------------------------------------------
+
+    def tensor_fields(self) -> Iterator[tuple[str, str, Tensor]]:
+        """(name, dims, tensor) of every tensor field that is set; ``info`` is not among them."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "dims" in f.metadata and value is not None:
+                yield f.name, f.metadata["dims"], value
+
+    def _map(self, fn: Callable[[str, Tensor], Tensor]) -> Experience:
+        """A new Experience with ``fn(dims, tensor)`` applied to every tensor, info included."""
+        changes = {name: fn(dims, value) for name, dims, value in self.tensor_fields()}
+        return replace(self, **changes, info={name: fn("B", value) for name, value in self.info.items()})
+
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.shape[0]
+
+    def to(self, device: torch.device | str) -> Experience:
+        return self._map(lambda dims, value: value.to(device))
+
+    def select(self, rows: Tensor | Sequence[int]) -> Experience:
+        """The rows ``rows`` (int indices or a (B,) bool mask), in that order."""
+        rows = torch.as_tensor(rows, device=self.sequences.device)
+        return self._map(lambda dims, value: value[rows])
+
+    @classmethod
+    def concat(cls, parts: Sequence[Experience]) -> Experience:
+        """Rows of all ``parts`` in order; (B, S) and (B, T) fields are right-padded to the widest with 0."""
+        if not parts:
+            raise ValueError("concat needs at least one Experience")
+        columns: dict[str, Any] = {}
+        for f in fields(cls):
+            if "dims" not in f.metadata:
+                continue
+            column = [getattr(part, f.name) for part in parts]
+            if any(value is None for value in column) and any(value is not None for value in column):
+                raise ValueError(f"{f.name} is set in some experiences and None in others")
+            if column[0] is not None:
+                columns[f.name] = _cat_padded(column)
+        keys = set(parts[0].info)
+        if any(set(part.info) != keys for part in parts):
+            raise ValueError(f"info keys differ between experiences: {[sorted(part.info) for part in parts]}")
+        return cls(**columns, info={key: _cat_padded([part.info[key] for part in parts]) for key in keys})
+
+    def trim(self) -> Experience:
+        """Drop padding columns: S down to the longest sequence, T down to the last loss token."""
+        sequence_width = max(1, int(self.sequence_lengths().max()))
+        positions = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
+        response_width = max(1, int((positions * self.response_mask.bool()).max()))
+        widths = {"BS": sequence_width, "BT": response_width}
+        return self._map(lambda dims, value: value[:, :widths[dims]] if dims in widths else value)
+
+    # -- what a model worker needs ------------------------------------------------------------
+
+    def sequence_lengths(self) -> Tensor:
+        """(B,) int64 prompt + response tokens of each row: its forward cost."""
+        return self.attention_mask.long().sum(dim=1)
+
+    def position_ids(self) -> Tensor:
+        """(B, S) int64 position of each token; right padding makes it 0, 1, 2, ... on every row."""
+        batch, width = self.sequences.shape
+        return torch.arange(width, device=self.sequences.device).expand(batch, width)
+
+    def response_positions(self) -> Tensor:
+        """(B, T) int64 position in ``sequences`` of each response token (clamped to S − 1 on padding)."""
+        offsets = torch.arange(self.response_mask.shape[1], device=self.sequences.device)
+        return (self.prompt_lengths[:, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
+
+    def gather_response(self, token_values: Tensor) -> Tensor:
+        """(B, S) per-token results (the value at s belongs to token s) → (B, T), 0 off the response mask."""
+        if token_values.shape != self.sequences.shape:
+            raise ValueError(f"token_values must have the shape of sequences {tuple(self.sequences.shape)}, "
+                             f"got {tuple(token_values.shape)}")
+        picked = token_values.gather(1, self.response_positions())
+        return torch.where(self.response_mask.bool(), picked, torch.zeros_like(picked))
+
+    def pack(self, max_tokens: int | None = None) -> list[PackedSequences]:
+        return pack_sequences(self.sequences, self.attention_mask, max_tokens)
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+
+
+def _check_right_padded(attention_mask: Tensor) -> None:
+    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 and 1")
+    attended = attention_mask.long()
+    if not torch.equal(attended.cummin(dim=1).values, attended):
+        raise ValueError("attention_mask must be right-padded: 1s, then 0s, on every row")
+
+
+def _check_response_inside_sequence(experience: Experience) -> None:
+    response_mask = experience.response_mask
+    if response_mask.dtype != torch.bool and not ((response_mask == 0) | (response_mask == 1)).all():
+        raise ValueError("response_mask must hold only 0 and 1")
+    if experience.prompt_lengths.is_floating_point() or (experience.prompt_lengths < 1).any():
+        raise ValueError("prompt_lengths must be integers >= 1")
+    width = experience.sequences.shape[1]
+    offsets = torch.arange(response_mask.shape[1], device=response_mask.device)
+    positions = experience.prompt_lengths[:, None] + offsets  # (B, T)
+    inside = (positions < width) & experience.attention_mask.bool().gather(1, positions.clamp(max=width - 1))
+    if (response_mask.bool() & ~inside).any():
+        raise ValueError("response_mask marks tokens that are not attended tokens of sequences at "
+                         "prompt_lengths + t; check prompt_lengths and the padding side")
+
+
+def _pad_to(value: Tensor, width: int) -> Tensor:
+    padded = value.new_zeros((value.shape[0], width, *value.shape[2:]))
+    padded[:, :value.shape[1]] = value
+    return padded
+
+
+def _cat_padded(values: Sequence[Tensor]) -> Tensor:
+    if values[0].dim() >= 2:
+        width = max(value.shape[1] for value in values)
+        values = [_pad_to(value, width) for value in values]
+    return torch.cat(list(values))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and token budgets.
+
+
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of total ≤ capacity, longest first; each bin sorted."""
+    if capacity <= 0:
+        raise ValueError(f"max_tokens must be positive, got {capacity}")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        if length > capacity:
+            raise ValueError(f"row {index} has {length} tokens, more than max_tokens={capacity}")
+        free = next((b for b, load in enumerate(loads) if load + length <= capacity), None)
+        if free is None:
+            bins.append([index])
+            loads.append(length)
+        else:
+            bins[free].append(index)
+            loads[free] += length
+    return [sorted(indices) for indices in bins]
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Rows laid end to end without padding, for variable-length attention (FlashAttention's
+    ``cu_seqlens``, Megatron's THD layout)."""
+
+    input_ids: Tensor     # (N,) the attended tokens of the packed rows, one row after another
+    position_ids: Tensor  # (N,) each token's position within its own row, restarting at 0
+    cu_seqlens: Tensor    # (n + 1,) int32: packed row k is input_ids[cu_seqlens[k]:cu_seqlens[k + 1]]
+    rows: Tensor          # (n,) int64 row of the source batch that each packed row came from
+
+    def unpack(self, packed: Tensor, width: int) -> Tensor:
+        """(N, ...) per-token results → (n, width, ...) right-padded with 0, rows in ``rows`` order."""
+        if packed.shape[0] != self.input_ids.shape[0]:
+            raise ValueError(f"packed must have {self.input_ids.shape[0]} tokens, got {packed.shape[0]}")
+        lengths = self.cu_seqlens.diff().long()
+        row_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=packed.device), lengths)
+        unpacked = packed.new_zeros((len(lengths), width, *packed.shape[1:]))
+        unpacked[row_of_token, self.position_ids] = packed
+        return unpacked
+
+
+def pack_sequences(sequences: Tensor, attention_mask: Tensor,
+                   max_tokens: int | None = None) -> list[PackedSequences]:
+    """Pack right-padded rows (B, S) into packs of at most ``max_tokens`` attended tokens each
+    (first-fit decreasing); ``max_tokens=None`` packs every row into one."""
+    _check_right_padded(attention_mask)
+    lengths = attention_mask.long().sum(dim=1)  # (B,)
+    if max_tokens is None:
+        bins = [list(range(sequences.shape[0]))]
+    else:
+        bins = _first_fit_decreasing(lengths.tolist(), max_tokens)
+    positions = torch.arange(sequences.shape[1], device=sequences.device)
+    packs = []
+    for indices in bins:
+        rows = torch.tensor(indices, dtype=torch.long, device=sequences.device)
+        attended = attention_mask[rows].bool()  # (n, S)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths[rows].cumsum(0)]).int()
+        packs.append(PackedSequences(input_ids=sequences[rows][attended],
+                                     position_ids=positions.expand(len(indices), -1)[attended],
+                                     cu_seqlens=cu_seqlens, rows=rows))
+    return packs
+
+
+# ---------------------------------------------------------------------------------------------
+# Mini-batches and micro-batches.
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one forward/backward pass sees, with the loss normalisers of its whole mini-batch."""
+
+    experience: Experience
+    loss_denominators: Mapping[str, Tensor]  # aggregation mode → 0-d normaliser D of the mini-batch
+
+    def denominator(self, mode: str) -> Tensor:
+        """D for ``aggregate(..., mode, denominator=D)``; the sum over micro-batches is the mini-batch loss."""
+        AGGREGATIONS.get(mode)
+        return self.loss_denominators[mode]
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer step's worth of experience."""
+
+    experience: Experience
+    loss_denominators: Mapping[str, Tensor]  # aggregation mode → 0-d normaliser D over all of it
+
+    @classmethod
+    def of(cls, experience: Experience, norm_len: int | None = None) -> MiniBatch:
+        """``norm_len`` is for "seq-mean-token-sum-norm"; None means T of ``experience``."""
+        denominators = {mode: aggregate_denominator(experience.response_mask, mode, norm_len)
+                        for mode in AGGREGATIONS.names()}
+        return cls(experience, denominators)
+
+    def shard(self, rank: int, world_size: int) -> MiniBatch:
+        """Data-parallel rank ``rank``'s contiguous share of the rows, keeping the global normalisers."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        rows = torch.arange(self.experience.batch_size).tensor_split(world_size)[rank]
+        return MiniBatch(self.experience.select(rows), self.loss_denominators)
+
+    def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:
+        """Split by row count (``size``) or by a token budget (``max_tokens``, dynamic batching:
+        rows grouped first-fit decreasing by prompt + response length). Padding columns are trimmed."""
+        if (size is None) == (max_tokens is None):
+            raise ValueError("pass exactly one of size or max_tokens")
+        if size is not None:
+            if size <= 0:
+                raise ValueError(f"size must be positive, got {size}")
+            bins = torch.arange(self.experience.batch_size).split(size)
+        else:
+            bins = _first_fit_decreasing(self.experience.sequence_lengths().tolist(), max_tokens)
+        return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators) for rows in bins]
+
+
+class ReplayBuffer:
+    """Experience from many rollouts, whitened, shuffled and cut into mini-batches for the update."""
+
+    def __init__(self) -> None:
+        self._parts: list[Experience] = []
+
+    def append(self, experience: Experience) -> None:
+        self._parts.append(experience)
+
+    def clear(self) -> None:
+        self._parts = []
+
+    def __len__(self) -> int:
+        return sum(part.batch_size for part in self._parts)
+
+    @property
+    def experience(self) -> Experience:
+        """Everything appended so far as one Experience (padded to the widest rollout)."""
+        if not self._parts:
+            raise ValueError("the replay buffer is empty")
+        if len(self._parts) > 1:
+            self._parts = [Experience.concat(self._parts)]
+        return self._parts[0]
+
+    def whiten_advantages(self, shift_mean: bool = True) -> None:
+        """Whiten advantages over every real token of the buffer (``core_algos.whiten``), as ORZ does."""
+        experience = self.experience
+        if experience.advantages is None:
+            raise ValueError("advantages are not set; compute them before whitening")
+        whitened = whiten(experience.advantages, experience.response_mask, shift_mean)
+        self._parts = [replace(experience, advantages=whitened)]
+
+    def minibatches(self, mini_batch_size: int, *, seed: int | None = None,
+                    norm_len: int | None = None) -> list[MiniBatch]:
+        """Rows shuffled by ``seed`` (None keeps the order), cut into mini-batches of
+        ``mini_batch_size`` rows (the last may be smaller). ``norm_len`` for "seq-mean-token-sum-norm"
+        defaults to the buffer's T; recipes should set it to the generation limit."""
+        if mini_batch_size <= 0:
+            raise ValueError(f"mini_batch_size must be positive, got {mini_batch_size}")
+        experience = self.experience
+        if seed is None:
+            order = torch.arange(experience.batch_size)
+        else:
+            order = torch.randperm(experience.batch_size, generator=torch.Generator().manual_seed(seed))
+        norm_len = experience.response_mask.shape[1] if norm_len is None else norm_len
+        return [MiniBatch.of(experience.select(rows), norm_len) for rows in order.split(mini_batch_size)]
+
+    def dump_jsonl(self, path: str, tokenizer: Any = None, per_token: bool = False) -> None:
+        """One JSON line per sample: prompt and response (text with ``tokenizer``, else token ids),
+        per-sample fields, info, and each (B, T) field's mean over loss tokens (``per_token``: the
+        list of its values there)."""
+        experience = self.experience.to("cpu")
+        with open(path, "w") as out:
+            for row in range(experience.batch_size):
+                out.write(json.dumps(_sample_record(experience, row, tokenizer, per_token)) + "\n")
+
+
+def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: bool) -> dict[str, Any]:
+    start, end = int(experience.prompt_lengths[row]), int(experience.attention_mask[row].sum())
+    prompt, response = experience.sequences[row, :start].tolist(), experience.sequences[row, start:end].tolist()
+    if tokenizer is not None:
+        prompt, response = tokenizer.decode(prompt), tokenizer.decode(response)
+    loss_tokens = experience.response_mask[row].bool()
+    record: dict[str, Any] = {"row": row, "prompt": prompt, "response": response,
+                              "num_loss_tokens": int(loss_tokens.sum())}
+    for name, dims, value in experience.tensor_fields():
+        if dims == "B" and name != "prompt_lengths":
+            record[name] = value[row].item()
+        elif dims == "BT" and name != "response_mask":
+            on_loss_tokens = value[row][loss_tokens].float()
+            if per_token:
+                record[name] = on_loss_tokens.tolist()
+            else:
+                record[f"{name}_mean"] = on_loss_tokens.mean().item() if len(on_loss_tokens) else 0.0
+    record |= {f"info/{name}": value[row].tolist() for name, value in experience.info.items()}
+    return record
