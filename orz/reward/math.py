@@ -1,0 +1,292 @@
+"""Math reward: extract a response's final answer and check it against the ground truth with
+math-verify (latex2sympy2_extended + sympy), in a pool of killable workers.
+
+    reward = MathReward(MathRewardConfig(num_workers=2))
+    scores, metrics = reward.score(responses, ground_truths, finish_reasons)
+
+A response scores 1 only when its answer is right and it finished (vLLM finish reason "stop"); a
+truncated response scores 0, as in ORZ. Parsing and comparing run in worker processes with a hard
+per-item wall-clock limit, so a pathological answer (`2^{2^{2^{100}}}`) costs one timeout, not a
+stalled trainer.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from orz.reward.pool import ItemResult, KillablePool
+
+# math-verify warns once that its own timeout is off; it is off on purpose (it uses SIGALRM, which
+# only works in the main thread), and the pool's kill is the timeout.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# --------------------------------------------------------------------------------------------------
+# Extraction
+
+
+def _skip_group(text: str, start: int) -> int | None:
+    """Index just past the brace group opening at text[start] == "{", or None if it never closes.
+    Iterative and linear, so deeply nested or huge inputs cannot blow the stack."""
+    depth = 0
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2  # \{ and \} are literal braces, not grouping
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+_BARE_ARGUMENT = re.compile(r"\s+([^\s$]+)")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}`, `\\fbox{...}` or `\\boxed x`; None if it never closes."""
+    last = None
+    for last in _BOXED.finditer(text):
+        pass
+    if last is None:
+        return None
+    after = last.end()
+    if text.startswith("{", after):
+        end = _skip_group(text, after)
+        return text[after + 1 : end - 1] if end is not None else None
+    bare = _BARE_ARGUMENT.match(text, after)
+    return bare.group(1) if bare else None
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """Content of ORZ's last closed `<answer>...</answer>` tag."""
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    end = text.find("</answer>", start)
+    return text[start + len("<answer>") : end] if end >= 0 else None
+
+
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+
+
+def _answer_is(text: str) -> str | None:
+    """What follows the last "the answer is" / "final answer:" on its line."""
+    last = None
+    for last in _ANSWER_IS.finditer(text):
+        pass
+    return last.group(1) if last else None
+
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group(0) if last else None
+
+
+EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "boxed": _last_boxed,
+    "answer_tag": _last_answer_tag,
+    "answer_is": _answer_is,
+    "last_number": _last_number,
+}
+# Only explicit answer markers by default: a "last number" fallback rewards lucky guesses.
+DEFAULT_EXTRACTION = ("boxed", "answer_tag")
+
+_MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def _clean(answer: str) -> str:
+    """Strips whitespace, outer math delimiters and a sentence's final period."""
+    answer = answer.strip()
+    for left, right in _MATH_DELIMITERS:
+        if len(answer) > len(left) + len(right) and answer.startswith(left) and answer.endswith(right):
+            answer = answer[len(left) : -len(right)].strip()
+            break
+    return answer.removesuffix(".").strip()
+
+
+def extract_answer(text: str, extraction: Sequence[str] = DEFAULT_EXTRACTION) -> str | None:
+    """The final answer of a response: the first of `extraction`'s forms (names in EXTRACTORS)
+    that the response contains, or None. A boxed answer inside the answer tag wins either way."""
+    for name in extraction:
+        if name not in EXTRACTORS:
+            raise ValueError(f"unknown answer form {name!r}; valid: {sorted(EXTRACTORS)}")
+        found = EXTRACTORS[name](text)
+        if found is not None and (answer := _clean(found)):
+            return answer
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence
+
+_PARSE_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
+# A digit group separated by a LaTeX space (`1\,000`, `1\ 000`) or a plain one: math-verify 0.9.0
+# reads `1\,000` as 1 (it handles `1,000`, `1{,}000` and `1,\!000` itself).
+_SPACED_THOUSANDS = re.compile(r"(?<=\d)(?:\\[,!:; ]|~| )(?=\d{3}(?!\d))")
+_PERCENT = re.compile(r"\\?%")
+
+
+def _normalise(answer: str) -> str:
+    """Fixes the forms math-verify misreads before it sees them (see the patterns above) and
+    drops a sentence's final period (`73.`)."""
+    return _SPACED_THOUSANDS.sub("", answer.strip()).removesuffix(".")
+
+
+def _parse(answer: str) -> list:
+    # Wrapping in \boxed makes math-verify read the whole string as one LaTeX answer instead of
+    # searching it for the last expression. parsing_timeout=None: the pool enforces time.
+    return parse(f"\\boxed{{{_normalise(answer)}}}", extraction_config=_PARSE_CONFIG, parsing_timeout=None)
+
+
+_parse_ground_truth = functools.lru_cache(maxsize=4096)(_parse)  # GRPO repeats each ground truth
+
+
+def _verify(prediction: str, ground_truth: str) -> bool:
+    gold = _parse_ground_truth(ground_truth)
+    predicted = _parse(prediction)
+    # allow_set_relation_comp: `-1<x<1` answers `(-1,1)` (math-verify only allows it when the
+    # prediction is the set).
+    return bool(gold and predicted) and verify(
+        gold, predicted, allow_set_relation_comp=True, timeout_seconds=None
+    )
+
+
+def is_equivalent(prediction: str, ground_truth: str) -> bool:
+    """Whether `prediction` is mathematically equal to `ground_truth` (both LaTeX or plain text).
+
+    A percent sign is optional (`12.5\\%` equals both `12.5` and `0.125`): math-verify accepts
+    `50\\%` = `50` for integers only. No timeout here: call it through MathReward (or another
+    KillablePool) on untrusted input."""
+    if _verify(prediction, ground_truth):
+        return True
+    if _PERCENT.search(prediction) or _PERCENT.search(ground_truth):
+        return _verify(_PERCENT.sub("", prediction), _PERCENT.sub("", ground_truth))
+    return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward
+
+_FORMAT = re.compile(r"</think>\s*<answer>(?s:.)*?\S(?s:.)*?</answer>\s*$")
+
+
+@dataclass(frozen=True)
+class MathRewardConfig:
+    extraction: tuple[str, ...] = DEFAULT_EXTRACTION  # answer forms, in order of preference
+    # Added to a finished response that ends with `</think> <answer>...</answer>` (ORZ's template);
+    # 0 turns the format bonus off, which is ORZ's choice.
+    format_reward: float = 0.0
+    num_workers: int = 2  # verifier processes; each verifies one item at a time
+    timeout_s: float = 5.0  # hard wall-clock limit per response; its worker is killed past it
+    chunk_size: int = 32  # items sent to a worker at once; amortises the pipe round trip
+    memory_limit_mb: int | None = 4096  # per worker; sympy blow-ups fail with MemoryError instead
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    extracted: bool
+    correct: bool
+    well_formatted: bool
+
+
+def _judge(item: tuple[str, str, tuple[str, ...]]) -> _Verdict:
+    """Worker side: extraction, format check and verification of one response."""
+    response, ground_truth, extraction = item
+    answer = extract_answer(response, extraction)
+    return _Verdict(
+        extracted=answer is not None,
+        correct=answer is not None and is_equivalent(answer, ground_truth),
+        well_formatted=_FORMAT.search(response) is not None,
+    )
+
+
+def _warm_up() -> None:
+    """Runs the lazy parts of math-verify (ANTLR parser, sympy caches) before the first item."""
+    is_equivalent("\\frac{1}{2}", "0.5")
+
+
+class MathReward:
+    """Scores batches of responses; holds a persistent verifier pool (call `close()` when done)."""
+
+    def __init__(self, cfg: MathRewardConfig = MathRewardConfig()):
+        for name in cfg.extraction:
+            if name not in EXTRACTORS:
+                raise ValueError(f"unknown answer form {name!r}; valid: {sorted(EXTRACTORS)}")
+        self.cfg = cfg
+        self.pool = KillablePool(
+            _judge,
+            cfg.num_workers,
+            cfg.timeout_s,
+            initializer=_warm_up,
+            chunk_size=cfg.chunk_size,
+            memory_limit_mb=cfg.memory_limit_mb,
+        )
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        finish_reasons: Sequence[str | None] | None = None,
+    ) -> tuple[list[float], dict[str, float]]:
+        """Per-response rewards and batch metrics. `finish_reasons` are vLLM's ("stop", "length",
+        ...); None means every response finished. Truncated responses are not verified."""
+        if finish_reasons is None:
+            finish_reasons = ["stop"] * len(responses)
+        if not len(responses) == len(ground_truths) == len(finish_reasons):
+            raise ValueError(
+                f"batch sizes differ: {len(responses)} responses, {len(ground_truths)} ground "
+                f"truths, {len(finish_reasons)} finish reasons"
+            )
+        finished = [i for i, reason in enumerate(finish_reasons) if reason == "stop"]
+        outcomes = self.pool.map(
+            [(responses[i], str(ground_truths[i]), self.cfg.extraction) for i in finished]
+        )
+        scores = [0.0] * len(responses)
+        for i, outcome in zip(finished, outcomes):
+            if outcome.status == "ok":
+                verdict = outcome.value
+                scores[i] = float(verdict.correct) + self.cfg.format_reward * verdict.well_formatted
+        return scores, self._metrics(len(responses), outcomes)
+
+    def __call__(self, responses, ground_truths, finish_reasons=None) -> list[float]:
+        return self.score(responses, ground_truths, finish_reasons)[0]
+
+    def _metrics(self, batch_size: int, outcomes: list[ItemResult]) -> dict[str, float]:
+        verdicts = [o.value for o in outcomes if o.status == "ok"]
+        n = max(batch_size, 1)
+        n_finished = max(len(outcomes), 1)
+        return {
+            "reward/accuracy": sum(v.correct for v in verdicts) / n,
+            "reward/truncated_rate": (batch_size - len(outcomes)) / n,
+            "reward/extraction_failure_rate": sum(not v.extracted for v in verdicts) / n_finished,
+            "reward/format_rate": sum(v.well_formatted for v in verdicts) / n_finished,
+            "reward/timeouts": float(sum(o.status == "timeout" for o in outcomes)),
+            "reward/crashes": float(sum(o.status == "crash" for o in outcomes)),
+            "reward/errors": float(sum(o.status == "error" for o in outcomes)),
+            "reward/verify_s_max": max((o.seconds for o in outcomes), default=0.0),
+        }
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> MathReward:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

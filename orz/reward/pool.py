@@ -1,0 +1,251 @@
+"""A persistent pool of worker processes that maps one function over items, each item under a
+hard wall-clock limit enforced by killing its worker.
+
+Why not `multiprocessing.Pool` or a SIGALRM: a pool cannot kill one stuck task, and signals only
+reach the main thread; the trainer calls rewards from Ray actors and helper threads. Here the
+parent watches every in-flight item and SIGKILLs the worker whose item overruns, then starts a
+fresh one. Workers come from a "forkserver" (a clean, single-threaded process that forks them), so
+the trainer's own threads (Ray, torch) are never forked, and a restart costs a fork, not an import.
+
+Protocol: the parent sends a worker a chunk `[(index, item), ...]`; the worker answers one message
+per item, `(index, status, value, seconds)`, so the parent knows which item is running and restarts
+its clock after every answer. An item whose worker dies (segfault, `os._exit`) is retried once on a
+fresh worker, then reported as "crash"; the rest of that chunk is requeued without penalty.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import resource
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["ok", "error", "timeout", "crash"]
+_PR_SET_PDEATHSIG = 1
+_STARTUP_FAILURES_ALLOWED = 3  # consecutive worker deaths before "ready" that mean a broken setup
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What became of one item. `value` is fn's return value when ok, the error text when "error"."""
+
+    status: Status
+    value: Any = None
+    seconds: float = 0.0  # wall time the item ran (the limit itself for a timeout)
+
+
+class KillablePool:
+    """Maps `fn` over items in `num_workers` processes; no item runs longer than `item_timeout_s`.
+
+    `fn`, `initializer` and the items must be picklable (module-level functions, plain data).
+    `map` may be called from any thread; calls are serialised. Use as a context manager or call
+    `close()`; workers also die with the process that owns the pool.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        num_workers: int,
+        item_timeout_s: float,
+        *,
+        initializer: Callable[[], None] | None = None,
+        chunk_size: int = 32,
+        memory_limit_mb: int | None = None,
+        preload_modules: Sequence[str] = (),
+    ):
+        if num_workers < 1 or item_timeout_s <= 0 or chunk_size < 1:
+            raise ValueError(
+                f"need num_workers >= 1, item_timeout_s > 0, chunk_size >= 1; got "
+                f"{num_workers=}, {item_timeout_s=}, {chunk_size=}"
+            )
+        self.fn = fn
+        self.num_workers = num_workers
+        self.item_timeout_s = item_timeout_s
+        self.chunk_size = chunk_size
+        self.initializer = initializer
+        self.memory_limit_mb = memory_limit_mb
+        self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
+        self._ctx = mp.get_context("forkserver")
+        # Preloading makes each fork start with fn's module imported. It only takes effect if this
+        # process has not started its forkserver yet; otherwise workers import on first use.
+        self._ctx.set_forkserver_preload([fn.__module__, *preload_modules])
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._closed = False
+        with self._lock:
+            self._workers = [self._start_worker() for _ in range(num_workers)]
+
+    def map(self, items: Sequence[Any]) -> list[ItemResult]:
+        """Runs fn on every item; results come back in item order."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KillablePool is closed")
+            return self._map_locked(items)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for worker in self._workers:
+                worker.stop()
+            self._workers = []
+
+    def __enter__(self) -> KillablePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main,
+            args=(child_conn, self.fn, self.initializer, self.memory_limit_mb),
+            daemon=True,
+            name="orz-reward-worker",
+        )
+        process.start()
+        child_conn.close()
+        return _Worker(process, parent_conn)
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop(kill=True)
+        self._workers[slot] = self._start_worker()
+        self.restarts += 1
+
+    def _map_locked(self, items: Sequence[Any]) -> list[ItemResult]:
+        results: list[ItemResult | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        crashes_seen: dict[int, int] = {}
+        startup_failures = 0
+        remaining = len(items)
+
+        def requeue(indices: Sequence[int]) -> None:
+            pending.extendleft(reversed(indices))
+
+        while remaining:
+            # Hand out chunks to idle workers; chunks shrink near the end so workers finish together.
+            for worker in self._workers:
+                if worker.ready and not worker.in_flight and pending:
+                    size = max(1, min(self.chunk_size, len(pending) // (2 * self.num_workers)))
+                    chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+                    worker.send(chunk, [items[i] for i in chunk], self.item_timeout_s)
+
+            now = time.monotonic()
+            deadlines = [w.deadline for w in self._workers if w.in_flight]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else self.item_timeout_s
+            waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+            ready = set(mp_connection.wait(waitables, timeout=wait_s))
+
+            for slot, worker in enumerate(self._workers):
+                died = False
+                if worker.conn in ready:
+                    try:
+                        while worker.conn.poll():
+                            message = worker.conn.recv()
+                            if message == "ready":
+                                worker.ready = True
+                                startup_failures = 0
+                                continue
+                            index, status, value, seconds = message
+                            results[index] = ItemResult(status, value, seconds)
+                            remaining -= 1
+                            worker.finish_one(self.item_timeout_s)
+                    except (EOFError, OSError):
+                        died = True
+                died = died or worker.process.sentinel in ready and not worker.conn.poll()
+                if died:
+                    if not worker.ready:
+                        startup_failures += 1
+                        if startup_failures >= _STARTUP_FAILURES_ALLOWED:
+                            raise RuntimeError(
+                                f"reward workers die before they are ready (exit code "
+                                f"{worker.process.exitcode}); is fn's module importable in a fresh "
+                                f"process, and does the main script have an `if __name__ == "
+                                f'"__main__":` guard?'
+                            )
+                    if worker.in_flight:
+                        current, *rest = worker.in_flight
+                        crashes_seen[current] = crashes_seen.get(current, 0) + 1
+                        if crashes_seen[current] > 1:
+                            results[current] = ItemResult("crash", f"worker exit code {worker.process.exitcode}")
+                            remaining -= 1
+                        else:
+                            rest = [current, *rest]
+                        requeue(rest)
+                        worker.in_flight = []
+                    self._replace(slot)
+                elif worker.in_flight and time.monotonic() >= worker.deadline:
+                    current, *rest = worker.in_flight
+                    results[current] = ItemResult("timeout", None, self.item_timeout_s)
+                    remaining -= 1
+                    requeue(rest)
+                    worker.in_flight = []
+                    self._replace(slot)
+        return results  # type: ignore[return-value]
+
+
+class _Worker:
+    """The parent's view of one worker: its process, pipe, and the items it holds in order."""
+
+    def __init__(self, process: mp.process.BaseProcess, conn: mp_connection.Connection):
+        self.process = process
+        self.conn = conn
+        self.ready = False
+        self.in_flight: list[int] = []
+        self.deadline = float("inf")
+
+    def send(self, indices: list[int], chunk_items: list[Any], timeout_s: float) -> None:
+        self.in_flight = list(indices)
+        self.deadline = time.monotonic() + timeout_s
+        self.conn.send(list(zip(indices, chunk_items)))
+
+    def finish_one(self, timeout_s: float) -> None:
+        self.in_flight.pop(0)
+        self.deadline = time.monotonic() + timeout_s if self.in_flight else float("inf")
+
+    def stop(self, kill: bool = False) -> None:
+        if not kill and self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                kill = True
+            self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+def _worker_main(
+    conn: mp_connection.Connection,
+    fn: Callable[[Any], Any],
+    initializer: Callable[[], None] | None,
+    memory_limit_mb: int | None,
+) -> None:
+    """Worker loop: set up, say "ready", then answer item by item until told to stop."""
+    # Die with the forkserver (and so with the pool's process), even when stuck in C code.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    if memory_limit_mb is not None:
+        limit = memory_limit_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if initializer is not None:
+        initializer()
+    conn.send("ready")
+    while (chunk := conn.recv()) is not None:
+        for index, item in chunk:
+            start = time.monotonic()
+            try:
+                status, value = "ok", fn(item)
+            except BaseException as error:  # MemoryError and RecursionError included
+                status, value = "error", f"{type(error).__name__}: {error}"[:500]
+            conn.send((index, status, value, time.monotonic() - start))
