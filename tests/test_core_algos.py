@@ -414,13 +414,13 @@ def test_policy_loss_clipping_bounds_and_zero_gradient_outside_the_trust_region(
     advantages = torch.tensor([[advantage]])
     loss, _ = ca.policy_loss(torch.zeros(1, 1), logprob, advantages, torch.ones(1, 1), low, high, dual_clip=c)
     gradient, = torch.autograd.grad(loss, logprob)
-    ratio = math.exp(log_ratio)
+    loss, ratio = float(loss.detach()), math.exp(log_ratio)
     if advantage > 0:
-        assert float(loss) >= -advantage * (1 + high) - 1e-5  # the gain per token is bounded
+        assert loss >= -advantage * (1 + high) - 1e-5  # the gain per token is bounded
         if ratio > 1 + high + 1e-6:
             assert float(gradient) == 0
     if advantage < 0:
-        assert float(loss) <= -advantage * c + 1e-5  # dual clip caps the loss
+        assert loss <= -advantage * c + 1e-5  # dual clip caps the loss
         if ratio < 1 - low - 1e-6 or ratio > c + 1e-6:
             assert float(gradient) == 0
     if abs(advantage) > 1e-3 and 1 - low + 1e-6 < ratio < 1 + high - 1e-6:

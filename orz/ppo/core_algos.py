@@ -137,6 +137,14 @@ def _masked_mean(x: Tensor, real: Tensor) -> Tensor:
     return torch.where(real, x, 0.0).sum() / real.sum().clamp_min(1)
 
 
+def _masked_extreme(x: Tensor, real: Tensor, largest: bool) -> Tensor:
+    """Max (or min) of ``x`` over real tokens; 0 when there are none."""
+    fill = -math.inf if largest else math.inf
+    candidates = torch.cat([torch.where(real, x, fill).flatten(), x.new_full((1,), fill)])
+    extreme = candidates.max() if largest else candidates.min()
+    return torch.where(real.any(), extreme, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Groups: responses to the same prompt share a group_index.
 
@@ -629,13 +637,12 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
         metrics["actor/is_weight_mean"] = _masked_mean(is_weights, real)
 
     loss = aggregate(per_token, real, agg, norm_len, denominator)
-    has_real = real.any()
     metrics |= {
         "actor/pg_loss": loss,
         "actor/approx_kl": _masked_mean(ratio - 1 - log_ratio, real),
         "actor/ratio_mean": _masked_mean(ratio, real),
-        "actor/ratio_min": torch.where(has_real, torch.where(real, ratio, math.inf).min(), 0.0),
-        "actor/ratio_max": torch.where(has_real, torch.where(real, ratio, -math.inf).max(), 0.0),
+        "actor/ratio_min": _masked_extreme(ratio, real, largest=False),
+        "actor/ratio_max": _masked_extreme(ratio, real, largest=True),
     }
     return loss, {key: value.detach() for key, value in metrics.items()}
 

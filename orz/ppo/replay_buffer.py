@@ -124,9 +124,9 @@ class Experience:
 
     def trim(self) -> Experience:
         """Drop padding columns: S down to the longest sequence, T down to the last loss token."""
-        sequence_width = max(1, int(self.sequence_lengths().max()))
+        sequence_width = max(self.sequence_lengths().tolist(), default=1)
         positions = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
-        response_width = max(1, int((positions * self.response_mask.bool()).max()))
+        response_width = max((positions * self.response_mask.bool()).amax(dim=1).tolist(), default=1)
         widths = {"BS": sequence_width, "BT": response_width}
         return self._map(lambda dims, value: value[:, :widths[dims]] if dims in widths else value)
 
@@ -314,7 +314,7 @@ class MiniBatch:
             bins = torch.arange(self.experience.batch_size).split(size)
         else:
             bins = _first_fit_decreasing(self.experience.sequence_lengths().tolist(), max_tokens)
-        return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators) for rows in bins]
+        return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators) for rows in bins if len(rows)]
 
 
 class ReplayBuffer:
