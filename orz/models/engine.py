@@ -1,0 +1,217 @@
+"""A Megatron model on this rank: HF weights in and out, pipelined forward, optimizer steps.
+
+Knows nothing of RL: callers pass micro-batches and a per-micro-batch loss. Every rank of the
+role's world calls the same methods with the same micro-batches (TP/PP ranks need the token
+positions; the last stage computes the loss).
+
+Loss convention: `calculate_per_token_loss` is on and the caller's loss for a micro-batch is
+already divided by the global normaliser of its mini-batch (e.g. its real tokens across all
+micro-batches and DP ranks). Megatron then neither divides by the number of micro-batches nor
+averages over DP (it sums), so accumulated gradients are exactly those of the whole mini-batch.
+"""
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from orz.models.arch import ModelArch, ModelConfigError
+from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
+from orz.models.checkpoint import HFCheckpoint
+from orz.models.convert import OUTPUT, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
+
+# A per-micro-batch loss: (model output of the last stage, micro-batch) -> (loss, metrics)
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm
+    use_distributed_optimizer: bool = False  # ZeRO-1 over DP; GPU only (untested on CPU)
+
+
+def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
+    return Layout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        padded_vocab=padded_vocab,
+        te=use_transformer_engine(),
+        critic=critic,
+    )
+
+
+class ModelEngine:
+    """One rank's stage of an actor or critic, wrapped in Megatron DDP, with its optimizer."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        critic: bool = False,
+        optim: OptimConfig | None = None,
+        dtype: torch.dtype | None = None,
+        recompute: bool = False,
+        make_vocab_size_divisible_by: int = 1,
+    ):
+        tp = ps.get_tensor_model_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        self.arch = arch
+        self.config = transformer_config(arch, tp, pp, dtype, recompute)
+        self.config.calculate_per_token_loss = True
+        build = build_critic if critic else build_actor
+        module = build(arch, self.config, make_vocab_size_divisible_by)
+        self.padded_vocab = arch.padded_vocab_size(tp, make_vocab_size_divisible_by)
+        self.layout = rank_layout(arch, critic, self.padded_vocab)
+        self.module = module
+        self.optimizer = None
+        if optim is not None:
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+            )
+            self.model = DistributedDataParallel(self.config, ddp_config, module)
+            self.config.no_sync_func = self.model.no_sync
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=optim.lr,
+                    min_lr=optim.min_lr,
+                    weight_decay=optim.weight_decay,
+                    adam_beta1=optim.adam_beta1,
+                    adam_beta2=optim.adam_beta2,
+                    adam_eps=optim.adam_eps,
+                    clip_grad=optim.clip_grad,
+                    bf16=self.config.bf16,
+                    params_dtype=self.config.params_dtype,
+                    use_distributed_optimizer=optim.use_distributed_optimizer,
+                ),
+                [self.model],
+            )
+        else:
+            self.model = module
+
+    # ---- weights -------------------------------------------------------------------------
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by Megatron name (no TE `_extra_state`)."""
+        return {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+
+    def load_hf(self, ckpt: HFCheckpoint) -> None:
+        """Copies this rank's shard of an HF checkpoint into the model (the critic's value head
+        keeps its initialisation)."""
+        expected = hf_to_megatron(ckpt.get, self.arch, self.layout)
+        own = self.local_state()
+        trainable = {r.megatron for r in param_rules(self.arch, self.layout)}
+        missing = trainable - own.keys()
+        if missing:
+            raise ModelConfigError(f"{ckpt.dir}: model has no parameters {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, tensor in expected.items():
+                if own[name].shape != tensor.shape:
+                    raise ModelConfigError(
+                        f"{ckpt.dir}: {name} has shape {tuple(tensor.shape)} for this rank, "
+                        f"model expects {tuple(own[name].shape)}"
+                    )
+                own[name].copy_(tensor)
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state, strict=False)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """All HF tensors of the model, gathered over TP and PP, yielded on the role's first rank.
+
+        A collective: every rank of the role must exhaust the generator (the others yield
+        nothing). Streams parameter by parameter, so the full model is never held twice.
+        """
+        if ps.get_data_parallel_rank() != 0:
+            return  # DP replicas hold the same weights
+        tp, pp = self.layout.tp, self.layout.pp
+        tp_rank, my_stage = self.layout.tp_rank, self.layout.pp_rank
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        own = self.local_state()
+        for stage in range(pp):
+            for rule in param_rules(self.arch, replace(self.layout, tp_rank=0, pp_rank=stage)):
+                if rule.megatron == OUTPUT and self.arch.tie_word_embeddings:
+                    continue  # the last stage's copy of the tied embedding
+                hf = None
+                if my_stage == stage:
+                    local = own[rule.megatron].contiguous()
+                    shards = [local]
+                    if tp > 1:
+                        shards = [torch.empty_like(local) for _ in range(tp)]
+                        dist.all_gather(shards, local, group=tp_group)
+                    hf = to_hf(rule, shards, self.arch)
+                if stage > 0 and tp_rank == 0:
+                    if my_stage == stage:
+                        for tensor in hf:
+                            dist.send(tensor.contiguous(), group_dst=0, group=pp_group)
+                    elif my_stage == 0:
+                        hf = [torch.empty(hf_shape(n, self.arch), dtype=self.config.params_dtype) for n in rule.hf]
+                        for tensor in hf:
+                            dist.recv(tensor, group_src=stage, group=pp_group)
+                if my_stage == 0 and tp_rank == 0:
+                    yield from zip(rule.hf, hf)
+
+    # ---- compute -------------------------------------------------------------------------
+    def run(
+        self,
+        microbatches: list[dict],
+        loss_fn: LossFn | None = None,
+        forward_only: bool = True,
+        collect: Callable[[torch.Tensor, dict], object] | None = None,
+    ) -> list:
+        """Runs micro-batches through the pipeline.
+
+        Each micro-batch has `input_ids` and `position_ids` (B, S). With `collect`, returns
+        collect(output, micro-batch) per micro-batch on the last stage ([] elsewhere); with
+        `loss_fn`, returns its metrics dicts (last stage) and, unless forward_only, accumulates
+        gradients.
+        """
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["input_ids"], batch["position_ids"], None)
+            if collect is not None:
+                return output, lambda out, non_loss_data=False: collect(out, batch)
+            return output, partial(_loss_with_count, loss_fn, batch)
+
+        seq_length = microbatches[0]["input_ids"].shape[1]
+        if any(mb["input_ids"].shape[1] != seq_length for mb in microbatches) and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("with pipeline parallelism all micro-batches must share one sequence length")
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[self.model],
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=microbatches[0]["input_ids"].shape[0],
+            forward_only=forward_only,
+            collect_non_loss_data=collect is not None,
+        )
+
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn) -> dict:
+        """One optimizer step over a mini-batch given as micro-batches (gradient accumulation)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.model.train()
+        metrics = self.run(microbatches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        return {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+
+
+def _loss_with_count(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+    loss, metrics = loss_fn(output, batch)
+    # The count is only used by Megatron for logging-free bookkeeping: our loss is pre-normalised.
+    return loss, torch.tensor(1, dtype=torch.int), metrics

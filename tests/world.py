@@ -1,0 +1,60 @@
+"""Runs a function on every rank of a fresh torch.distributed world (spawned processes, gloo).
+
+    results = run_world(fn, 4, arg)   # fn(rank, world_size, arg) on ranks 0..3; their returns
+"""
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, out_dir, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": result}, Path(out_dir) / f"{rank}.pt")
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"{rank}.pt")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+    """Returns fn's result on each rank; raises with every failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = {}
+        for r in range(world_size):
+            path = Path(out_dir) / f"{r}.pt"
+            results[r] = torch.load(path, weights_only=False) if path.exists() else {"error": "no result (crashed)"}
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    if hung or errors:
+        raise RuntimeError(f"hung ranks {hung}; errors: " + "\n".join(f"[rank {r}] {e}" for r, e in errors.items()))
+    return [results[r]["ok"] for r in range(world_size)]
