@@ -14,7 +14,7 @@ Conventions, true of every function here:
 - Bad input raises ``ValueError`` naming the argument: a shape that does not match, a mask holding
   anything but 0 and 1, NaN or inf at a real token, an unknown kind, mode or estimator name.
 
-Algorithms are picked by name from three registries, so the trainer never branches on names:
+Algorithms are picked by name from four registries, so the trainer never branches on names:
 ``ADVANTAGE_ESTIMATORS`` (via ``estimate_advantages``), ``POLICY_LOSSES``, ``AGGREGATIONS`` (loss
 aggregation modes) and ``KL_PENALTIES`` (KL estimator kinds).
 
@@ -256,8 +256,13 @@ def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float 
     rewards, mask: (B, T); rewards usually hold the score on the last token minus β·KL per token.
     Returns (B, T).
     """
+    return whiten(_returns_to_go(rewards, mask, gamma), mask)
+
+
+def _returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Gₜ = Σ_{s≥t} γ^(s−t) r_s over real tokens: GAE with V = 0 and λ = 1."""
     returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=gamma, lam=1.0)
-    return whiten(returns_to_go, mask)
+    return returns_to_go
 
 
 @torch.no_grad()
@@ -266,8 +271,9 @@ def compute_orz_grpo_advantages(scores: Tensor, group_index: Tensor, mask: Tenso
 
     ORZ's trainer subtracts the group mean, then means to divide by the group std but writes
     ``if std := np.std(...) > 0: score /= std``, which binds ``std`` to the boolean ``True``: the
-    division is by 1. The centred score is put on the last token, γ = λ = 1 spreads it over every
-    token, and the buffer whitens advantages over all real tokens. So, reproduced here on purpose:
+    division is by 1. The centred score is the reward on the last token; with no critic and
+    γ = λ = 1 every token of the response gets it as its advantage, and ORZ's advantage
+    normalisation then whitens over all real tokens of the buffer. Reproduced here on purpose:
 
         Aᵢₜ = whiten(sᵢ − mean_g s) over the real tokens of the batch      (no per-group std)
 
@@ -362,8 +368,7 @@ def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 
 @register_advantage_estimator("reinforce_pp")
 def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    token_rewards = inputs.require("token_rewards", "reinforce_pp")
-    returns_to_go, _ = compute_gae(token_rewards, torch.zeros_like(token_rewards), inputs.mask, inputs.gamma, 1.0)
+    returns_to_go = _returns_to_go(inputs.require("token_rewards", "reinforce_pp"), inputs.mask, inputs.gamma)
     return whiten(returns_to_go, inputs.mask), returns_to_go
 
 
@@ -501,6 +506,14 @@ class _Aggregation:
     denominator: Callable[[Tensor, int], Tensor]    # (real, norm_len) → D, 0-d
 
 
+def _every_token(real: Tensor) -> Tensor:
+    return real.float()
+
+
+def _per_sequence_mean_weight(real: Tensor) -> Tensor:
+    return real / real.sum(dim=1, keepdim=True).clamp_min(1)
+
+
 def _num_tokens(real: Tensor, norm_len: int) -> Tensor:
     return real.sum().float()
 
@@ -509,15 +522,14 @@ def _num_sequences(real: Tensor, norm_len: int) -> Tensor:
     return real.any(dim=1).sum().float()
 
 
-def _per_sequence_mean_weight(real: Tensor) -> Tensor:
-    return real / real.sum(dim=1, keepdim=True).clamp_min(1)
+def _num_sequences_times_norm_len(real: Tensor, norm_len: int) -> Tensor:
+    return _num_sequences(real, norm_len) * norm_len
 
 
-AGGREGATIONS.add("token-mean", _Aggregation(lambda real: real.float(), _num_tokens))
+AGGREGATIONS.add("token-mean", _Aggregation(_every_token, _num_tokens))
 AGGREGATIONS.add("seq-mean-token-mean", _Aggregation(_per_sequence_mean_weight, _num_sequences))
-AGGREGATIONS.add("seq-mean-token-sum", _Aggregation(lambda real: real.float(), _num_sequences))
-AGGREGATIONS.add("seq-mean-token-sum-norm",
-                 _Aggregation(lambda real: real.float(), lambda real, norm_len: _num_sequences(real, 0) * norm_len))
+AGGREGATIONS.add("seq-mean-token-sum", _Aggregation(_every_token, _num_sequences))
+AGGREGATIONS.add("seq-mean-token-sum-norm", _Aggregation(_every_token, _num_sequences_times_norm_len))
 
 
 def aggregate_denominator(mask: Tensor, mode: str, norm_len: int | None = None) -> Tensor:
