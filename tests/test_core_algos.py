@@ -195,12 +195,13 @@ def test_every_estimator_has_the_trainers_call_shape(name):
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
     token_rewards = ca.reward_on_last_token(scores, mask)
+    groups = torch.tensor([0, 0, 1, 1])
     advantages, returns = ca.estimate_advantages(name, mask=mask, token_rewards=token_rewards, scores=scores,
-                                                 values=torch.full((4, 3), 0.25), group_index=torch.tensor([0, 0, 1, 1]))
+                                                 values=torch.full((4, 3), 0.25), group_index=groups)
     assert advantages.shape == returns.shape == (4, 3) and advantages.dtype == torch.float32
     assert (advantages[mask == 0] == 0).all() and (returns[mask == 0] == 0).all()
     if name == "grpo":  # per-sample values broadcast over each row's real tokens
-        per_sample = ca.compute_grpo_advantages(scores, torch.tensor([0, 0, 1, 1]))
+        per_sample = ca.compute_grpo_advantages(scores, groups)
         close(advantages, per_sample[:, None] * mask)
     assert ca.ADVANTAGE_ESTIMATORS.get(name).needs_critic == (name == "gae")
 

@@ -278,7 +278,8 @@ class MicroBatch:
 
     def denominator(self, mode: str) -> Tensor:
         """D for ``aggregate(..., mode, denominator=D)``; the sum over micro-batches is the mini-batch loss."""
-        AGGREGATIONS.get(mode)
+        if mode not in self.loss_denominators:
+            raise ValueError(f"unknown aggregation mode {mode!r}; valid: {', '.join(sorted(self.loss_denominators))}")
         return self.loss_denominators[mode]
 
 
