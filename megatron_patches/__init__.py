@@ -14,6 +14,7 @@ import torch
 
 PATCHES = {}  # name -> function that installs it; filled by @_patch in definition order
 _applied: list[str] = []
+_skipped: set[str] = set()  # tests leave a patch out to show it is still needed
 
 
 def _patch(fn):
@@ -179,11 +180,13 @@ def tied_embedding_init():
 
 
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
-    """Installs every patch (except `skip`, for tests) once; returns the names applied."""
+    """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
+    out for the rest of the process."""
     if torch.cuda.is_available():
         return []
+    _skipped.update(skip)
     for name, install in PATCHES.items():
-        if name not in skip and name not in _applied:
+        if name not in _skipped and name not in _applied:
             install()
             _applied.append(name)
     return list(_applied)
