@@ -18,6 +18,8 @@ import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.forkserver as mp_forkserver
+import os
 import resource
 import signal
 import threading
@@ -232,8 +234,14 @@ def _worker_main(
     memory_limit_mb: int | None,
 ) -> None:
     """Worker loop: set up, say "ready", then answer item by item until told to stop."""
-    # Die with the forkserver (and so with the pool's process), even when stuck in C code.
+    # Die with the forkserver, even when stuck in C code. The forkserver exits once every holder of
+    # its "alive" pipe is gone; forked children inherit one end, so drop it here, or a worker would
+    # keep the forkserver (and so itself) alive after the pool's process dies.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    alive_fd = getattr(mp_forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        mp_forkserver._forkserver._forkserver_alive_fd = None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     if memory_limit_mb is not None:
         limit = memory_limit_mb * 2**20

@@ -1,0 +1,1 @@
+"""Prompt data: datasets, templates, tokenizers, synthetic tasks and resumable sampling."""
