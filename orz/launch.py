@@ -1,6 +1,9 @@
-"""Runs a function on every rank of a fresh torch.distributed world (spawned processes, gloo).
+"""Runs a function on every rank of a fresh torch.distributed world of spawned local processes.
 
     results = run_world(fn, 4, arg)   # fn(rank, world_size, arg) on ranks 0..3; their returns
+
+Used by `python -m orz.convert verify` and by the multi-rank tests. The ranks find each other
+through MASTER_ADDR/MASTER_PORT on loopback; `init_model_parallel` then joins them.
 """
 import multiprocessing as mp
 import os

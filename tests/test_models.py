@@ -1,7 +1,7 @@
 """Megatron actor/critic against transformers, for TP/PP in {1, 2}², and one training step."""
 import pytest
 import torch
-from world import run_world
+from orz.launch import run_world
 
 from orz.models.tiny import make_tiny_hf
 

@@ -21,7 +21,8 @@ from orz.models.convert import Layout
 INDEX = "model.safetensors.index.json"
 MEGATRON_META = "orz_megatron.json"
 # Files of an HF directory that are not weights: carried over on export (tokenizer etc.).
-_NOT_WEIGHTS = (".safetensors", INDEX, "config.json", ".bin", ".pt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_REWRITTEN = ("config.json", INDEX)
 
 
 class HFCheckpoint:
@@ -106,7 +107,7 @@ def save_hf(
     with atomic_dir(out_dir) as tmp:
         if extra_files_from is not None:
             for src in Path(extra_files_from).iterdir():
-                if src.is_file() and not src.name.endswith(_NOT_WEIGHTS):
+                if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
                     shutil.copy2(src, tmp / src.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if len(shards) == 1:

@@ -1,0 +1,138 @@
+"""Checkpoint conversion between HF directories and orz's Megatron layout, for any TP and PP.
+
+    python -m orz.convert hf2mcore --hf Qwen2.5-7B --out ckpt/mcore --tp 4 --pp 2
+    python -m orz.convert mcore2hf --mcore ckpt/mcore --out ckpt/hf [--like Qwen2.5-7B]
+    python -m orz.convert verify --hf Qwen2.5-7B --tp 2 --pp 2     # one JSON line
+
+A Megatron directory holds `mp_rank_TT_PPP/model.safetensors` per rank and `orz_megatron.json`
+(the HF config, TP, PP, padded vocabulary). Offline conversion needs no distributed setup.
+`verify` starts TP×PP local processes, loads the HF weights into Megatron, and reports the
+largest absolute logit difference against the transformers forward on the same tokens.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from orz.models.arch import ModelConfigError
+from orz.models.checkpoint import (
+    MEGATRON_META,
+    HFCheckpoint,
+    atomic_dir,
+    load_rank_state,
+    megatron_meta,
+    rank_file,
+    read_megatron_meta,
+    save_hf,
+)
+from orz.models.convert import Layout, hf_to_megatron, megatron_to_hf
+
+
+def hf2mcore(hf_dir: str, out_dir: str, tp: int, pp: int, vocab_divisible_by: int = 1) -> Path:
+    ckpt = HFCheckpoint(hf_dir)
+    ckpt.arch.check_parallel(tp, pp)
+    padded = ckpt.arch.padded_vocab_size(tp, vocab_divisible_by)
+    with atomic_dir(out_dir) as tmp:
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                layout = Layout(tp, pp, tp_rank, pp_rank, padded)
+                state = hf_to_megatron(ckpt.get, ckpt.arch, layout)
+                (tmp / rank_file(layout)).parent.mkdir(parents=True)
+                save_file(state, tmp / rank_file(layout), metadata={"format": "pt"})
+        (tmp / MEGATRON_META).write_text(json.dumps(megatron_meta(ckpt.config, Layout(tp, pp, padded_vocab=padded)), indent=2))
+    return Path(out_dir)
+
+
+def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
+    """Writes a complete HF directory; `like` (an HF dir) supplies tokenizer and other files."""
+    config, arch, layout = read_megatron_meta(mcore_dir)
+    cache = {}
+
+    def shards(tp_rank, pp_rank):
+        key = (tp_rank, pp_rank)
+        if key not in cache:
+            cache.clear()  # one stage at a time: never hold the whole model twice
+            cache[key] = load_rank_state(mcore_dir, Layout(layout.tp, layout.pp, tp_rank, pp_rank, layout.padded_vocab))
+        return cache[key]
+
+    return save_hf(out_dir, megatron_to_hf(shards, arch, layout), config, extra_files_from=like)
+
+
+def _verify_rank(rank, world, hf_dir, tp, pp, tokens):
+    from megatron.core import parallel_state as ps
+
+    from orz.models.engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel(tp, pp)
+    ckpt = HFCheckpoint(hf_dir)
+    engine = ModelEngine(ckpt.arch)
+    engine.load_hf(ckpt)
+
+    def gather(output, batch):
+        shards = [torch.empty_like(output) for _ in range(tp)]
+        torch.distributed.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(shards, dim=-1)[..., : ckpt.arch.vocab_size]
+
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    out = engine.run([{"input_ids": tokens, "position_ids": positions}], collect=gather)
+    return out[0] if out else None
+
+
+def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from orz.launch import run_world
+
+    ckpt = HFCheckpoint(hf_dir)
+    ckpt.arch.check_parallel(tp, pp)
+    tokens = torch.randint(0, ckpt.arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    start = time.time()
+    ranks = run_world(_verify_rank, tp * pp, hf_dir, tp, pp, tokens)
+    logits = next(r for r in ranks if r is not None)
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=logits.dtype)(tokens).logits
+    return {
+        "hf": str(hf_dir), "tp": tp, "pp": pp, "tokens": list(tokens.shape), "dtype": str(logits.dtype),
+        "max_abs_logit_diff": (logits.float() - reference.float()).abs().max().item(),
+        "seconds": round(time.time() - start, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orz.convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("hf2mcore", help="HF directory -> Megatron shards")
+    p.add_argument("--hf", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vocab-divisible-by", type=int, default=1, help="pad vocab to a multiple of this × TP")
+    p = sub.add_parser("mcore2hf", help="Megatron shards -> HF directory")
+    p.add_argument("--mcore", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--like", help="HF directory to copy tokenizer files from")
+    p = sub.add_parser("verify", help="logits of Megatron(TP, PP) vs transformers, as JSON")
+    p.add_argument("--hf", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf2mcore":
+            print(hf2mcore(args.hf, args.out, args.tp, args.pp, args.vocab_divisible_by))
+        elif args.command == "mcore2hf":
+            print(mcore2hf(args.mcore, args.out, args.like))
+        else:
+            print(json.dumps(verify(args.hf, args.tp, args.pp)))
+    except ModelConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

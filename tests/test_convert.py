@@ -1,0 +1,129 @@
+"""HF <-> Megatron conversion: bit-exact round trips, the CLI, and clear errors on bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from orz.convert import hf2mcore, main, mcore2hf
+from orz.models.arch import ModelConfigError, read_arch
+from orz.models.checkpoint import HFCheckpoint, save_hf
+from orz.models.tiny import make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_tiny_hf(tmp_path_factory.mktemp("llama"), vocab_size=101)
+    (path / "tokenizer_config.json").write_text("{}")  # stands in for tokenizer files
+    return path
+
+
+def _all_tensors(path):
+    ckpt = HFCheckpoint(path)
+    return {k: ckpt.get(k) for k in ckpt.keys()}
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+def test_round_trip_tp2_pp2_is_bit_exact(tmp_path, family, tied):
+    src = make_tiny_hf(tmp_path / "hf", family=family, vocab_size=101, tie_word_embeddings=tied)
+    hf2mcore(str(src), str(tmp_path / "mcore"), tp=2, pp=2, vocab_divisible_by=8)
+    assert sorted(p.parent.name for p in (tmp_path / "mcore").glob("mp_rank_*/model.safetensors")) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001",
+    ]
+    emb = load_file(tmp_path / "mcore/mp_rank_01_000/model.safetensors")["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 112 // 2  # 101 padded to a multiple of 8 × TP
+    mcore2hf(str(tmp_path / "mcore"), str(tmp_path / "back"), like=str(src))
+    original, back = load_file(src / "model.safetensors"), load_file(tmp_path / "back/model.safetensors")
+    assert original.keys() == back.keys()
+    for key in original:
+        assert torch.equal(original[key], back[key]), key
+    assert json.loads((tmp_path / "back/config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_sharded_hf_input_and_output_load_in_transformers(tmp_path, llama):
+    from transformers import AutoModelForCausalLM
+
+    tensors = _all_tensors(llama)
+    config = json.loads((llama / "config.json").read_text())
+    save_hf(tmp_path / "sharded", tensors.items(), config, extra_files_from=llama, max_shard_bytes=100_000)
+    assert (tmp_path / "sharded/model.safetensors.index.json").is_file()
+    hf2mcore(str(tmp_path / "sharded"), str(tmp_path / "mcore"), tp=2, pp=1)
+    mcore2hf(str(tmp_path / "mcore"), str(tmp_path / "back"), like=str(llama))
+    assert (tmp_path / "back/tokenizer_config.json").is_file()
+    tokens = torch.randint(0, 101, (2, 7))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(llama)(tokens).logits
+        out = AutoModelForCausalLM.from_pretrained(tmp_path / "back")(tokens).logits
+    assert torch.equal(ref, out)
+
+
+def test_cli_verify_reports_logit_difference(llama):
+    out = subprocess.run(
+        [sys.executable, "-m", "orz.convert", "verify", "--hf", str(llama), "--tp", "2", "--pp", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["tp"] == 2 and report["max_abs_logit_diff"] < 1e-4
+
+
+def _bad(tmp_path, llama, edit):
+    bad = tmp_path / "bad"
+    shutil.copytree(llama, bad)
+    edit(bad)
+    return bad
+
+
+def _set(field, value):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        if value is None:
+            cfg.pop(field)
+        else:
+            cfg[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,tp,pp,message",
+    [
+        (lambda d: (d / "config.json").unlink(), 1, 1, r"config.json: missing"),
+        (lambda d: (d / "config.json").write_text("{not json"), 1, 1, r"config.json: not valid JSON"),
+        (_set("architectures", ["MistralForCausalLM"]), 1, 1, r"config.json: field 'architectures'.*not supported"),
+        (_set("hidden_size", None), 1, 1, r"config.json: missing field 'hidden_size'"),
+        (_set("num_attention_heads", "four"), 1, 1, r"field 'num_attention_heads' must be a number"),
+        (_set("rope_parameters", {"rope_type": "yarn", "factor": 4}), 1, 1, r"rope_parameters.*only default RoPE"),
+        (lambda d: (d / "model.safetensors").unlink(), 1, 1, r"no model.safetensors"),
+        (lambda d: None, 3, 1, r"tp=3 does not divide num_attention_heads=4"),
+        (lambda d: None, 1, 3, r"pp=3 does not divide num_hidden_layers=4"),
+    ],
+)
+def test_bad_input_names_file_and_field(tmp_path, llama, edit, tp, pp, message, capsys):
+    bad = _bad(tmp_path, llama, edit)
+    code = main(["hf2mcore", "--hf", str(bad), "--out", str(tmp_path / "out"), "--tp", str(tp), "--pp", str(pp)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and "Traceback" not in err
+    import re
+
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_missing_tensor_is_named(tmp_path, llama):
+    tensors = _all_tensors(llama)
+    tensors.pop("model.layers.2.mlp.up_proj.weight")
+    save_hf(tmp_path / "partial", tensors.items(), json.loads((llama / "config.json").read_text()))
+    with pytest.raises(ModelConfigError, match=r"partial: tensor 'model.layers.2.mlp.up_proj.weight' is missing"):
+        hf2mcore(str(tmp_path / "partial"), str(tmp_path / "out"), tp=1, pp=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(ModelConfigError, match="not a directory"):
+        read_arch(tmp_path / "nope")
