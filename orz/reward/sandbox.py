@@ -1,0 +1,390 @@
+"""Runs an untrusted program (a model's Python solution) under limits and isolation, leaving
+nothing behind.
+
+    sandbox = Sandbox(SandboxLimits(wall_s=5))
+    result = sandbox.run([sandbox.python, "-I", "main.py"], {"main.py": code}, stdin="1 2\\n")
+
+Layers; `Sandbox.isolation` records each one, or why it is unavailable here:
+- limits: CPU time, address space, file size (stdout and stderr are files, so output is capped
+  too), open files, processes (setrlimit); wall clock (the parent kills the process group);
+- user: as root, the program runs as a dedicated unprivileged uid, one per concurrent run and
+  locked across processes, so it can write nowhere but its own directory, and RLIMIT_NPROC counts
+  only its own processes (the limit is per uid);
+- namespaces: a new network namespace (nothing reachable, not even the host's loopback), a mount
+  namespace with an empty read-only tmpfs over every world-writable directory and a fresh /proc,
+  and a pid namespace, whose processes the kernel kills together when its first one dies;
+- a private temporary directory owned by that uid, removed afterwards; a scrubbed environment.
+
+The set-up between fork and exec runs in a launcher: this file executed as a script by a fresh,
+single-threaded interpreter (`python -I -S sandbox.py SPEC`), because `subprocess`'s preexec_fn
+is unsafe in the trainer's threaded process. Only the standard library is imported here.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+_CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_LAUNCH_FAILED = 125  # the launcher's exit code when it cannot set the sandbox up
+_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
+_ROOT_WORKDIRS = "/run/orz-sandbox"  # as root: private directories, and the uid locks beside them
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent", "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_s: float = 10.0  # the parent kills the whole process group past this
+    cpu_s: int = 5  # RLIMIT_CPU: SIGXCPU at this many CPU seconds, SIGKILL one second later
+    memory_mb: int = 1024  # RLIMIT_AS: allocations past this fail (Python raises MemoryError)
+    file_size_mb: int = 16  # RLIMIT_FSIZE: largest file, stdout and stderr included (SIGXFSZ)
+    processes: int = 32  # RLIMIT_NPROC, threads included; counted per uid, hence dedicated uids
+    open_files: int = 64  # RLIMIT_NOFILE
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    returncode: int | None  # None when killed for the wall clock; -N when killed by signal N
+    stdout: str
+    stderr: str
+    timed_out: bool
+    wall_s: float
+
+
+@dataclass
+class _Isolation:
+    """What the sandbox enforces on this machine; `reasons` says why a layer is off."""
+
+    uids: tuple[int, int] | None = None  # [first, last) dedicated uids, or None
+    namespaces: bool = False
+    python: str = sys.executable
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+class Sandbox:
+    """Runs programs in private directories under `limits`; safe to call from many threads."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits = SandboxLimits(),
+        *,
+        uid_range: tuple[int, int] = (3_800_000, 3_804_096),
+        workdir_root: str | None = None,
+        python_candidates: Sequence[str] = (sys.executable, "/usr/bin/python3"),
+    ):
+        self.limits = limits
+        self._isolation = _Isolation(namespaces=True)
+        if os.geteuid() == 0:
+            self._isolation.uids = uid_range
+            # Not under /tmp: the mount namespace hides the world-writable directories.
+            self.workdir_root = workdir_root or _ROOT_WORKDIRS
+            os.makedirs(self.workdir_root, mode=0o711, exist_ok=True)
+        else:
+            self._isolation.reasons["user"] = "not root: cannot switch to a dedicated uid"
+            self.workdir_root = workdir_root or tempfile.gettempdir()
+        self._probe(python_candidates)
+        hidden = [d for d in _WORLD_WRITABLE if _is_within(self.workdir_root, d)]
+        if self._isolation.namespaces and hidden:
+            raise ValueError(f"workdir_root {self.workdir_root} is under {hidden[0]}, which the sandbox hides")
+
+    @property
+    def python(self) -> str:
+        """An interpreter the sandboxed uid can execute (the venv's may sit in an unreadable home)."""
+        return self._isolation.python
+
+    @property
+    def isolation(self) -> dict[str, str]:
+        """Each layer and how it is enforced here, or why not."""
+        iso = self._isolation
+        return {
+            "limits": ", ".join(f"{k}={v}" for k, v in asdict(self.limits).items()),
+            "user": f"dedicated uids {iso.uids[0]}..{iso.uids[1] - 1}" if iso.uids else
+                    f"off: {iso.reasons['user']}",
+            "namespaces": "network, mount (read-only tmpfs over world-writable dirs), pid"
+                          if iso.namespaces else f"off: {iso.reasons['namespaces']}",
+            "python": iso.python,
+        }
+
+    def run(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, str | bytes] = {},
+        stdin: str = "",
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
+        """Runs argv in a fresh private directory holding `files` (relative names)."""
+        limits = limits or self.limits
+        with _UidLease(self._isolation.uids) as uid, tempfile.TemporaryDirectory() as io_dir:
+            workdir = tempfile.mkdtemp(prefix="orz-sandbox-", dir=self.workdir_root)
+            try:
+                for name, content in files.items():
+                    path = os.path.join(workdir, name)
+                    mode = "wb" if isinstance(content, bytes) else "w"
+                    with open(path, mode) as f:
+                        f.write(content)
+                    os.chmod(path, 0o644)
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+                os.chmod(workdir, 0o700)
+                return self._run_in(workdir, io_dir, uid, list(argv), stdin, limits)
+            finally:
+                if uid is not None and not self._isolation.namespaces:
+                    _kill_uid(uid)
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def _run_in(self, workdir, io_dir, uid, argv, stdin, limits) -> SandboxResult:
+        spec = {
+            "argv": argv,
+            "env": _ENV,
+            "uid": uid,
+            "namespaces": self._isolation.namespaces,
+            "hide": [d for d in _WORLD_WRITABLE if os.path.isdir(d)],
+            "rlimits": {
+                "RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1],
+                "RLIMIT_AS": [limits.memory_mb * 2**20] * 2,
+                "RLIMIT_FSIZE": [limits.file_size_mb * 2**20] * 2,
+                "RLIMIT_NOFILE": [limits.open_files] * 2,
+                "RLIMIT_CORE": [0, 0],
+            },
+            "processes": limits.processes,
+        }
+        paths = {name: os.path.join(io_dir, name) for name in ("stdin", "stdout", "stderr")}
+        with open(paths["stdin"], "w") as f:
+            f.write(stdin)
+        start = time.monotonic()
+        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
+                open(paths["stderr"], "wb") as ferr:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)],
+                stdin=fin, stdout=fout, stderr=ferr, cwd=workdir, env={"PATH": _ENV["PATH"]},
+                start_new_session=True,
+            )
+            try:
+                returncode = process.wait(timeout=limits.wall_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                returncode, timed_out = None, True
+            finally:
+                _kill_group(process)
+        cap = limits.file_size_mb * 2**20
+        return SandboxResult(
+            returncode=returncode,
+            stdout=_read(paths["stdout"], cap),
+            stderr=_read(paths["stderr"], cap),
+            timed_out=timed_out,
+            wall_s=time.monotonic() - start,
+        )
+
+    def _probe(self, python_candidates: Sequence[str]) -> None:
+        """Turns off what this machine does not permit, and picks the interpreter."""
+        probe_limits = SandboxLimits(wall_s=30, cpu_s=10)
+        result = self.run(["/bin/sh", "-c", "exit 0"], limits=probe_limits)
+        if result.returncode != 0:
+            self._isolation.namespaces = False
+            self._isolation.reasons["namespaces"] = (result.stderr.strip() or f"exit code {result.returncode}")[:300]
+        failures = []
+        for python in dict.fromkeys(python_candidates):
+            result = self.run([python, "-I", "-c", "print(3)"], limits=probe_limits)
+            if result.returncode == 0 and result.stdout.strip() == "3":
+                self._isolation.python = python
+                return
+            failures.append(f"{python}: {result.stderr.strip()[-200:] or result.returncode}")
+        raise RuntimeError(f"no Python interpreter runs inside the sandbox: {'; '.join(failures)}")
+
+
+class _UidLease:
+    """Holds one uid of the range for one run, locked with flock so that no other run, in this
+    process or another, uses it at the same time. Yields None when uids are off."""
+
+    def __init__(self, uids: tuple[int, int] | None):
+        self.uids = uids
+        self.lock_file = None
+
+    def __enter__(self) -> int | None:
+        if self.uids is None:
+            return None
+        lock_dir = os.path.join(_ROOT_WORKDIRS, "uid-locks")
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        first, last = self.uids
+        offset = random.randrange(last - first)
+        for k in range(last - first):
+            uid = first + (offset + k) % (last - first)
+            lock_file = open(os.path.join(lock_dir, str(uid)), "w")
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock_file.close()
+                continue
+            self.lock_file = lock_file
+            return uid
+        raise RuntimeError(f"all sandbox uids {first}..{last - 1} are in use")
+
+    def __exit__(self, *exc) -> None:
+        if self.lock_file is not None:
+            self.lock_file.close()
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kills the launcher's process group (its session), then reaps the launcher. With a pid
+    namespace the kernel takes every process inside down with the namespace's first process."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _kill_uid(uid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILLs every process of `uid` until none is left (processes that left the session)."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := _pids_of(uid)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _pids_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real uid is `uid`."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(status["Uid"].split()[0]) == uid and not status["State"].strip().startswith("Z"):
+            pids.append(int(name))
+    return pids
+
+
+def _is_within(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def _read(path: str, cap: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(cap).decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher: runs as root (when the parent is) in a fresh interpreter, sets up, then execs.
+
+
+def _launch(spec: dict) -> None:
+    """Host side, as the parent's user: becomes the program, or, with namespaces, enters new ones
+    and waits for their first process, then exits the way the program did."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core files, the launcher's included
+    if not spec["namespaces"]:
+        _become_program(libc, spec)
+    if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID) != 0:
+        _fail(f"unshare: {os.strerror(ctypes.get_errno())}")
+    status_r, status_w = os.pipe()
+    init = os.fork()
+    if init == 0:
+        os.close(status_r)
+        _namespace_init(libc, spec, status_w)
+    os.close(status_w)
+    _, init_status = os.waitpid(init, 0)
+    reported = os.read(status_r, 32)
+    _exit_like(int(reported) if reported else init_status)
+
+
+def _namespace_init(libc, spec: dict, status_w: int) -> None:
+    """Pid 1 of the new namespace: sets up mounts, starts the program, reaps orphans until the
+    program ends, then reports its wait status. Its exit takes the namespace down. The program is
+    not pid 1 itself because pid 1 ignores signals it has no handler for (SIGXCPU included)."""
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    for path in spec["hide"]:
+        flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+        _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, b"size=4k"), f"hide {path}")
+    _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
+    program = os.fork()
+    if program == 0:
+        os.close(status_w)
+        _become_program(libc, spec)
+    while True:
+        pid, status = os.wait()
+        if pid == program:
+            os.write(status_w, str(status).encode())
+            os._exit(0)
+
+
+def _become_program(libc, spec: dict) -> None:
+    """Applies the limits, drops to the sandbox uid and execs the program."""
+    for name, (soft, hard) in spec["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    uid = spec["uid"]
+    if uid is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"],) * 2)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    else:  # RLIMIT_NPROC counts all of this user's processes: allow ours on top of those
+        allowed = _threads_of(os.getuid()) + spec["processes"]
+        resource.setrlimit(resource.RLIMIT_NPROC, (allowed, allowed))
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries cannot give privileges back
+    try:
+        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+    except OSError as error:
+        _fail(f"exec {spec['argv'][0]}: {error}")
+
+
+def _exit_like(status: int) -> None:
+    """Exits with the program's code, or dies of its signal, so the parent sees the same
+    returncode with or without namespaces."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _threads_of(uid: int) -> int:
+    count = 0
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == uid:
+                count += int(status["Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return count
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        _fail(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"sandbox launcher: {message}\n")
+    os._exit(_LAUNCH_FAILED)
+
+
+if __name__ == "__main__":
+    _launch(json.loads(sys.argv[1]))
