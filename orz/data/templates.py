@@ -1,0 +1,78 @@
+"""Prompt templates: ORZ's think-then-answer template for base models, and the tokenizer's own
+chat template for chat models. Both turn a question into the text the policy continues, and say
+how a worked solution ends (for pre-training the tiny models on synthetic tasks).
+
+    template = make_template("think_answer")            # or make_template("chat", tokenizer)
+    text = template.prompt("What is 12 + 30?")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
+TEMPLATE_TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+
+THINK_ANSWER_INSTRUCTION = (
+    "The user gives the assistant a problem. The assistant works it out step by step inside "
+    "<think> </think>, then writes only the final result inside <answer> </answer>, "
+    "like this: <think> steps </think> <answer> result </answer>."
+)
+
+
+def answer_tag_response(reasoning: str, answer: str) -> str:
+    """A worked solution continuing a think_answer prompt (which ends with the opened <think>)."""
+    return f" {reasoning} {THINK_CLOSE} {ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
+
+
+def boxed_response(reasoning: str, answer: str) -> str:
+    return f"{reasoning}\nThe answer is \\boxed{{{answer}}}."
+
+
+# How a worked solution ends, by name (synthetic tasks take one of these names).
+RESPONSE_FORMATS = {"answer_tag": answer_tag_response, "boxed": boxed_response}
+
+
+@dataclass(frozen=True)
+class ThinkAnswerTemplate:
+    """For base models: the instruction, the question, and the opened <think> tag, so that the
+    policy's first token is already reasoning (ORZ's design). Answers are read from <answer>."""
+
+    instruction: str = THINK_ANSWER_INSTRUCTION
+
+    def prompt(self, question: str) -> str:
+        return f"{self.instruction}\nUser: {question}\nAssistant: {THINK_OPEN}"
+
+    def response(self, reasoning: str, answer: str) -> str:
+        """How a worked solution continues the prompt."""
+        return answer_tag_response(reasoning, answer)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """For chat models: the tokenizer's own template around one user turn; answers are boxed."""
+
+    tokenizer: Any  # a transformers tokenizer with a chat_template
+    instruction: str = "Put the final answer in \\boxed{}."
+
+    def __post_init__(self):
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat_template; use the 'think_answer' template")
+
+    def prompt(self, question: str) -> str:
+        messages = [{"role": "user", "content": f"{question}\n{self.instruction}"}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def response(self, reasoning: str, answer: str) -> str:
+        return boxed_response(reasoning, answer)
+
+
+def make_template(name: str, tokenizer: Any = None) -> ThinkAnswerTemplate | ChatTemplate:
+    """The template called `name`: "think_answer" or "chat" (which needs the tokenizer)."""
+    if name == "think_answer":
+        return ThinkAnswerTemplate()
+    if name == "chat":
+        if tokenizer is None:
+            raise ValueError("the 'chat' template needs the model's tokenizer")
+        return ChatTemplate(tokenizer)
+    raise ValueError(f"unknown template {name!r}; valid: ['chat', 'think_answer']")

@@ -1,0 +1,37 @@
+"""Templates: ORZ-style think/answer prompts for base models, the tokenizer's chat template otherwise."""
+import pytest
+
+from orz.data.templates import ChatTemplate, ThinkAnswerTemplate, make_template
+from orz.data.tokenizers import char_tokenizer
+from orz.reward.math import extract_answer
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_think_answer_prompt_opens_the_think_tag():
+    template = make_template("think_answer")
+    prompt = template.prompt("What is 2 + 2?")
+    assert prompt.endswith("User: What is 2 + 2?\nAssistant: <think>")
+    assert "<answer>" in template.instruction and "</think>" in template.instruction
+    completion = template.response("2+2=4", "4")
+    assert extract_answer(prompt + completion) == "4"
+
+
+def test_chat_template_uses_the_tokenizer():
+    tokenizer = char_tokenizer(["abc"])
+    tokenizer.chat_template = CHAT
+    template = make_template("chat", tokenizer)
+    assert template.prompt("What is 2 + 2?") == ("<|user|>What is 2 + 2?\nPut the final answer in "
+                                                 "\\boxed{}.\n<|assistant|>")
+    assert extract_answer(template.response("2+2=4", "4")) == "4"
+
+
+def test_template_errors():
+    with pytest.raises(ValueError, match="valid"):
+        make_template("alpaca")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        make_template("chat")
+    with pytest.raises(ValueError, match="no chat_template"):
+        ChatTemplate(char_tokenizer(["abc"]))
+    assert isinstance(make_template("think_answer"), ThinkAnswerTemplate)
