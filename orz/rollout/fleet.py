@@ -1,0 +1,228 @@
+"""EngineFleet: N vLLM engines as Ray actors in a placement group, fed with the actor's weights.
+
+    fleet = EngineFleet(model_dir, FleetConfig(num_engines=2))
+    fleet.sync(source, version=1)                   # every engine now holds version 1
+    samples = fleet.generate(prompt_ids, SamplingConfig(n=8), min_version=1)
+
+Weights come from a WeightSource: something that can join a process group as its rank 0 and
+broadcast (the trainer's actor rank 0, or an in-process source in tests and benchmarks), or put
+the same buckets into the Ray object store. The fleet remembers the last source and version, so
+an engine that dies or hangs is restarted, re-synced to the current version, and its
+unfinished requests are issued again.
+"""
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Protocol
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
+from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
+from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BroadcastSender, to_object_store_buckets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetConfig:
+    num_engines: int = 1
+    tensor_parallel_size: int = 1  # GPUs per engine (vLLM's own TP); 1 on CPU
+    cpus_per_engine: float = 1.0
+    engine_args: dict = field(default_factory=dict)  # passed to vllm.LLM (max_model_len, gpu_memory_utilization, ...)
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
+    transport: str = "collective"  # "collective" (gloo/NCCL broadcast) | "object_store"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
+    request_timeout_s: float = 600.0  # an engine silent this long is declared hung and restarted
+    max_restarts: int = 3  # per generate call
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    backend: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    group_name: str
+
+
+class WeightSource(Protocol):
+    def address(self) -> tuple[str, int]:
+        """(ip, free port) where the source will host the group's rendezvous."""
+
+    def send(self, spec: GroupSpec, bucket_bytes: int) -> dict[str, str]:
+        """Joins the group as rank 0, broadcasts all weights, returns their digests."""
+
+    def put(self, bucket_bytes: int) -> tuple[list, dict[str, str]]:
+        """Puts all weights into the object store: (bucket refs, digests)."""
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def free_address() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, str]:
+    """The source side of a collective sync, as rank 0 of a fresh group."""
+    group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0, spec.world_size, spec.group_name)
+    try:
+        return BroadcastSender(group, bucket_bytes).send(named)
+    finally:
+        destroy(group)
+
+
+class TensorSource:
+    """A WeightSource over tensors in this process (tests, benchmarks, a single-process trainer)."""
+
+    def __init__(self, named: dict[str, torch.Tensor]):
+        self.named = named
+
+    def address(self):
+        return free_address()
+
+    def send(self, spec, bucket_bytes):
+        return broadcast_weights(spec, self.named.items(), bucket_bytes)
+
+    def put(self, bucket_bytes):
+        return to_object_store_buckets(self.named.items(), bucket_bytes)
+
+
+class EngineFleet:
+    def __init__(self, model_dir: str, cfg: FleetConfig | None = None, seed: int = 0):
+        self.model_dir, self.cfg, self.seed = model_dir, cfg or FleetConfig(), seed
+        self.weight_version = 0
+        self.source: WeightSource | None = None
+        self.metrics = {"rollout/engine_restarts": 0}
+        self.sent_digests: dict[str, str] = {}
+        self._syncs = 0
+        on_gpu = torch.cuda.is_available()
+        bundle = {"CPU": self.cfg.cpus_per_engine, **({"GPU": self.cfg.tensor_parallel_size} if on_gpu else {})}
+        self.placement = placement_group([bundle] * self.cfg.num_engines, strategy="PACK")
+        ray.get(self.placement.ready())
+        self.engines = [self._start(i) for i in range(self.cfg.num_engines)]
+        ray.get([e.pid.remote() for e in self.engines])  # wait until every engine is up
+
+    def _start(self, i: int):
+        on_gpu = torch.cuda.is_available()
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        }
+        if not on_gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+        engine_args = dict(self.cfg.engine_args)
+        if self.cfg.tensor_parallel_size > 1:  # untested here: no GPU
+            engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
+        actor = ray.remote(VLLMEngine).options(
+            num_cpus=self.cfg.cpus_per_engine,
+            num_gpus=self.cfg.tensor_parallel_size if on_gpu and self.cfg.tensor_parallel_size == 1 else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
+            runtime_env={"env_vars": env},
+        )
+        return actor.remote(self.model_dir, engine_args, self.seed + i)
+
+    # ---- weights ---------------------------------------------------------------------------
+    def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None) -> dict:
+        """Puts `source`'s weights into the engines (all by default) as `version`; returns timings."""
+        ids = list(range(len(self.engines))) if engine_ids is None else engine_ids
+        engines = [self.engines[i] for i in ids]
+        start = time.perf_counter()
+        if self.cfg.transport == "collective":
+            ip, port = source.address()
+            self._syncs += 1
+            tp = self.cfg.tensor_parallel_size
+            spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(engines) * tp, f"orz-weights-{self._syncs}")
+            for k, e in enumerate(engines):
+                e.init_weight_group.remote(spec.backend, ip, port, 1 + k * tp, spec.world_size, spec.group_name)
+            received = [e.receive_broadcast.remote(version) for e in engines]
+            sent = source.send(spec, self.cfg.bucket_bytes)
+            received = ray.get(received)
+            ray.get([e.close_weight_group.remote() for e in engines])
+        elif self.cfg.transport == "object_store":
+            refs, sent = source.put(self.cfg.bucket_bytes)
+            received = ray.get([e.receive_object_store.remote(refs, version) for e in engines])
+        else:
+            raise ValueError(f"transport must be 'collective' or 'object_store', got {self.cfg.transport!r}")
+        seconds = time.perf_counter() - start
+        if self.cfg.check == "held":
+            received = ray.get([self.engines[i].held_digests.remote() for i in ids])
+        if self.cfg.check != "off":
+            self._compare(ids, sent, received, self.cfg.check)
+        self.source, self.weight_version, self.sent_digests = source, version, sent
+        return {"rollout/sync_seconds": seconds, "rollout/sync_tensors": len(sent), "rollout/weight_version": version}
+
+    def verify(self) -> None:
+        """Reads back what every engine holds and compares it with the last sync's digests."""
+        ids = list(range(len(self.engines)))
+        self._compare(ids, self.sent_digests, ray.get([e.held_digests.remote() for e in self.engines]), "held")
+
+    @staticmethod
+    def _compare(ids: list[int], sent: dict[str, str], got_by_engine: list[dict[str, str]], what: str) -> None:
+        for i, got in zip(ids, got_by_engine):
+            bad = sorted(n for n in sent.keys() | got.keys() if sent.get(n) != got.get(n))
+            if bad:
+                raise WeightSyncError(
+                    f"engine {i}: {len(bad)} tensors it {what} differ from the trainer's weights, e.g. {bad[:3]}"
+                )
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None) -> list[Sample]:
+        """Samples `sampling.n` responses per prompt, in prompt order; spreads prompts over the
+        engines, restarting and re-syncing any engine that dies or hangs."""
+        min_version = self.weight_version if min_version is None else min_version
+        chunks = [[(i, p) for i, p in enumerate(prompts) if i % len(self.engines) == e] for e in range(len(self.engines))]
+        pending = {self._submit(e, chunk, sampling, min_version): (e, chunk) for e, chunk in enumerate(chunks) if chunk}
+        samples, restarts = [], 0
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=self.cfg.request_timeout_s)
+            failed = []
+            if not done:  # nothing finished in time: every pending engine is suspect
+                failed = list(pending)
+            for ref in done:
+                try:
+                    samples.extend(ray.get(ref))
+                    del pending[ref]
+                except (RayActorError, GetTimeoutError) as err:
+                    log.warning("engine %d failed: %s", pending[ref][0], err)
+                    failed.append(ref)
+            for ref in failed:
+                engine_id, chunk = pending.pop(ref)
+                restarts += 1
+                if restarts > self.cfg.max_restarts:
+                    raise RuntimeError(f"engine {engine_id} failed; gave up after {self.cfg.max_restarts} restarts")
+                self.restart(engine_id)
+                pending[self._submit(engine_id, chunk, sampling, min_version)] = (engine_id, chunk)
+        samples.sort(key=lambda s: s["index"])  # stable: keeps the n samples of a prompt in order
+        return [Sample(**s) for s in samples]
+
+    def _submit(self, engine_id, chunk, sampling: SamplingConfig, min_version: int):
+        return self.engines[engine_id].generate.remote(chunk, asdict(sampling), min_version)
+
+    def restart(self, engine_id: int) -> None:
+        """Replaces an engine and brings it to the fleet's current weight version."""
+        ray.kill(self.engines[engine_id], no_restart=True)
+        self.engines[engine_id] = self._start(engine_id)
+        ray.get(self.engines[engine_id].pid.remote())
+        self.metrics["rollout/engine_restarts"] += 1
+        if self.weight_version > 0:
+            if self.source is None:
+                raise WeightSyncError(f"engine {engine_id} restarted but no weight source is known to re-sync it")
+            self.sync(self.source, self.weight_version, engine_ids=[engine_id])
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            ray.kill(e, no_restart=True)
+        remove_placement_group(self.placement)

