@@ -1,0 +1,879 @@
+"""Memory and time planner: does a model fit a cluster under a parallel layout, and how long is an iteration?
+
+    python -m orz.plan --layout configs/layouts/orz_7b.yaml [--json]
+    python -m orz.plan --model Qwen2.5-7B --nodes 4 --gpus-per-node 8 --gpu H100 --gpu-mem 79.6 \\
+        --actor-tp 2 --recompute --distributed-optimizer --engines 32 --engine-tp 1 --max-num-seqs 64
+
+Pure arithmetic: it imports no torch, Ray, vLLM or Megatron, so the Slurm launcher can refuse a
+layout before it allocates GPUs:
+
+    problems = check(plan(arch, cluster, layout, workload))   # [] when everything fits
+
+Memory is bytes per GPU on the heaviest pipeline stage of each role; every formula is in the
+docstring of the function that computes it. Exit codes: 0 fits, 1 does not fit (the message names
+the role, its largest component and the single changes that would make it fit), 2 bad input.
+"""
+import argparse
+import json
+import math
+import sys
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
+
+GIB = 2**30
+BF16, FP32 = 2, 4
+MEGATRON_VOCAB_MULTIPLE = 1  # orz.models.builder pads the vocabulary to a multiple of TP only
+VLLM_VOCAB_MULTIPLE = 64  # vLLM pads embedding and LM head to 64 rows per TP rank
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run at all (sizes that do not divide); lists every problem found."""
+
+
+def _qwen2(**numbers) -> ModelArch:
+    shared = dict(family="qwen2", head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072)
+    return ModelArch(**(shared | numbers))
+
+
+# From the published config.json files; `ModelArch.num_params` gives 7.62B, 32.76B, 1.54B, 0.49B, 8.03B.
+MODELS = {
+    "Qwen2.5-0.5B": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                           num_heads=14, num_kv_heads=2, tie_word_embeddings=True, head_dim=64,
+                           max_position_embeddings=32768),
+    "Qwen2.5-1.5B": _qwen2(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                           num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
+    "Qwen2.5-7B": _qwen2(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                         num_heads=28, num_kv_heads=4, tie_word_embeddings=False),
+    "Qwen2.5-32B": _qwen2(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+                          num_heads=40, num_kv_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    # Its llama3 RoPE scaling is left out: it changes neither memory nor FLOPs.
+    "Llama-3.1-8B": ModelArch(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                              rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072),
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    tflops: float  # dense bf16 peak, TFLOP/s (datasheet, without sparsity)
+    hbm_tb_s: float  # peak HBM bandwidth, TB/s
+    mem_gib: float  # device memory as nvidia-smi reports it
+
+
+GPUS = {
+    "A100": GPU(tflops=312, hbm_tb_s=2.039, mem_gib=80.0),  # SXM 80 GB
+    "H100": GPU(tflops=989, hbm_tb_s=3.35, mem_gib=79.6),  # SXM; 81559 MiB
+    "H800": GPU(tflops=989, hbm_tb_s=3.35, mem_gib=79.6),  # an H100 with slower NVLink
+    "H200": GPU(tflops=989, hbm_tb_s=4.8, mem_gib=140.4),  # 143771 MiB
+}
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int  # Slurm nodes
+    gpus_per_node: int  # a TP group must stay inside one node (NVLink)
+    gpu_mem_gib: float  # usable memory per GPU; the budget every role is checked against
+    gpu: str = "H100"  # a GPUS preset: peak FLOP/s and bandwidth for the time estimate
+    reserved_gib: float = 2.0  # per process on a GPU: CUDA context, NCCL buffers, allocator slack
+    train_mfu: float = 0.40  # achieved fraction of peak FLOP/s in training, forward passes and prefill
+    hbm_efficiency: float = 0.70  # achieved fraction of peak HBM bandwidth in vLLM decode
+
+    def __post_init__(self):
+        if self.gpu not in GPUS:
+            raise LayoutError(f"cluster.gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
+        _require_positive(self, "cluster", "nodes", "gpus_per_node", "gpu_mem_gib")
+        if not (0 < self.train_mfu <= 1 and 0 < self.hbm_efficiency <= 1 and self.reserved_gib >= 0):
+            raise LayoutError(f"cluster: need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
+                              f"{self.train_mfu}, {self.hbm_efficiency}, {self.reserved_gib}")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    tp: int = 1  # tensor parallel: splits every matmul, needs NVLink
+    pp: int = 1  # pipeline stages: splits the layers
+    dp: int | None = None  # data parallel; None: colocated roles take every GPU, so DP = GPUs / (TP·PP)
+    micro_batch_tokens: int = 16384  # tokens per packed micro-batch (b·s); ORZ packs up to 16384
+    sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
+
+    def __post_init__(self):
+        _require_positive(self, "parallel", "tp", "pp", "micro_batch_tokens")
+        if self.dp is not None and self.dp < 1:
+            raise LayoutError(f"dp must be >= 1, got {self.dp}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+
+
+@dataclass(frozen=True)
+class TrainParallel(ModelParallel):
+    recompute: bool = False  # full activation recompute: keep only each layer's input, rerun it in backward
+    distributed_optimizer: bool = False  # ZeRO-1: fp32 master weights and Adam states sharded over DP
+
+
+@dataclass(frozen=True)
+class Rollout:
+    engines: int  # vLLM engines, each serving an equal share of the samples
+    tp: int = 1  # GPUs per engine
+    gpu_memory_utilization: float = 0.85  # vLLM's budget as a fraction of GPU memory (weights + KV cache)
+    max_num_seqs: int = 256  # sequences an engine decodes at once; its KV cache is sized for them
+
+    def __post_init__(self):
+        _require_positive(self, "rollout", "engines", "tp", "max_num_seqs")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LayoutError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def label(self) -> str:
+        return f"{self.engines}×TP{self.tp}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    actor: TrainParallel
+    rollout: Rollout
+    critic: TrainParallel | None = None  # None for critic-free algorithms (GRPO, RLOO, REINFORCE++)
+    reference: ModelParallel | None = None  # None when no KL term needs reference log-probs
+    colocate: bool = True  # every role on every GPU, phases taking turns (ORZ's colocate_all)
+    offload: bool = True  # colocated: idle roles move their states to CPU and vLLM sleeps
+
+    def megatron_roles(self) -> dict[str, ModelParallel]:
+        roles = {"actor": self.actor, "critic": self.critic, "reference": self.reference}
+        return {name: par for name, par in roles.items() if par is not None}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_iteration: int = 128  # ORZ: rollout_batch_size
+    samples_per_prompt: int = 64  # ORZ: n_samples_per_prompt; 128 × 64 = 8192 samples
+    max_prompt_len: int = 2048  # sizes memory: a packed micro-batch and a KV slot hold the longest sample
+    max_response_len: int = 8192
+    mean_prompt_len: int = 256  # sizes time: tokens actually generated and trained on
+    mean_response_len: int = 4096  # grows during training; take it from your metrics
+    actor_epochs: int = 1  # passes of the actor over the batch; ORZ's 1 policy update is one pass
+    critic_epochs: int = 1  # ORZ's 12 critic updates are 12 optimizer steps within one pass
+
+    def __post_init__(self):
+        _require_positive(self, "workload", *(f.name for f in fields(self)))
+        if self.mean_prompt_len > self.max_prompt_len or self.mean_response_len > self.max_response_len:
+            raise LayoutError(f"workload: mean lengths ({self.mean_prompt_len}, {self.mean_response_len}) exceed "
+                              f"the maxima ({self.max_prompt_len}, {self.max_response_len})")
+
+    @property
+    def samples(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_prompt_len + self.max_response_len
+
+    @property
+    def mean_seq_len(self) -> int:
+        return self.mean_prompt_len + self.mean_response_len
+
+
+def _require_positive(obj, where: str, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise LayoutError(f"{where}.{name} must be positive, got {getattr(obj, name)}")
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    role: str  # actor | critic | reference | rollout
+    gpus: int  # GPUs the role runs on
+    parallel: str  # e.g. "TP2 PP1 DP16", for the table
+    weights: int  # bytes per GPU, heaviest stage
+    grads: int
+    optimizer: int
+    activations: int  # kept for backward (training) or one layer's working set (forward only), logits included
+    kv_cache: int  # vLLM only
+    overhead: int  # this process's reserved_gib
+    limit: int  # bytes this role may use on its GPUs
+    limit_why: str  # how `limit` was derived, for messages
+
+    COMPONENTS = ("weights", "grads", "optimizer", "activations", "kv_cache", "overhead")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in self.COMPONENTS)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    @property
+    def dominant(self) -> str:
+        return max(self.COMPONENTS, key=lambda c: getattr(self, c))
+
+
+@dataclass(frozen=True)
+class Timing:
+    rollout_s: float  # prefill + decode on the engines
+    forward_s: float  # old log-probs, reference log-probs and values
+    train_s: float  # actor and critic updates
+    decode_concurrency: int  # sequences each engine decodes at once
+    decode_step_ms: float  # one decode step of one engine
+    rollout_tokens_per_s: float  # generated tokens per second, whole fleet
+
+    @property
+    def iteration_s(self) -> float:
+        return self.rollout_s + self.forward_s + self.train_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    arch: ModelArch
+    cluster: Cluster
+    layout: Layout  # with every dp resolved
+    workload: Workload
+    memory: tuple[RoleMemory, ...]
+    timing: Timing
+
+    def row(self, role: str) -> RoleMemory:
+        return next(r for r in self.memory if r.role == role)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def layer_params(arch: ModelArch, tp: int) -> int:
+    """Parameters of one decoder layer on one TP rank.
+
+    attention  q, o: h×(a·d); k, v: h×(g·d)  →  h·d·(2a + 2g)        split by TP
+    qkv bias (qwen2)                           d·(a + 2g)             split by TP
+    SwiGLU gate, up, down                      3·h·f                  split by TP
+    two RMSNorm weights                        2·h                    replicated
+    """
+    h, d, a, g = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    split = h * d * (2 * a + 2 * g) + 3 * h * arch.intermediate_size
+    if arch.qkv_bias:
+        split += d * (a + 2 * g)
+    return split // tp + 2 * h
+
+
+def stage_params(arch: ModelArch, tp: int, pp: int, head: str, vocab_multiple: int) -> list[int]:
+    """Parameters on one TP rank of the first and the last pipeline stage (one stage when pp = 1).
+
+    every stage: L/pp layers. first: + embedding V'·h/t (V' = vocabulary padded to a multiple of
+    vocab_multiple·t). last: + final norm h + head: LM head V'·h/t, a copy of the embedding when tied
+    and pp > 1 (Megatron keeps both), nothing more when tied and pp = 1; a value head h + 1.
+    At t = pp = 1, unpadded, the sum is ModelArch.num_params (+ h + 1 − V·h for a value head).
+    """
+    h = arch.hidden_size
+    layers = arch.num_layers // pp * layer_params(arch, tp)
+    vocab = arch.padded_vocab_size(tp, vocab_multiple) * h // tp
+    head_params = h + 1 if head == "value" else 0 if arch.tie_word_embeddings and pp == 1 else vocab
+    first, last = layers + vocab, layers + h + head_params
+    return [first + last - layers] if pp == 1 else [first, last]
+
+
+def matmul_params(arch: ModelArch, head: str) -> int:
+    """M: weights that take part in a matmul per token: L·(h·d·(2a + 2g) + 3·h·f) + head (V·h or h).
+
+    The embedding is a lookup, norms and biases are negligible.
+    """
+    h, d = arch.hidden_size, arch.head_dim
+    layer = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads) + 3 * h * arch.intermediate_size
+    return arch.num_layers * layer + (arch.vocab_size * h if head == "lm" else h)
+
+
+# ---------------------------------------------------------------- activations and KV cache
+
+
+def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_parallel: bool) -> int:
+    """Bytes one decoder layer keeps for backward, bf16, for a micro-batch of T = b·s tokens.
+
+    Korthikanti et al. 2022 (GPT: multi-head attention, 4h GeLU MLP, dropout) keep
+    s·b·h·(34 + 5·a·s/h) per layer; with TP and no sequence parallelism s·b·h·(10 + 24/t + 5·a·s/(h·t)),
+    with sequence parallelism all of it / t. Adapted to Llama/Qwen2 as trained here:
+      - flash attention keeps no s×s matrices, so 5·a·s/h goes; no dropout, so its two s·b·h masks go;
+      - GQA: attention keeps its input 2·T·h, Q 2·T·a·d, K and V 4·T·g·d, the context 2·T·a·d (o's input);
+      - SwiGLU of width f keeps its input 2·T·h, gate and up 4·T·f (silu is recomputed in the fused
+        kernel) and their product 2·T·f (down's input);
+      - the two RMSNorms keep their inputs, 4·T·h.
+    Total T·(8h + 4·a·d + 4·g·d + 6f); with a·d = g·d = h and f = 4h that is Korthikanti's 34 less the
+    masks. The 8h part (norm inputs and the copies entering column-parallel linears) is split by t only
+    with sequence parallelism; the rest always. With packing every term is linear in T.
+    """
+    h, ad, gd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    replicated = tokens * 8 * h // (tp if sequence_parallel else 1)
+    return replicated + tokens * (4 * ad + 4 * gd + 6 * arch.intermediate_size) // tp
+
+
+def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool) -> int:
+    """Vocab-parallel logits of one micro-batch, T·V'/t entries (orz.models.logprobs).
+
+    bf16 logits (2) + fp32 temperature-scaled copy (4) + fp32 exp (4), + their fp32 gradient in
+    backward (4): 14 bytes per entry when training, 10 forward-only.
+    """
+    entries = tokens * arch.padded_vocab_size(tp, MEGATRON_VOCAB_MULTIPLE) // tp
+    return entries * (14 if training else 10)
+
+
+def kv_bytes_per_token(arch: ModelArch, tp: int) -> int:
+    """K and V of every layer for one token on one GPU of an engine: 2·L·max(g/t, 1)·d·2 bytes.
+
+    With t > g vLLM replicates KV heads, so each GPU still holds one.
+    """
+    return 2 * arch.num_layers * max(arch.num_kv_heads // tp, 1) * arch.head_dim * BF16
+
+
+# ---------------------------------------------------------------- memory per role
+
+
+def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, int]:
+    """Bytes per GPU of a trained role (actor: LM head; critic: value head) on its heaviest stage.
+
+    P = that stage's parameters on one TP rank (stage_params); bf16 mixed precision as in Megatron:
+      weights      2·P      bf16 parameters
+      grads        4·P      fp32 main gradients (accumulated and reduced in fp32)
+      optimizer   12·P      fp32 master weights + Adam m + v; 12·P/DP with the distributed optimizer
+      activations n·(L/pp)·A(T)                          without recompute
+                  n·(L/pp)·2·T·h/t_sp + A(T)             full recompute: each layer's input, plus one
+                                                         layer re-materialised during its backward
+                  + logits on the last stage (LM head only)
+    A(T) = layer_activation_bytes; n = micro-batches in flight under 1F1B: pp on the first stage,
+    1 on the last (Korthikanti et al. §4.2); t_sp = t with sequence parallelism, else 1.
+    """
+    t, pp = par.tp, par.pp
+    layer = layer_activation_bytes(arch, par.micro_batch_tokens, t, par.sequence_parallel)
+    layer_input = 2 * par.micro_batch_tokens * arch.hidden_size // (t if par.sequence_parallel else 1)
+    stages = stage_params(arch, t, pp, head, MEGATRON_VOCAB_MULTIPLE)
+    candidates = []
+    for index, params in enumerate(stages):
+        last = index == len(stages) - 1
+        in_flight = 1 if last else pp
+        kept = in_flight * (arch.num_layers // pp) * (layer_input if par.recompute else layer)
+        activations = kept + (layer if par.recompute else 0)
+        if last and head == "lm":
+            activations += logits_bytes(arch, par.micro_batch_tokens, t, training=True)
+        optimizer = 12 * params // (par.dp if par.distributed_optimizer else 1)
+        candidates.append(dict(weights=BF16 * params, grads=FP32 * params, optimizer=optimizer,
+                               activations=activations))
+    return max(candidates, key=lambda c: sum(c.values()))
+
+
+def forward_memory(arch: ModelArch, par: ModelParallel) -> dict[str, int]:
+    """Bytes per GPU of a forward-only role (reference): weights 2·P, activations A(T) + logits.
+
+    Nothing is kept across layers, so the working set is one layer's activations plus the last
+    stage's forward-only logits (logits_bytes); the last stage, which holds both, is the heaviest.
+    """
+    params = stage_params(arch, par.tp, par.pp, "lm", MEGATRON_VOCAB_MULTIPLE)[-1]
+    layer = layer_activation_bytes(arch, par.micro_batch_tokens, par.tp, par.sequence_parallel)
+    return dict(weights=BF16 * params,
+                activations=layer + logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False))
+
+
+def rollout_concurrency(rollout: Rollout, workload: Workload) -> int:
+    """Sequences an engine holds at once: min(max_num_seqs, ⌈samples / engines⌉)."""
+    return min(rollout.max_num_seqs, -(-workload.samples // rollout.engines))
+
+
+def rollout_memory(arch: ModelArch, rollout: Rollout, workload: Workload) -> dict[str, int]:
+    """Bytes per GPU of a vLLM engine: weights 2·P/t (P on one TP rank, vocabulary padded by vLLM)
+    and a KV cache for c concurrent sequences of the longest length: c·(prompt + response)·kv_bytes_per_token.
+    """
+    params = stage_params(arch, rollout.tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
+    kv = rollout_concurrency(rollout, workload) * workload.max_seq_len * kv_bytes_per_token(arch, rollout.tp)
+    return dict(weights=BF16 * params, kv_cache=kv)
+
+
+def _resident(layout: Layout, role: str, states: dict[str, int], mem: int, reserved: int) -> int:
+    """What an idle colocated role keeps on the GPU: its reserved memory, plus, without offload,
+    its weights, grads and optimizer states (vLLM, awake: its whole gpu_memory_utilization budget)."""
+    if layout.offload:
+        return reserved
+    if role == "rollout":
+        return int(layout.rollout.gpu_memory_utilization * mem)
+    return reserved + states.get("weights", 0) + states.get("grads", 0) + states.get("optimizer", 0)
+
+
+def memory_rows(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> tuple[RoleMemory, ...]:
+    """One row per role. Separate GPUs: the limit is the GPU's memory. Colocated: the GPU's memory
+    less what the other roles keep resident (_resident). vLLM's limit is gpu_memory_utilization × memory."""
+    mem, reserved = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB)
+    parts = {name: (train_memory(arch, par, "value" if name == "critic" else "lm")
+                    if isinstance(par, TrainParallel) else forward_memory(arch, par))
+             for name, par in layout.megatron_roles().items()}
+    parts["rollout"] = rollout_memory(arch, layout.rollout, workload)
+    labels = {name: par.label() for name, par in layout.megatron_roles().items()}
+    labels["rollout"] = layout.rollout.label()
+    gpus = {name: par.gpus for name, par in layout.megatron_roles().items()}
+    gpus["rollout"] = layout.rollout.engines * layout.rollout.tp
+    rows = []
+    for role, own in parts.items():
+        others = [_resident(layout, o, parts[o], mem, reserved) for o in parts if o != role] if layout.colocate else []
+        limit, why = mem - sum(others), f"{_gib(mem)} GiB"
+        if others:
+            why += f" − {_gib(sum(others))} GiB kept by {len(others)} colocated processes"
+        if role == "rollout":
+            limit = int(layout.rollout.gpu_memory_utilization * mem)
+            why = f"gpu_memory_utilization {layout.rollout.gpu_memory_utilization} × {_gib(mem)} GiB"
+        rows.append(RoleMemory(role=role, gpus=gpus[role], parallel=labels[role],
+                               **{c: own.get(c, 0) for c in RoleMemory.COMPONENTS[:-1]},
+                               overhead=reserved, limit=limit, limit_why=why))
+    return tuple(rows)
+
+
+# ---------------------------------------------------------------- time
+
+
+def forward_flops(arch: ModelArch, tokens: float, seq_len: float, head: str) -> float:
+    """FLOPs of one forward pass over `tokens` tokens in sequences of seq_len: 2·M·n + 2·L·a·d·s·n.
+
+    2·M per token for the matmuls (matmul_params); causal attention (QKᵀ and AV over s/2 earlier
+    tokens on average) 2·2·a·d·s/2 per token and layer. A backward pass costs twice a forward, so a
+    training step is 3× forward, 4× with full recompute.
+    """
+    return 2 * matmul_params(arch, head) * tokens + 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len * tokens
+
+
+def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: Workload) -> tuple[float, int, float]:
+    """(seconds, concurrency c, decode step seconds) for one engine's share of the samples.
+
+    prefill: forward_flops of its prompts at train_mfu of the engine's t GPUs (no prefix caching).
+    decode, continuous batching at c sequences: n·mean_response / c steps, each
+      max(bytes / (hbm_efficiency · bandwidth), flops / (train_mfu · peak)) per GPU, with
+      bytes = 2·P/t (weights, read once per step) + c·(mean_prompt + mean_response/2)·kv_bytes_per_token
+      flops = c·(2·M + 4·L·a·d·(mean_prompt + mean_response/2))/t.
+    """
+    gpu = GPUS[cluster.gpu]
+    flop_s, byte_s = gpu.tflops * 1e12 * cluster.train_mfu, gpu.hbm_tb_s * 1e12 * cluster.hbm_efficiency
+    per_engine = -(-workload.samples // rollout.engines)
+    c = rollout_concurrency(rollout, workload)
+    prefill_tokens = per_engine * workload.mean_prompt_len
+    prefill = forward_flops(arch, prefill_tokens, workload.mean_prompt_len, "lm") / (rollout.tp * flop_s)
+    context = workload.mean_prompt_len + workload.mean_response_len / 2
+    weights = BF16 * stage_params(arch, rollout.tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
+    read = weights + c * context * kv_bytes_per_token(arch, rollout.tp)
+    attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * context
+    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention) / (rollout.tp * flop_s))
+    steps = per_engine * workload.mean_response_len / c
+    return prefill + steps * step, c, step
+
+
+def timing(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> Timing:
+    """Seconds per iteration: rollout, then forward passes, then updates (synchronous RL).
+
+    Role time = FLOPs / (GPUs · peak · train_mfu) over samples·mean_seq_len tokens. Forward: actor
+    (old log-probs), reference and critic (values). Updates: (3, or 4 with recompute)·forward·epochs.
+    Colocated roles take turns on all GPUs (times add up); separate roles overlap (the slowest counts).
+    """
+    flop_s = GPUS[cluster.gpu].tflops * 1e12 * cluster.train_mfu
+    tokens, s = workload.samples * workload.mean_seq_len, workload.mean_seq_len
+    forward, train = [], []
+    for name, par in layout.megatron_roles().items():
+        one = forward_flops(arch, tokens, s, "value" if name == "critic" else "lm") / (par.gpus * flop_s)
+        forward.append(one)
+        if isinstance(par, TrainParallel):
+            epochs = workload.critic_epochs if name == "critic" else workload.actor_epochs
+            train.append(one * (4 if par.recompute else 3) * epochs)
+    combine = sum if layout.colocate else max
+    rollout_s, c, step = rollout_time(arch, cluster, layout.rollout, workload)
+    return Timing(rollout_s=rollout_s, forward_s=combine(forward), train_s=combine(train), decode_concurrency=c,
+                  decode_step_ms=step * 1e3,
+                  rollout_tokens_per_s=workload.samples * workload.mean_response_len / rollout_s)
+
+
+# ---------------------------------------------------------------- plan and check
+
+
+def layout_problems(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> list[str]:
+    """Everything that stops the layout from running at all, whatever the memory."""
+    problems, total = [], cluster.gpus
+    for name, par in layout.megatron_roles().items():
+        try:
+            arch.check_parallel(par.tp, par.pp)
+        except ModelConfigError as err:
+            problems.append(f"layout.{name}: {err}")
+        if arch.intermediate_size % par.tp:
+            problems.append(f"layout.{name}: tp={par.tp} does not divide intermediate_size={arch.intermediate_size}")
+        if cluster.gpus_per_node % par.tp:
+            problems.append(f"layout.{name}: tp={par.tp} does not divide gpus_per_node={cluster.gpus_per_node} "
+                            "(a TP group must stay inside one node)")
+        if par.micro_batch_tokens < workload.max_seq_len:
+            problems.append(f"layout.{name}.micro_batch_tokens={par.micro_batch_tokens} cannot hold the longest sample "
+                            f"(max_prompt_len + max_response_len = {workload.max_seq_len})")
+        if layout.colocate and par.gpus != total:
+            problems.append(f"layout.{name}: TP·PP·DP = {par.tp}·{par.pp}·{par.dp} = {par.gpus} ≠ {total} GPUs "
+                            f"assigned to it (colocated roles each use all {cluster.nodes}×{cluster.gpus_per_node})")
+    rollout = layout.rollout
+    if arch.num_heads % rollout.tp or (arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads):
+        problems.append(f"layout.rollout.tp={rollout.tp} must divide num_attention_heads={arch.num_heads} and divide "
+                        f"or be a multiple of num_key_value_heads={arch.num_kv_heads}")
+    if cluster.gpus_per_node % rollout.tp:
+        problems.append(f"layout.rollout.tp={rollout.tp} does not divide gpus_per_node={cluster.gpus_per_node}")
+    engine_gpus = rollout.engines * rollout.tp
+    if layout.colocate and engine_gpus != total:
+        problems.append(f"layout.rollout: engines·tp = {rollout.engines}·{rollout.tp} = {engine_gpus} ≠ {total} GPUs "
+                        "(colocated engines use every GPU)")
+    if not layout.colocate:
+        used = {name: par.gpus for name, par in layout.megatron_roles().items()} | {"rollout": engine_gpus}
+        if sum(used.values()) > total:
+            parts = " + ".join(f"{name} {n}" for name, n in used.items())
+            problems.append(f"GPUs needed: {parts} = {sum(used.values())} > {total} GPUs in the cluster "
+                            f"({cluster.nodes} nodes × {cluster.gpus_per_node}); colocate roles or add nodes")
+    return problems
+
+
+def resolve_dp(layout: Layout, cluster: Cluster) -> Layout:
+    """Fills dp = GPUs / (TP·PP) for colocated roles that left it out; refuses what does not divide."""
+    changes, problems = {}, []
+    for name, par in layout.megatron_roles().items():
+        if par.dp is not None:
+            continue
+        if not layout.colocate:
+            problems.append(f"layout.{name}.dp is required when roles are not colocated")
+        elif cluster.gpus % (par.tp * par.pp):
+            problems.append(f"layout.{name}: TP·PP = {par.tp}·{par.pp} does not divide the {cluster.gpus} GPUs")
+        else:
+            changes[name] = replace(par, dp=cluster.gpus // (par.tp * par.pp))
+    if problems:
+        raise LayoutError("\n".join(problems))
+    return replace(layout, **changes)
+
+
+def plan(model_arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload, model: str = "model") -> Plan:
+    """Memory per GPU for every role and the time of one iteration; raises LayoutError listing every
+    reason the layout cannot run at all. Whether it fits is check()'s answer."""
+    layout = resolve_dp(layout, cluster)
+    problems = layout_problems(model_arch, cluster, layout, workload)
+    if problems:
+        raise LayoutError("\n".join(problems))
+    return Plan(model=model, arch=model_arch, cluster=cluster, layout=layout, workload=workload,
+                memory=memory_rows(model_arch, cluster, layout, workload),
+                timing=timing(model_arch, cluster, layout, workload))
+
+
+def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
+    """Single layout changes worth trying for a role that does not fit, each with its description."""
+    layout, w = p.layout, p.workload
+    if role == "rollout":
+        r = layout.rollout
+        row = p.row("rollout")
+        per_seq = w.max_seq_len * kv_bytes_per_token(p.arch, r.tp)
+        seqs = (row.limit - row.weights - row.overhead) // per_seq
+        options = [(f"lower max_num_seqs to {seqs}", replace(r, max_num_seqs=max(seqs, 1)))]
+        if r.engines % 2 == 0:
+            options.append((f"raise engine TP to {2 * r.tp} ({r.engines // 2} engines)",
+                            replace(r, tp=2 * r.tp, engines=r.engines // 2)))
+        needed = math.ceil(100 * row.total / (p.cluster.gpu_mem_gib * GIB)) / 100
+        if needed <= 0.95:
+            options.append((f"raise gpu_memory_utilization to {needed}", replace(r, gpu_memory_utilization=needed)))
+        return [(text, replace(layout, rollout=new)) for text, new in options]
+    par = layout.megatron_roles()[role]
+    options = []
+    if isinstance(par, TrainParallel) and not par.distributed_optimizer and par.dp > 1:
+        options.append(("enable the distributed optimizer", replace(par, distributed_optimizer=True)))
+    if isinstance(par, TrainParallel) and not par.recompute:
+        options.append(("enable full recompute", replace(par, recompute=True)))
+    if not par.sequence_parallel and par.tp > 1:
+        options.append(("enable sequence parallelism", replace(par, sequence_parallel=True)))
+    if par.dp % 2 == 0:
+        options.append((f"raise {role} TP to {2 * par.tp} (DP {par.dp}→{par.dp // 2})",
+                        replace(par, tp=2 * par.tp, dp=par.dp // 2)))
+        options.append((f"raise {role} PP to {2 * par.pp} (DP {par.dp}→{par.dp // 2})",
+                        replace(par, pp=2 * par.pp, dp=par.dp // 2)))
+    if par.micro_batch_tokens // 2 >= w.max_seq_len:
+        options.append((f"halve micro_batch_tokens to {par.micro_batch_tokens // 2}",
+                        replace(par, micro_batch_tokens=par.micro_batch_tokens // 2)))
+    changes = [(text, replace(layout, **{role: new})) for text, new in options]
+    if layout.colocate and not layout.offload:
+        changes.append(("offload idle roles (offload: true)", replace(layout, offload=True)))
+    return changes
+
+
+def _fixes(p: Plan, role: str) -> list[str]:
+    """The single changes after which `role` fits, with its new total."""
+    fixes = []
+    for text, layout in _changes(p, role):
+        try:
+            new = plan(p.arch, p.cluster, layout, p.workload, p.model).row(role)
+        except LayoutError:
+            continue
+        if new.fits:
+            fixes.append(f"{text} ({_gib(new.total)} GiB)")
+    return fixes
+
+
+def check(p: Plan) -> list[str]:
+    """Problems that stop the plan from running, each naming the role, what dominates and what to change."""
+    problems = []
+    for row in p.memory:
+        if row.fits:
+            continue
+        fixes = _fixes(p, row.role)
+        advice = ("Would fit: " + "; ".join(fixes)) if fixes else "No single change fits: add GPUs or combine changes"
+        problems.append(f"{row.role} does not fit: {_gib(row.total)} GiB per GPU > {_gib(row.limit)} GiB "
+                        f"({row.limit_why}); largest part: {row.dominant} {_gib(getattr(row, row.dominant))} GiB. "
+                        f"{advice}.")
+    if p.layout.colocate:
+        budget = p.row("rollout").limit
+        free = p.cluster.gpu_mem_gib * GIB - sum(
+            _resident(p.layout, r.role, asdict(r), int(p.cluster.gpu_mem_gib * GIB), r.overhead)
+            for r in p.memory if r.role != "rollout")
+        if budget > free:
+            problems.append(f"rollout: gpu_memory_utilization {p.layout.rollout.gpu_memory_utilization} asks for "
+                            f"{_gib(budget)} GiB but only {_gib(free)} GiB are free beside the other colocated "
+                            f"processes; lower it to {math.floor(100 * free / (p.cluster.gpu_mem_gib * GIB)) / 100}")
+    return problems
+
+
+# ---------------------------------------------------------------- inputs from YAML and flags
+
+
+def resolve_model(name: str) -> tuple[str, ModelArch]:
+    """A preset name (MODELS), an HF model directory or its config.json."""
+    if name in MODELS:
+        return name, MODELS[name]
+    path = Path(name)
+    if path.is_dir():
+        return path.name, read_arch(path)
+    if path.is_file():
+        try:
+            return path.parent.name, arch_from_dict(json.loads(path.read_text()), path)
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ModelConfigError(f"{path}: not an HF config.json ({err})") from None
+    raise ModelConfigError(f"model {name!r} is neither a preset ({', '.join(MODELS)}) nor an HF model "
+                           "directory or config.json")
+
+
+def _scalar(value, kind, where: str):
+    """A YAML value of the field's type (int, float, bool, str or None for optional fields)."""
+    options = typing.get_args(kind) or (kind,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+    raise LayoutError(f"{where} must be {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")
+
+
+def from_dict(cls, data, where: str):
+    """A dataclass from a YAML mapping; unknown keys, missing keys and wrong types name the key."""
+    if not isinstance(data, dict):
+        raise LayoutError(f"{where} must be a mapping, got {data!r}")
+    hints, names = typing.get_type_hints(cls), [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            raise LayoutError(f"unknown key {where}.{key} (valid: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        nested = [t for t in typing.get_args(hints[key]) or (hints[key],) if is_dataclass(t)]
+        if nested and value is not None:
+            kwargs[key] = from_dict(nested[0], value, f"{where}.{key}")
+        else:
+            kwargs[key] = _scalar(value, hints[key], f"{where}.{key}")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING and f.name not in data]
+    if required:
+        raise LayoutError(f"{where} is missing {', '.join(required)}")
+    return cls(**kwargs)
+
+
+def inputs_from_tree(tree: dict, where: str) -> tuple[str, ModelArch, Cluster, Layout, Workload]:
+    """(name, arch, cluster, layout, workload) from a tree with sections model, cluster, layout, workload."""
+    if not isinstance(tree, dict):
+        raise LayoutError(f"{where}: expected a mapping with sections model, cluster, layout, workload")
+    sections = {"model", "cluster", "layout", "workload"}
+    for key in tree:
+        if key not in sections:
+            raise LayoutError(f"{where}: unknown section {key!r} (valid: {', '.join(sorted(sections))})")
+    for key in ("model", "cluster", "layout"):
+        if key not in tree:
+            raise LayoutError(f"{where}: missing section {key!r}")
+    if not isinstance(tree["model"], str):
+        raise LayoutError(f"{where}: model must be a preset name or a path, got {tree['model']!r}")
+    name, arch = resolve_model(tree["model"])
+    return (name, arch, from_dict(Cluster, tree["cluster"], "cluster"), from_dict(Layout, tree["layout"], "layout"),
+            from_dict(Workload, tree.get("workload") or {}, "workload"))
+
+
+# flag -> places in the tree it sets (one flag may set the same knob on several roles)
+FLAGS = {
+    "model": [("model",)],
+    "nodes": [("cluster", "nodes")], "gpus_per_node": [("cluster", "gpus_per_node")],
+    "gpu": [("cluster", "gpu")], "gpu_mem": [("cluster", "gpu_mem_gib")],
+    "reserved_gib": [("cluster", "reserved_gib")], "mfu": [("cluster", "train_mfu")],
+    "hbm_efficiency": [("cluster", "hbm_efficiency")],
+    "colocate": [("layout", "colocate")], "offload": [("layout", "offload")],
+    **{f"{flag}_{knob}": [("layout", role, knob)]
+       for flag, role in (("actor", "actor"), ("critic", "critic"), ("ref", "reference")) for knob in ("tp", "pp", "dp")},
+    "micro_batch_tokens": [("layout", role, "micro_batch_tokens") for role in ("actor", "critic", "reference")],
+    "sequence_parallel": [("layout", role, "sequence_parallel") for role in ("actor", "critic", "reference")],
+    "recompute": [("layout", role, "recompute") for role in ("actor", "critic")],
+    "distributed_optimizer": [("layout", role, "distributed_optimizer") for role in ("actor", "critic")],
+    "engines": [("layout", "rollout", "engines")], "engine_tp": [("layout", "rollout", "tp")],
+    "gpu_memory_utilization": [("layout", "rollout", "gpu_memory_utilization")],
+    "max_num_seqs": [("layout", "rollout", "max_num_seqs")],
+    **{key: [("workload", key)] for key in (f.name for f in fields(Workload))},
+}
+
+
+def tree_from_args(args: argparse.Namespace) -> tuple[dict, str]:
+    """The YAML tree of --layout (or an empty one) with every flag given laid over it.
+
+    Without --layout, the critic and the reference copy whatever the actor has that they lack.
+    """
+    where = args.layout or "command line"
+    tree = {}
+    if args.layout:
+        try:
+            tree = yaml.safe_load(Path(args.layout).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise LayoutError(f"{args.layout}: {err}") from None
+        if not isinstance(tree, dict):
+            raise LayoutError(f"{args.layout}: expected a mapping with sections model, cluster, layout, workload")
+    for dest, paths in FLAGS.items():
+        value = getattr(args, dest)
+        for path in paths if value is not None else []:
+            node = tree
+            for key in path[:-1]:
+                if not isinstance(node.get(key), dict):
+                    node[key] = {}
+                node = node[key]
+            node[path[-1]] = value
+    layout = tree.get("layout") or {}
+    if not args.layout and isinstance(layout.get("actor"), dict):
+        for role, keys in (("critic", TrainParallel), ("reference", ModelParallel)):
+            own = layout.setdefault(role, {})
+            for f in fields(keys):
+                if f.name in layout["actor"]:
+                    own.setdefault(f.name, layout["actor"][f.name])
+    for role, off in (("critic", args.no_critic), ("reference", args.no_reference)):
+        if off:
+            tree.setdefault("layout", {})[role] = None
+    return tree, where
+
+
+# ---------------------------------------------------------------- output
+
+
+ASSUMPTIONS = (
+    "bf16 weights, fp32 main grads, fp32 master weights + Adam m, v (Megatron mixed precision)",
+    "flash attention (no s×s scores kept), no dropout, 1F1B pipeline with ≥ PP micro-batches in flight",
+    "KV cache sized for max_num_seqs sequences of the longest length, so vLLM never preempts",
+    "time: FLOPs at train_mfu of peak bf16; decode step = max(weights + KV read at hbm_efficiency of peak "
+    "bandwidth, FLOPs at train_mfu); continuous batching at full concurrency",
+    "not counted: the slowest sequence's tail, prefix caching, weight sync, rewards, offload/onload, data movement",
+)
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 1)
+
+
+def to_json(p: Plan, problems: list[str]) -> dict:
+    """Everything the table shows, GiB and seconds, as one JSON object."""
+    t = p.timing
+    return {
+        "model": p.model, "params_b": round(p.arch.num_params / 1e9, 2), "gpus": p.cluster.gpus,
+        "gpu": p.cluster.gpu, "gpu_mem_gib": p.cluster.gpu_mem_gib, "colocate": p.layout.colocate,
+        "offload": p.layout.offload, "fits": not problems,
+        "memory_gib": {r.role: {"parallel": r.parallel, "gpus": r.gpus,
+                                **{c: _gib(getattr(r, c)) for c in RoleMemory.COMPONENTS},
+                                "total": _gib(r.total), "limit": _gib(r.limit)} for r in p.memory},
+        "time_s": {"rollout": round(t.rollout_s, 1), "forward": round(t.forward_s, 1), "train": round(t.train_s, 1),
+                   "iteration": round(t.iteration_s, 1)},
+        "decode": {"concurrency": t.decode_concurrency, "step_ms": round(t.decode_step_ms, 2),
+                   "tokens_per_s": round(t.rollout_tokens_per_s)},
+        "problems": problems,
+    }
+
+
+def print_table(p: Plan, problems: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = p.cluster
+    title = (f"{p.model} ({p.arch.num_params / 1e9:.2f}B) on {c.nodes}×{c.gpus_per_node} {c.gpu} "
+             f"({c.gpu_mem_gib} GiB), {'colocated' + (' + offload' if p.layout.offload else '') if p.layout.colocate else 'separate GPUs'}")
+    table = Table(title=title + " — GiB per GPU, heaviest stage")
+    for header in ("role", "GPUs", "parallel", "weights", "grads", "optim", "activ", "KV", "reserved", "total",
+                   "limit", "fits"):
+        table.add_column(header, justify="left" if header in ("role", "parallel") else "right")
+    for r in p.memory:
+        table.add_row(r.role, str(r.gpus), r.parallel, *(f"{_gib(getattr(r, k))}" for k in RoleMemory.COMPONENTS),
+                      f"{_gib(r.total)}", f"{_gib(r.limit)}", "[green]yes[/]" if r.fits else "[red]NO[/]")
+    t, w = p.timing, p.workload
+    console = Console()
+    console.print(table)
+    console.print(f"per iteration ({w.samples} samples, mean {w.mean_prompt_len}+{w.mean_response_len} tokens): "
+                  f"rollout {t.rollout_s:.0f} s ({t.decode_concurrency} seqs/engine, {t.decode_step_ms:.1f} ms/step, "
+                  f"{t.rollout_tokens_per_s:,.0f} tok/s) + forward {t.forward_s:.0f} s + train {t.train_s:.0f} s "
+                  f"= [bold]{t.iteration_s:.0f} s[/]  (MFU {c.train_mfu:.0%}, HBM {c.hbm_efficiency:.0%} of "
+                  f"{GPUS[c.gpu].tflops:.0f} TFLOP/s, {GPUS[c.gpu].hbm_tb_s} TB/s)")
+    console.print("assumptions: " + "; ".join(ASSUMPTIONS) + ".", style="dim")
+    for problem in problems:
+        console.print(f"[red]✗[/] {problem}", highlight=False)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m orz.plan", description=__doc__.split("\n\n")[0],
+                                 epilog="Flags override the --layout file. Without --layout the critic and the "
+                                        "reference copy the actor's settings unless given.")
+    ap.add_argument("--layout", help="YAML with sections model, cluster, layout, workload")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    ap.add_argument("--model", help=f"preset ({', '.join(MODELS)}), HF model dir or config.json")
+    for flag, kind in (("nodes", int), ("gpus-per-node", int), ("gpu", str), ("gpu-mem", float),
+                       ("reserved-gib", float), ("mfu", float), ("hbm-efficiency", float)):
+        ap.add_argument(f"--{flag}", type=kind)
+    for role in ("actor", "critic", "ref"):
+        for knob in ("tp", "pp", "dp"):
+            ap.add_argument(f"--{role}-{knob}", type=int)
+    for flag in ("colocate", "offload", "recompute", "distributed-optimizer", "sequence-parallel"):
+        ap.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction)
+    ap.add_argument("--no-critic", action="store_true", help="critic-free algorithm (GRPO, RLOO, REINFORCE++)")
+    ap.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
+    for flag, kind in (("micro-batch-tokens", int), ("engines", int), ("engine-tp", int),
+                       ("gpu-memory-utilization", float), ("max-num-seqs", int)):
+        ap.add_argument(f"--{flag}", type=kind)
+    for f in fields(Workload):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=int)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        tree, where = tree_from_args(args)
+        name, arch, cluster, layout, workload = inputs_from_tree(tree, where)
+        p = plan(arch, cluster, layout, workload, name)
+    except (LayoutError, ModelConfigError) as err:
+        print(f"orz.plan: {err}", file=sys.stderr)
+        return 2
+    problems = check(p)
+    if args.json:
+        print(json.dumps(to_json(p, problems)))
+    else:
+        print_table(p, problems)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
