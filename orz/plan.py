@@ -575,7 +575,7 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
         seqs = (row.limit - row.weights - row.overhead) // per_seq
         options = [(f"lower max_num_seqs to {seqs}", replace(r, max_num_seqs=max(seqs, 1)))]
         if r.engines % 2 == 0:
-            options.append((f"raise engine TP to {2 * r.tp} ({r.engines // 2} engines)",
+            options.append((f"raise engine TP to {2 * r.tp}, engines to {r.engines // 2}",
                             replace(r, tp=2 * r.tp, engines=r.engines // 2)))
         needed = math.ceil(100 * row.total / (p.cluster.gpu_mem_gib * GIB)) / 100
         if needed <= 0.95:
@@ -590,9 +590,9 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
     if not par.sequence_parallel and par.tp > 1:
         options.append(("enable sequence parallelism", replace(par, sequence_parallel=True)))
     if par.dp % 2 == 0:
-        options.append((f"raise {role} TP to {2 * par.tp} (DP {par.dp}→{par.dp // 2})",
+        options.append((f"raise {role} TP to {2 * par.tp}, DP to {par.dp // 2}",
                         replace(par, tp=2 * par.tp, dp=par.dp // 2)))
-        options.append((f"raise {role} PP to {2 * par.pp} (DP {par.dp}→{par.dp // 2})",
+        options.append((f"raise {role} PP to {2 * par.pp}, DP to {par.dp // 2}",
                         replace(par, pp=2 * par.pp, dp=par.dp // 2)))
     if par.micro_batch_tokens // 2 >= w.max_seq_len:
         options.append((f"halve micro_batch_tokens to {par.micro_batch_tokens // 2}",
@@ -603,17 +603,45 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
     return changes
 
 
-def _fixes(p: Plan, role: str) -> list[str]:
-    """The single changes after which `role` fits, with its new total."""
-    fixes = []
+def _replans(p: Plan, role: str) -> list[tuple[str, Plan]]:
+    """Plans after each single change of _changes that still makes a valid layout."""
+    plans = []
     for text, layout in _changes(p, role):
         try:
-            new = plan(p.arch, p.cluster, layout, p.workload, p.model).row(role)
+            plans.append((text, plan(p.arch, p.cluster, layout, p.workload, p.model)))
         except LayoutError:
             continue
-        if new.fits:
-            fixes.append(f"{text} ({_gib(new.total)} GiB)")
-    return fixes
+    return plans
+
+
+def _fixes(p: Plan, role: str, most_changes: int = 4) -> list[str]:
+    """The single changes after which `role` fits, with its new total. When none does, changes are
+    stacked in _changes' order (cheapest for throughput first), each kept if it shrinks the role,
+    and the settings that differ at the end are named."""
+    singles = [f"{text} ({_gib(new.row(role).total)} GiB)" for text, new in _replans(p, role) if new.row(role).fits]
+    if singles:
+        return singles
+    start = p
+    for _ in range(most_changes):
+        smaller = [new for _, new in _replans(p, role) if new.row(role).total < p.row(role).total]
+        if not smaller:
+            return []
+        p = smaller[0]
+        if p.row(role).fits:
+            before, after = dict(_flat(asdict(start.layout))), dict(_flat(asdict(p.layout)))
+            changed = ", ".join(f"{key} {before.get(key)}→{value}" for key, value in after.items()
+                                if before.get(key) != value)
+            return [f"{changed} together ({_gib(p.row(role).total)} GiB)"]
+    return []
+
+
+def _flat(tree: dict, prefix: str = "layout."):
+    """(dotted key, value) for every leaf of a nested dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def check(p: Plan) -> list[str]:
@@ -623,7 +651,7 @@ def check(p: Plan) -> list[str]:
         if row.fits:
             continue
         fixes = _fixes(p, row.role)
-        advice = ("Would fit: " + "; ".join(fixes)) if fixes else "No single change fits: add GPUs or combine changes"
+        advice = ("Would fit: " + "; ".join(fixes)) if fixes else f"No {len(_changes(p, row.role))} changes tried fit: add GPUs"
         problems.append(f"{row.role} does not fit: {_gib(row.total)} GiB per GPU > {_gib(row.limit)} GiB "
                         f"({row.limit_why}); largest part: {row.dominant} {_gib(getattr(row, row.dominant))} GiB. "
                         f"{advice}.")
@@ -818,7 +846,8 @@ def print_table(p: Plan, problems: list[str]) -> None:
                    "limit", "fits"):
         table.add_column(header, justify="left" if header in ("role", "parallel") else "right")
     for r in p.memory:
-        table.add_row(r.role, str(r.gpus), r.parallel, *(f"{_gib(getattr(r, k))}" for k in RoleMemory.COMPONENTS),
+        table.add_row(r.role, str(r.gpus), r.parallel, *(f"{_gib(getattr(r, k))}" if getattr(r, k) else "-"
+                                                         for k in RoleMemory.COMPONENTS),
                       f"{_gib(r.total)}", f"{_gib(r.limit)}", "[green]yes[/]" if r.fits else "[red]NO[/]")
     t, w = p.timing, p.workload
     console = Console()
@@ -865,11 +894,12 @@ def main(argv: list[str] | None = None) -> int:
         name, arch, cluster, layout, workload = inputs_from_tree(tree, where)
         p = plan(arch, cluster, layout, workload, name)
     except (LayoutError, ModelConfigError) as err:
-        print(f"orz.plan: {err}", file=sys.stderr)
+        print("orz.plan: cannot plan this layout:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines()),
+              file=sys.stderr)
         return 2
     problems = check(p)
     if args.json:
-        print(json.dumps(to_json(p, problems)))
+        print(json.dumps(to_json(p, problems), ensure_ascii=False))
     else:
         print_table(p, problems)
     return 1 if problems else 0
