@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE
 from orz.reward.pool import ItemResult, KillablePool
 
 # math-verify warns once that its own timeout is off; it is off on purpose (it uses SIGALRM, which
@@ -70,11 +71,11 @@ def _last_boxed(text: str) -> str | None:
 
 def _last_answer_tag(text: str) -> str | None:
     """Content of ORZ's last closed `<answer>...</answer>` tag."""
-    start = text.rfind("<answer>")
+    start = text.rfind(ANSWER_OPEN)
     if start < 0:
         return None
-    end = text.find("</answer>", start)
-    return text[start + len("<answer>") : end] if end >= 0 else None
+    end = text.find(ANSWER_CLOSE, start)
+    return text[start + len(ANSWER_OPEN) : end] if end >= 0 else None
 
 
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -183,7 +184,20 @@ def is_equivalent(prediction: str, ground_truth: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Reward
 
-_FORMAT = re.compile(r"</think>\s*<answer>(?s:.)*?\S(?s:.)*?</answer>\s*$")
+
+
+def _well_formatted(response: str) -> bool:
+    """Whether the response ends with ORZ's `</think> <answer> X </answer>`, X not blank."""
+    tail = response.rstrip()
+    if not tail.endswith(ANSWER_CLOSE):
+        return False
+    answer_at = tail.rfind(ANSWER_OPEN)
+    think_at = tail.rfind(THINK_CLOSE, 0, max(answer_at, 0))
+    return (
+        answer_at >= 0 and think_at >= 0
+        and not tail[think_at + len(THINK_CLOSE) : answer_at].strip()
+        and bool(tail[answer_at + len(ANSWER_OPEN) : -len(ANSWER_CLOSE)].strip())
+    )
 
 
 @dataclass(frozen=True)
@@ -212,13 +226,19 @@ def _judge(item: tuple[str, str, tuple[str, ...]]) -> _Verdict:
     return _Verdict(
         extracted=answer is not None,
         correct=answer is not None and is_equivalent(answer, ground_truth),
-        well_formatted=_FORMAT.search(response) is not None,
+        well_formatted=_well_formatted(response),
     )
 
 
 def _warm_up() -> None:
     """Runs the lazy parts of math-verify (ANTLR parser, sympy caches) before the first item."""
     is_equivalent("\\frac{1}{2}", "0.5")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile by rank (no interpolation); 0 for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 class MathReward:
@@ -279,7 +299,8 @@ class MathReward:
             "reward/timeouts": float(sum(o.status == "timeout" for o in outcomes)),
             "reward/crashes": float(sum(o.status == "crash" for o in outcomes)),
             "reward/errors": float(sum(o.status == "error" for o in outcomes)),
-            "reward/verify_s_max": max((o.seconds for o in outcomes), default=0.0),
+            **{f"reward/verify_s_{name}": _quantile([o.seconds for o in outcomes], q)
+               for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         }
 
     def close(self) -> None:

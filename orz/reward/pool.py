@@ -15,7 +15,6 @@ fresh worker, then reported as "crash"; the rest of that chunk is requeued witho
 from __future__ import annotations
 
 import ctypes
-import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.forkserver as mp_forkserver
@@ -28,8 +27,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-
-logger = logging.getLogger(__name__)
 
 Status = Literal["ok", "error", "timeout", "crash"]
 _PR_SET_PDEATHSIG = 1
@@ -62,7 +59,6 @@ class KillablePool:
         initializer: Callable[[], None] | None = None,
         chunk_size: int = 32,
         memory_limit_mb: int | None = None,
-        preload_modules: Sequence[str] = (),
     ):
         if num_workers < 1 or item_timeout_s <= 0 or chunk_size < 1:
             raise ValueError(
@@ -79,12 +75,10 @@ class KillablePool:
         self._ctx = mp.get_context("forkserver")
         # Preloading makes each fork start with fn's module imported. It only takes effect if this
         # process has not started its forkserver yet; otherwise workers import on first use.
-        self._ctx.set_forkserver_preload([fn.__module__, *preload_modules])
+        self._ctx.set_forkserver_preload([fn.__module__])
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = []
         self._closed = False
-        with self._lock:
-            self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._workers = [self._start_worker() for _ in range(num_workers)]
 
     def map(self, items: Sequence[Any]) -> list[ItemResult]:
         """Runs fn on every item; results come back in item order."""
@@ -116,111 +110,125 @@ class KillablePool:
         )
         process.start()
         child_conn.close()
-        return _Worker(process, parent_conn)
+        return _Worker(process, parent_conn, self.item_timeout_s)
 
     def _replace(self, slot: int) -> None:
+        """Kills the worker in `slot` (whatever it is doing) and starts a fresh one there."""
         self._workers[slot].stop(kill=True)
         self._workers[slot] = self._start_worker()
         self.restarts += 1
 
     def _map_locked(self, items: Sequence[Any]) -> list[ItemResult]:
-        results: list[ItemResult | None] = [None] * len(items)
-        pending = deque(range(len(items)))
-        crashes_seen: dict[int, int] = {}
-        startup_failures = 0
-        remaining = len(items)
-
-        def requeue(indices: Sequence[int]) -> None:
-            pending.extendleft(reversed(indices))
-
-        while remaining:
-            # Hand out chunks to idle workers; chunks shrink near the end so workers finish together.
-            for worker in self._workers:
-                if worker.ready and not worker.in_flight and pending:
-                    size = max(1, min(self.chunk_size, len(pending) // (2 * self.num_workers)))
-                    chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-                    worker.send(chunk, [items[i] for i in chunk], self.item_timeout_s)
-
-            now = time.monotonic()
-            deadlines = [w.deadline for w in self._workers if w.in_flight]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else self.item_timeout_s
+        run = _MapRun(items)
+        while run.remaining:
+            self._dispatch(run)
+            busy = [w.deadline for w in self._workers if w.in_flight]
+            wait_s = max(0.0, min(busy) - time.monotonic()) if busy else self.item_timeout_s
             waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
-            ready = set(mp_connection.wait(waitables, timeout=wait_s))
-
+            signalled = set(mp_connection.wait(waitables, timeout=wait_s))
             for slot, worker in enumerate(self._workers):
-                died = False
-                if worker.conn in ready:
-                    try:
-                        while worker.conn.poll():
-                            message = worker.conn.recv()
-                            if message == "ready":
-                                worker.ready = True
-                                startup_failures = 0
-                                continue
-                            index, status, value, seconds = message
-                            results[index] = ItemResult(status, value, seconds)
-                            remaining -= 1
-                            worker.finish_one(self.item_timeout_s)
-                    except (EOFError, OSError):
-                        died = True
-                died = died or worker.process.sentinel in ready and not worker.conn.poll()
-                if died:
-                    if not worker.ready:
-                        startup_failures += 1
-                        if startup_failures >= _STARTUP_FAILURES_ALLOWED:
-                            raise RuntimeError(
-                                f"reward workers die before they are ready (exit code "
-                                f"{worker.process.exitcode}); is fn's module importable in a fresh "
-                                f"process, and does the main script have an `if __name__ == "
-                                f'"__main__":` guard?'
-                            )
-                    if worker.in_flight:
-                        current, *rest = worker.in_flight
-                        crashes_seen[current] = crashes_seen.get(current, 0) + 1
-                        if crashes_seen[current] > 1:
-                            results[current] = ItemResult("crash", f"worker exit code {worker.process.exitcode}")
-                            remaining -= 1
-                        else:
-                            rest = [current, *rest]
-                        requeue(rest)
-                        worker.in_flight = []
-                    self._replace(slot)
+                if not self._collect(worker, run, signalled):
+                    self._after_death(slot, run)
                 elif worker.in_flight and time.monotonic() >= worker.deadline:
                     current, *rest = worker.in_flight
-                    results[current] = ItemResult("timeout", None, self.item_timeout_s)
-                    remaining -= 1
-                    requeue(rest)
-                    worker.in_flight = []
+                    run.finish(current, ItemResult("timeout", None, self.item_timeout_s))
+                    run.requeue(rest)
                     self._replace(slot)
-        return results  # type: ignore[return-value]
+        return run.results  # type: ignore[return-value]
+
+    def _dispatch(self, run: _MapRun) -> None:
+        """Hands chunks to idle workers; chunks shrink near the end so that workers finish together."""
+        for worker in self._workers:
+            if worker.ready and not worker.in_flight and run.pending:
+                size = max(1, min(self.chunk_size, len(run.pending) // (2 * self.num_workers)))
+                chunk = [run.pending.popleft() for _ in range(min(size, len(run.pending)))]
+                worker.send(chunk, [run.items[i] for i in chunk])
+
+    def _collect(self, worker: _Worker, run: _MapRun, signalled: set) -> bool:
+        """Reads the worker's messages; False when it has died."""
+        if worker.conn in signalled:
+            try:
+                while worker.conn.poll():
+                    message = worker.conn.recv()
+                    if message == "ready":
+                        worker.ready = True
+                        run.startup_failures = 0
+                        continue
+                    index, status, value, seconds = message
+                    run.finish(index, ItemResult(status, value, seconds))
+                    worker.finish_one()
+            except (EOFError, OSError):
+                return False
+        return not (worker.process.sentinel in signalled and not worker.conn.poll())
+
+    def _after_death(self, slot: int, run: _MapRun) -> None:
+        """Retries the item a dead worker was running once, requeues the rest of its chunk."""
+        worker = self._workers[slot]
+        if not worker.ready:
+            run.startup_failures += 1
+            if run.startup_failures >= _STARTUP_FAILURES_ALLOWED:
+                raise RuntimeError(
+                    f"reward workers die before they are ready (exit code {worker.process.exitcode}); "
+                    f"is fn's module importable in a fresh process, and does the main script have "
+                    f"an `if __name__ == \"__main__\":` guard?"
+                )
+        if worker.in_flight:
+            current, *rest = worker.in_flight
+            run.crashes[current] = run.crashes.get(current, 0) + 1
+            if run.crashes[current] > 1:
+                run.finish(current, ItemResult("crash", f"worker exit code {worker.process.exitcode}"))
+            else:
+                rest = [current, *rest]
+            run.requeue(rest)
+        self._replace(slot)
+
+
+class _MapRun:
+    """Book-keeping of one `map` call."""
+
+    def __init__(self, items: Sequence[Any]):
+        self.items = items
+        self.results: list[ItemResult | None] = [None] * len(items)
+        self.pending = deque(range(len(items)))
+        self.remaining = len(items)
+        self.crashes: dict[int, int] = {}  # item index -> workers it has taken down
+        self.startup_failures = 0
+
+    def finish(self, index: int, result: ItemResult) -> None:
+        self.results[index] = result
+        self.remaining -= 1
+
+    def requeue(self, indices: Sequence[int]) -> None:
+        self.pending.extendleft(reversed(indices))
 
 
 class _Worker:
-    """The parent's view of one worker: its process, pipe, and the items it holds in order."""
+    """The parent's view of one worker: its process, pipe, and the items it holds, in order."""
 
-    def __init__(self, process: mp.process.BaseProcess, conn: mp_connection.Connection):
+    def __init__(self, process: mp.process.BaseProcess, conn: mp_connection.Connection, timeout_s: float):
         self.process = process
         self.conn = conn
+        self.timeout_s = timeout_s
         self.ready = False
         self.in_flight: list[int] = []
-        self.deadline = float("inf")
+        self.deadline = float("inf")  # when the item it is running overruns
 
-    def send(self, indices: list[int], chunk_items: list[Any], timeout_s: float) -> None:
+    def send(self, indices: list[int], chunk_items: list[Any]) -> None:
         self.in_flight = list(indices)
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = time.monotonic() + self.timeout_s
         self.conn.send(list(zip(indices, chunk_items)))
 
-    def finish_one(self, timeout_s: float) -> None:
+    def finish_one(self) -> None:
         self.in_flight.pop(0)
-        self.deadline = time.monotonic() + timeout_s if self.in_flight else float("inf")
+        self.deadline = time.monotonic() + self.timeout_s if self.in_flight else float("inf")
 
     def stop(self, kill: bool = False) -> None:
         if not kill and self.process.is_alive():
             try:
                 self.conn.send(None)
+                self.process.join(timeout=1.0)
             except OSError:
-                kill = True
-            self.process.join(timeout=1.0)
+                pass
         if self.process.is_alive():
             self.process.kill()
         self.process.join()

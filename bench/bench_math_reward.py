@@ -1,0 +1,145 @@
+"""Math reward throughput: MathReward's killable pool against math-verify called in-line.
+
+    .venv/bin/python bench/bench_math_reward.py [--responses 10000] [--workers 2] [--timeout-s 2]
+
+10,000 seeded responses of a realistic mix (MATH500/AIME ground truths when ../shared/data is
+there, synthetic arithmetic otherwise): boxed right answers, right answers in another form, wrong
+answers, answers in ORZ's <answer> tag, no answer, truncated responses, and a few pathological
+ones (a tower of powers, deep nesting, a megabyte). Prints ONE JSON line: responses/s through the
+pool, per-item latency p50/p99, timeouts; the in-line rate (one process, no pool, no timeout) on
+the same mix without the pathological items, which would hang it; their ratio, and the pool's
+fraction of its ideal (workers x the in-line rate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from importlib.metadata import version
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orz.data.datasets import load_prompts  # noqa: E402
+from orz.data.synthetic import arithmetic_rows  # noqa: E402
+from orz.reward.math import MathReward, MathRewardConfig, extract_answer, is_equivalent  # noqa: E402
+
+SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+PATHOLOGICAL = [
+    r"\boxed{2^{2^{2^{100}}}}",
+    r"\boxed{" + "{" * 20_000 + "1" + "}" * 20_000 + "}",
+    "Let me think. " * 80_000 + r"\boxed{12}",
+    r"\boxed{" + "9" * 100_000 + "}",
+    r"\boxed{10^{10^{10^{10}}}}",
+]
+
+
+def ground_truths() -> tuple[list[str], str]:
+    names = ("math500.json", "aime2024.json")
+    if all(os.path.exists(os.path.join(SHARED_DATA, n)) for n in names):
+        return [r["answer"] for n in names for r in load_prompts(os.path.join(SHARED_DATA, n))], "math500+aime2024"
+    return [r["answer"] for r in arithmetic_rows(500, seed=0)], "synthetic arithmetic"
+
+
+def other_form(truth: str) -> str:
+    """The same value written differently, where an obvious one exists."""
+    if truth.lstrip("-").isdigit():
+        return f"{truth}.0" if len(truth) < 6 else f"{int(truth):,}"
+    if truth.startswith("\\frac"):
+        return truth.replace("\\frac", "\\dfrac", 1)
+    return f"\\left( {truth} \\right)" if truth.startswith("(") else f" {truth} "
+
+
+def wrong(truth: str, truths: list[str], rng: random.Random) -> str:
+    return str(int(truth) + rng.choice([-1, 1, 10])) if truth.lstrip("-").isdigit() else rng.choice(truths)
+
+
+def build_mix(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
+    rng = random.Random(seed)
+    truths, _ = ground_truths()
+    responses, answers, finish = [], [], []
+    for i in range(n):
+        truth = rng.choice(truths)
+        reasoning = " ".join(f"Step {k}: we simplify the expression and check the case." for k in range(rng.randint(5, 40)))
+        kind = rng.random()
+        if i < len(PATHOLOGICAL):
+            response = PATHOLOGICAL[i]
+        elif kind < 0.35:
+            response = f"<think> {reasoning} </think> <answer> \\boxed{{{truth}}} </answer>"
+        elif kind < 0.50:
+            response = f"{reasoning} So the answer is $\\boxed{{{other_form(truth)}}}$."
+        elif kind < 0.60:
+            response = f"<think> {reasoning} </think> <answer>{truth}</answer>"
+        elif kind < 0.85:
+            response = f"<think> {reasoning} </think> <answer> \\boxed{{{wrong(truth, truths, rng)}}} </answer>"
+        elif kind < 0.95:
+            response = f"<think> {reasoning} and I am not sure"
+        else:
+            response = f"<think> {reasoning} \\boxed{{{truth}}}"
+        responses.append(response)
+        answers.append(truth)
+        finish.append("length" if kind >= 0.95 else "stop")
+    order = list(range(n))
+    rng.shuffle(order)  # pathological items anywhere, not all first
+    return [responses[i] for i in order], [answers[i] for i in order], [finish[i] for i in order]
+
+
+def inline_rate(responses, truths, finish) -> tuple[float, float]:
+    """The peer: extraction and math-verify in this process, one response after another."""
+    is_equivalent("\\frac{1}{2}", "0.5")  # warm-up, as the pool's workers do
+    start = time.perf_counter()
+    correct = 0
+    for response, truth, reason in zip(responses, truths, finish):
+        if reason == "stop" and (answer := extract_answer(response)) is not None:
+            correct += is_equivalent(answer, truth)
+    elapsed = time.perf_counter() - start
+    return len(responses) / elapsed, correct / len(responses)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--responses", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    responses, truths, finish = build_mix(args.responses, args.seed)
+    cfg = MathRewardConfig(num_workers=args.workers, timeout_s=args.timeout_s)
+    with MathReward(cfg) as reward:
+        start = time.perf_counter()
+        scores, metrics = reward.score(responses, truths, finish)
+        pool_s = time.perf_counter() - start
+
+    pathological = set(PATHOLOGICAL)
+    tame = [(r, t, f) for r, t, f in zip(responses, truths, finish) if r not in pathological]
+    inline_per_s, inline_accuracy = inline_rate(*zip(*tame))
+    pool_per_s = args.responses / pool_s
+    print(json.dumps({
+        "bench": "math_reward",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores (shared), {platform.machine()}, Python {platform.python_version()}",
+        "settings": {"responses": args.responses, "workers": args.workers, "timeout_s": args.timeout_s,
+                     "chunk_size": cfg.chunk_size, "pathological": len(PATHOLOGICAL),
+                     "ground_truths": ground_truths()[1], "math_verify": version("math-verify"), "seed": args.seed},
+        "pool_responses_per_s": round(pool_per_s, 1),
+        "pool_wall_s": round(pool_s, 2),
+        "latency_s_p50": round(metrics["reward/verify_s_p50"], 5),
+        "latency_s_p99": round(metrics["reward/verify_s_p99"], 5),
+        "timeouts": int(metrics["reward/timeouts"]),
+        "errors": int(metrics["reward/errors"]),
+        "crashes": int(metrics["reward/crashes"]),
+        "accuracy": round(metrics["reward/accuracy"], 4),
+        "inline_responses_per_s": round(inline_per_s, 1),
+        "inline_responses": len(tame),
+        "inline_accuracy": round(inline_accuracy, 4),
+        "pool_over_inline": round(pool_per_s / inline_per_s, 2),
+        "fraction_of_ideal": round(pool_per_s / (args.workers * inline_per_s), 2),
+    }))
+
+
+if __name__ == "__main__":
+    main()
