@@ -425,7 +425,7 @@ def memory_rows(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Wor
         others = [_resident(layout, o, parts[o], mem, reserved) for o in parts if o != role] if layout.colocate else []
         limit, why = mem - sum(others), f"{_gib(mem)} GiB"
         if others:
-            why += f" − {_gib(sum(others))} GiB kept by {len(others)} colocated processes"
+            why += f" − {_gib(sum(others))} GiB kept by {len(others)} other colocated process{'es' * (len(others) > 1)}"
         if role == "rollout":
             limit = int(layout.rollout.gpu_memory_utilization * mem)
             why = f"gpu_memory_utilization {layout.rollout.gpu_memory_utilization} × {_gib(mem)} GiB"
@@ -850,7 +850,7 @@ def print_table(p: Plan, problems: list[str]) -> None:
                                                          for k in RoleMemory.COMPONENTS),
                       f"{_gib(r.total)}", f"{_gib(r.limit)}", "[green]yes[/]" if r.fits else "[red]NO[/]")
     t, w = p.timing, p.workload
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough not to fold the table
     console.print(table)
     console.print(f"per iteration ({w.samples} samples, mean {w.mean_prompt_len}+{w.mean_response_len} tokens): "
                   f"rollout {t.rollout_s:.0f} s ({t.decode_concurrency} seqs/engine, {t.decode_step_ms:.1f} ms/step, "

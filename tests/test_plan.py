@@ -1,0 +1,312 @@
+"""orz.plan against numbers derived by hand for a small made-up model, plus bad input and the CLI.
+
+    .venv/bin/python -m pytest -q tests/test_plan.py
+"""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orz.models.arch import ModelArch, ModelConfigError
+from orz.plan import (GIB, GPUS, MODELS, Cluster, Layout, LayoutError, ModelParallel, Rollout, TrainParallel,
+                      Workload, check, main, plan, stage_params)
+
+LAYOUTS = Path(__file__).resolve().parent.parent / "configs" / "layouts"
+
+# h=64, f=256, L=4, a=4 heads, g=2 KV groups, d=16, V=1001 (odd, so TP pads it), untied, no biases.
+TINY = ModelArch(family="llama", vocab_size=1001, hidden_size=64, intermediate_size=256, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, max_position_embeddings=256)
+# 4 prompts × 8 samples = 32 samples; max 32 + 96 = 128 tokens (sizes memory); mean 16 + 48 = 64 (sizes time).
+WORK = Workload(prompts_per_iteration=4, samples_per_prompt=8, max_prompt_len=32, max_response_len=96,
+                mean_prompt_len=16, mean_response_len=48)
+# 1 node × 8 GPUs of 1 GiB; no reserved memory, so limits are the whole GPU.
+CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserved_gib=0.0,
+                  train_mfu=0.5, hbm_efficiency=0.5)
+
+# Hand-derived pieces reused below:
+#   one layer, split part: attention h·d·(2a+2g) = 64·16·12 = 12288, MLP 3·h·f = 49152 → 61440
+#   one layer on a TP=2 rank: 61440/2 + norms 2h = 30720 + 128 = 30848
+#   vocabulary at TP=2, padded to a multiple of 2: 1002; one rank's embedding: 1002·64/2 = 32064
+#   TP=2 PP=2 stages: first = 2 layers + embedding = 61696 + 32064 = 93760
+#                     last  = 2 layers + final norm + LM head = 61696 + 64 + 32064 = 93824
+#   A(T=128), one layer's activations, TP=2 (4·a·d + 4·g·d + 6f = 256 + 128 + 1536 = 1920):
+#     with SP    128·8·64/2 + 128·1920/2 = 32768 + 122880 = 155648
+#     without SP 128·8·64   + 128·1920/2 = 65536 + 122880 = 188416
+#   training logits, TP=2: 128 tokens · 1002/2 · 14 bytes = 897792; forward-only (10 bytes): 641280
+
+
+def tiny_plan(**layout_changes):
+    layout = Layout(
+        actor=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, sequence_parallel=True,
+                            distributed_optimizer=True),
+        critic=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, recompute=True, distributed_optimizer=True),
+        reference=ModelParallel(tp=2, pp=1, dp=4, micro_batch_tokens=128),
+        rollout=Rollout(engines=8, tp=1, gpu_memory_utilization=0.5, max_num_seqs=8),
+        colocate=True, offload=True,
+    )
+    return plan(TINY, CLUSTER, replace(layout, **layout_changes), WORK, "tiny")
+
+
+def test_presets_match_published_parameter_counts():
+    published_b = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76,
+                   "Llama-3.1-8B": 8.03}
+    assert {name: round(arch.num_params / 1e9, 2) for name, arch in MODELS.items()} == published_b
+
+
+def test_stage_params_by_hand():
+    assert stage_params(TINY, 2, 2, "lm", 1) == [93760, 93824]
+    # TP=PP=1, no padding needed at multiple 1: the stage is the whole model.
+    assert stage_params(TINY, 1, 1, "lm", 1) == [TINY.num_params]
+    # value head h + 1 replaces the LM head: 61696 + 64 + 65
+    assert stage_params(TINY, 2, 2, "value", 1) == [93760, 61825]
+    # tied, PP=2: the last stage keeps its own copy of the embedding; PP=1: shared, counted once
+    tied = replace(TINY, tie_word_embeddings=True)
+    assert stage_params(tied, 2, 2, "lm", 1) == [93760, 93824]
+    assert stage_params(tied, 2, 1, "lm", 1) == [4 * 30848 + 32064 + 64]
+
+
+def test_actor_memory_by_hand_no_recompute():
+    # actor TP2 PP2 DP2, SP, distributed optimizer, no recompute; the last stage is heaviest:
+    #   P = 93824: weights 2P = 187648, grads 4P = 375296, optimizer 12P/DP = 562944
+    #   activations: 1 micro-batch in flight · 2 layers · 155648 + logits 897792 = 1209088
+    # (the first stage: 93760·(2+4+6) + 2 in flight·2·155648 = 1125120 + 622592 = 1747712 < 2334976)
+    actor = tiny_plan().row("actor")
+    assert (actor.weights, actor.grads, actor.optimizer, actor.activations) == (187648, 375296, 562944, 1209088)
+    assert actor.total == 2334976 and actor.parallel == "TP2 PP2 DP2" and actor.gpus == 8
+
+
+def test_critic_memory_by_hand_full_recompute():
+    # critic TP2 PP2 DP2, full recompute, no SP, value head: the first stage is heaviest:
+    #   P = 93760: 187520 + 375040 + 12·93760/2 = 562560
+    #   activations: 2 in flight · 2 layers · layer input 2·T·h = 16384, + one layer re-run 188416 = 253952
+    # (last stage: P = 61825 → 741900, + 1·2·16384 + 188416 = 963084, no logits for a value head)
+    critic = tiny_plan().row("critic")
+    assert (critic.weights, critic.grads, critic.optimizer, critic.activations) == (187520, 375040, 562560, 253952)
+
+
+def test_optimizer_without_distributed_optimizer_is_on_every_rank():
+    # 12 bytes/param (fp32 master + m + v) not divided by DP: 12·93824
+    actor = tiny_plan(actor=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, sequence_parallel=True)).row("actor")
+    assert actor.optimizer == 12 * 93824
+
+
+def test_reference_memory_by_hand():
+    # reference TP2 PP1: P = 4·30848 + 2·32064 + 64 = 187584 → weights 375168
+    # activations: one layer without SP 188416 + forward-only logits 641280 = 829696; no grads or optimizer
+    ref = tiny_plan().row("reference")
+    assert (ref.weights, ref.grads, ref.optimizer, ref.activations) == (375168, 0, 0, 829696)
+
+
+def test_rollout_memory_by_hand():
+    # engine TP1; vLLM pads V to 64: 1024 → P = 4·61568 + 2·1024·64 + 64 = 377408 → weights 754816
+    # KV per token: 2·L·g·d·2 = 2·4·2·16·2 = 512; concurrency min(8, 32/8) = 4; 4·128 tokens·512 = 262144
+    rollout = tiny_plan().row("rollout")
+    assert (rollout.weights, rollout.kv_cache) == (754816, 262144)
+    assert rollout.limit == int(0.5 * GIB)
+    # 2 engines of TP4 > g = 2: KV heads are replicated, one per GPU: 2·4·1·16·2 = 256 bytes per token;
+    # concurrency min(8, 32/2) = 8
+    wide = tiny_plan(rollout=Rollout(engines=2, tp=4, max_num_seqs=8)).row("rollout")
+    assert wide.kv_cache == 8 * 128 * 256
+
+
+def test_colocated_limits_subtract_what_idle_roles_keep():
+    # reserved 0.25 GiB per process: with offload, each of 3 other processes keeps only that
+    cluster = replace(CLUSTER, reserved_gib=0.25)
+    p = plan(TINY, cluster, tiny_plan().layout, WORK)
+    assert p.row("actor").limit == GIB - 3 * GIB // 4 and p.row("actor").overhead == GIB // 4
+    # without offload the others keep their states too, and vLLM its whole 0.25 GiB budget:
+    #   critic (first stage) 187520 + 375040 + 562560 = 1125120, reference 375168, each + 0.25 GiB
+    layout = replace(p.layout, offload=False, rollout=replace(p.layout.rollout, gpu_memory_utilization=0.25))
+    kept = plan(TINY, cluster, layout, WORK)
+    assert kept.row("actor").limit == GIB - (GIB // 4 + 2 * GIB // 4 + 1125120 + 375168)
+    assert kept.row("rollout").limit == GIB // 4
+
+
+def test_separate_gpus_have_the_whole_gpu():
+    layout = replace(tiny_plan().layout, colocate=False,
+                     actor=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                     critic=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                     reference=ModelParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                     rollout=Rollout(engines=2, tp=1))
+    p = plan(TINY, CLUSTER, layout, WORK)
+    assert all(r.limit == GIB for r in p.memory if r.role != "rollout") and p.row("actor").gpus == 2
+
+
+def test_timing_by_hand():
+    t = tiny_plan().timing
+    flop_s, byte_s = 989e12 * 0.5, 3.35e12 * 0.5
+    # tokens n = 32 samples · 64 = 2048, s = 64
+    # M (LM head) = L·61440 + V·h = 245760 + 64064 = 309824; value head: 245760 + 64 = 245824
+    # forward FLOPs = 2·M·n + 2·L·a·d·s·n, with 2·L·a·d = 512
+    fwd_lm = 2 * 309824 * 2048 + 512 * 64 * 2048
+    fwd_value = 2 * 245824 * 2048 + 512 * 64 * 2048
+    # colocated: each role on all 8 GPUs, one after another
+    assert t.forward_s == pytest.approx((2 * fwd_lm + fwd_value) / (8 * flop_s))
+    # actor 3× forward (no recompute), critic 4× (recompute)
+    assert t.train_s == pytest.approx((3 * fwd_lm + 4 * fwd_value) / (8 * flop_s))
+    # decode per engine: 32/8 = 4 samples at c = 4; mean context 16 + 48/2 = 40
+    #   read = weights 754816 + 4·40·512 = 836736 bytes per step
+    #   (memory bound: 4·(2M + 4·L·a·d·40) = 2.7 MFLOP take 5e-9 s, the read 5e-7 s)
+    step = 836736 / byte_s
+    assert t.decode_step_ms == pytest.approx(step * 1e3)
+    # prefill: 4·16 prompt tokens at s = 16 on one GPU; decode: 4·48/4 = 48 steps
+    prefill = (2 * 309824 * 64 + 512 * 16 * 64) / flop_s
+    assert t.rollout_s == pytest.approx(prefill + 48 * step)
+    assert t.rollout_tokens_per_s == pytest.approx(32 * 48 / t.rollout_s)
+    assert t.iteration_s == pytest.approx(t.rollout_s + t.forward_s + t.train_s)
+
+
+@pytest.mark.parametrize("name", ["orz_7b", "orz_32b"])
+def test_shipped_layouts_fit_on_80gb(name, capsys):
+    assert main(["--layout", str(LAYOUTS / f"{name}.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["problems"] == [] and out["gpu_mem_gib"] == 79.6
+    assert all(r["total"] <= r["limit"] for r in out["memory_gib"].values())
+
+
+def test_seven_b_actor_numbers_by_hand(capsys):
+    # Qwen2.5-7B actor TP2, one rank: layer split part h·d·(2a+2g) + 3hf + qkv bias d·(a+2g)
+    #   = 29360128 + 203685888 + 4608 = 233050624 → /2 + norms 7168 = 116532480, × 28 layers
+    #   + embedding and LM head 2·(152064/2)·3584 + final norm 3584 → P = 3807910400
+    # weights 2P = 7.1 GiB, grads 4P = 14.2 GiB, optimizer 12P/16 = 2.7 GiB
+    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--json"])
+    actor = json.loads(capsys.readouterr().out)["memory_gib"]["actor"]
+    params = 28 * 116532480 + 2 * 76032 * 3584 + 3584
+    assert params == stage_params(MODELS["Qwen2.5-7B"], 2, 1, "lm", 1)[0] == 3807910400
+    assert (actor["weights"], actor["grads"], actor["optimizer"]) == (
+        round(2 * params / GIB, 1), round(4 * params / GIB, 1), round(12 * params / 16 / GIB, 1))
+
+
+def test_cli_flags_and_overrides(capsys):
+    code = main(["--model", "Qwen2.5-7B", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "79.6",
+                 "--actor-tp", "2", "--recompute", "--distributed-optimizer", "--engines", "32",
+                 "--max-num-seqs", "64", "--json"])
+    from_flags = json.loads(capsys.readouterr().out)
+    assert code == 0 and from_flags["memory_gib"]["critic"]["parallel"] == "TP2 PP1 DP16"
+    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--json"])
+    assert json.loads(capsys.readouterr().out)["memory_gib"] == from_flags["memory_gib"]
+    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--actor-tp", "4", "--actor-dp", "8", "--no-critic", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_gib"]["actor"]["parallel"] == "TP4 PP1 DP8" and "critic" not in out["memory_gib"]
+
+
+def test_table_output(capsys):
+    assert main(["--layout", str(LAYOUTS / "orz_32b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen2.5-32B" in out and "TP8 PP2 DP8" in out and "per iteration" in out and "assumptions" in out
+
+
+def test_does_not_fit_names_role_component_and_fix(capsys):
+    # 7B actor on one GPU per rank with neither recompute nor the distributed optimizer
+    code = main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--no-recompute", "--no-distributed-optimizer"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "actor does not fit" in out and "largest part: activations" in out
+    assert "enable full recompute" in out
+    p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
+             Layout(actor=TrainParallel(tp=1), rollout=Rollout(engines=32, max_num_seqs=64)), Workload())
+    [problem] = check(p)
+    assert problem.startswith("actor does not fit") and "together" in problem and "layout.actor.tp 1→" in problem
+
+
+def test_rollout_kv_cache_that_does_not_fit_suggests_max_num_seqs():
+    p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
+             Layout(actor=TrainParallel(tp=2, recompute=True, distributed_optimizer=True),
+                    rollout=Rollout(engines=32, max_num_seqs=256)),
+             Workload())
+    [problem] = check(p)
+    # KV budget: 0.85·79.6 GiB − 14.2 GiB weights − 2 GiB reserved = 51.5 GiB; a 10240-token sequence
+    # takes 10240·2·28·4·128·2 bytes = 0.55 GiB → 94 sequences
+    assert problem.startswith("rollout does not fit") and "largest part: kv_cache" in problem
+    assert "lower max_num_seqs to 94" in problem
+
+
+def test_gpu_memory_utilization_beyond_what_colocated_roles_leave():
+    # 3 other processes keep 0.25 GiB each: vLLM cannot have 0.99 of the GPU
+    layout = replace(tiny_plan().layout, rollout=Rollout(engines=8, tp=1, gpu_memory_utilization=0.99, max_num_seqs=1))
+    p = plan(TINY, replace(CLUSTER, reserved_gib=0.25), layout, WORK)
+    assert any("gpu_memory_utilization 0.99 asks for" in problem for problem in check(p))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(actor=TrainParallel(tp=2, pp=1, dp=2, micro_batch_tokens=128)), "TP·PP·DP = 2·1·2 = 4 ≠ 8 GPUs"),
+    (dict(actor=TrainParallel(tp=3, micro_batch_tokens=128)), "TP·PP = 3·1 does not divide the 8 GPUs"),
+    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=3, dp=1, micro_batch_tokens=128)),
+     "tp=3 does not divide num_attention_heads=4"),
+    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=1, pp=3, dp=1, micro_batch_tokens=128)),
+     "pp=3 does not divide num_hidden_layers=4"),
+    (dict(actor=TrainParallel(tp=2, micro_batch_tokens=100)), "micro_batch_tokens=100 cannot hold the longest"),
+    (dict(rollout=Rollout(engines=3, tp=1)), "engines·tp = 3·1 = 3 ≠ 8 GPUs"),
+    (dict(rollout=Rollout(engines=1, tp=8)), "layout.rollout.tp=8 must divide num_attention_heads=4"),
+    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=2, dp=2, micro_batch_tokens=128),
+          rollout=Rollout(engines=8)), "GPUs needed: actor 4 + rollout 8 = 12 > 8 GPUs"),
+    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=2, micro_batch_tokens=128)),
+     "layout.actor.dp is required when roles are not colocated"),
+])
+def test_layouts_that_cannot_run(changes, message):
+    with pytest.raises(LayoutError, match=message.replace("·", ".").replace("+", r"\+")):
+        tiny_plan(**changes)
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
+     "layout: {actor: {tpp: 2}, rollout: {engines: 8}}", "unknown key layout.actor.tpp"),
+    ("model: Qwen2.5-7B\nclustre: {}\n", "unknown section 'clustre'"),
+    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
+     "layout: {actor: {tp: '2'}, rollout: {engines: 8}}", "layout.actor.tp must be int"),
+    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8}\nlayout: {}", "cluster is missing gpu_mem_gib"),
+    ("model: Qwen9\ncluster: {}\nlayout: {}", "neither a preset"),
+    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80, gpu: B300}\nlayout: {}",
+     "cluster.gpu='B300' is not a preset"),
+])
+def test_bad_yaml_exits_2_naming_the_key(tmp_path, capsys, yaml_text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    assert main(["--layout", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_from_hf_config_json(tmp_path):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from orz.plan import resolve_model
+
+    for source in (tmp_path, tmp_path / "config.json"):
+        assert resolve_model(str(source))[1].num_params == MODELS["Qwen2.5-7B"].num_params
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ModelConfigError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 2]),
+       recompute=st.booleans(), sp=st.booleans(), tokens=st.sampled_from([128, 256, 1024]))
+def test_memory_never_grows_with_more_parallelism_or_savings(tp, pp, dp, recompute, sp, tokens):
+    cluster = replace(CLUSTER, nodes=4)  # 32 GPUs: room for every combination on separate GPUs
+
+    def actor(**changes):
+        par = TrainParallel(**(dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=tokens, recompute=recompute,
+                                    sequence_parallel=sp) | changes))
+        layout = Layout(actor=par, rollout=Rollout(engines=1), colocate=False)
+        return plan(TINY, cluster, layout, WORK).row("actor")
+
+    base = actor()
+    assert actor(distributed_optimizer=True).total <= base.total
+    if pp <= 2:  # ≥ 2 layers per stage: keeping inputs and re-running one layer beats keeping them all
+        assert actor(recompute=True).activations <= base.activations
+    assert base.weights * tp * pp >= 2 * TINY.num_params  # every parameter lives somewhere
+    if tp == 1:
+        wider = plan(TINY, cluster, Layout(actor=TrainParallel(tp=2, pp=pp, dp=dp, micro_batch_tokens=tokens,
+                                                               recompute=recompute, sequence_parallel=sp),
+                                           rollout=Rollout(engines=1), colocate=False), WORK).row("actor")
+        assert all(getattr(wider, c) <= getattr(base, c) for c in ("weights", "grads", "optimizer", "activations"))
+
+
+def test_gpu_presets_are_complete():
+    assert set(GPUS) == {"A100", "H100", "H800", "H200"}
