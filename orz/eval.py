@@ -1,0 +1,150 @@
+"""Benchmark table for a checkpoint: avg@k, pass@k, maj@k, lengths and truncation per benchmark.
+
+    python -m orz.eval --model ckpt/hf --data aime24=data/aime2024.json --data math500=data/math500.json \\
+        --n 32 --temperature 0.6 --top-p 0.95 --max-tokens 8192 [--template think_answer|chat] \\
+        [--out DIR] [--engines N] [--seed S]
+
+--model is an HF directory or a Megatron checkpoint written by orz (it holds orz_megatron.json; it
+is converted to a temporary HF directory under --out, with the tokenizer from --tokenizer).
+Benchmark files are read locally (see orz/evaluation/benchmarks.py for their formats); every
+file is checked before any engine starts. Writes DIR/report.json (settings and every figure),
+DIR/samples.jsonl (one line per sample) and DIR/table.md, and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orz.data.datasets import DatasetFormatError
+from orz.models.arch import ModelConfigError
+from orz.models.checkpoint import MEGATRON_META
+
+
+@dataclass(frozen=True)
+class CliConfig:
+    model: str
+    data: dict[str, str]  # benchmark name -> file
+    tokenizer: str | None  # None: the model directory's
+    template: str
+    out: str
+    engines: int
+    tensor_parallel_size: int
+    max_model_len: int | None  # None: the model's own
+    kv_cache_gib: int  # CPU only: vLLM's KV cache size
+    gpu_memory_utilization: float | None  # GPU only; None: vLLM's default
+    ray_address: str | None  # None: start a local Ray cluster
+    progress: bool
+
+
+def parse_args(argv: list[str] | None = None):
+    from orz.evaluation.runner import EvalConfig
+
+    defaults = EvalConfig()
+    p = argparse.ArgumentParser(prog="python -m orz.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory, or an orz Megatron checkpoint")
+    p.add_argument("--data", required=True, action="append", metavar="NAME=PATH",
+                   help="a benchmark file (.jsonl/.json/.parquet); repeat for several. PATH alone: NAME is its stem")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model; required for a Megatron checkpoint)")
+    p.add_argument("--template", default="think_answer", choices=["think_answer", "chat"])
+    p.add_argument("--n", type=int, default=defaults.n, help="samples per problem (the k of avg@k)")
+    p.add_argument("--temperature", type=float, default=defaults.temperature)
+    p.add_argument("--top-p", type=float, default=defaults.top_p)
+    p.add_argument("--top-k", type=int, default=defaults.top_k)
+    p.add_argument("--max-tokens", type=int, default=defaults.max_new_tokens, help="new tokens per response")
+    p.add_argument("--stop", action="append", help="stop string (repeat); default: the template's")
+    p.add_argument("--k", type=int, nargs="+", help="the k of pass@k and maj@k (default: 1, 2, 4, ..., n)")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--chunk-samples", type=int, default=defaults.chunk_samples, help="samples per generate call")
+    p.add_argument("--out", help="output directory (default: runs/eval/<model>-<time>)")
+    p.add_argument("--engines", type=int, default=1, help="vLLM engines")
+    p.add_argument("--tp", type=int, default=1, help="GPUs per engine (vLLM tensor parallelism)")
+    p.add_argument("--max-model-len", type=int, help="vLLM context length (default: the model's)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: KV cache per engine")
+    p.add_argument("--gpu-memory-utilization", type=float, help="GPU only (default: vLLM's)")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    data = {}
+    for item in args.data:
+        name, _, path = item.partition("=") if "=" in item else (Path(item).stem, "", item)
+        if not name or not path or name in data:
+            p.error(f"--data {item!r}: expected NAME=PATH with distinct names")
+        data[name] = path
+    out = args.out or f"runs/eval/{Path(args.model).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
+                    args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress)
+    cfg = EvalConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                     max_new_tokens=args.max_tokens, stop=None if args.stop is None else tuple(args.stop),
+                     seed=args.seed, ks=None if args.k is None else tuple(args.k), chunk_samples=args.chunk_samples)
+    return cli, cfg
+
+
+def resolve_model(model: str | Path, tokenizer: str | None, workdir: str | Path) -> tuple[str, str]:
+    """(HF directory for vLLM, tokenizer directory). An orz Megatron checkpoint is converted into
+    `workdir` first; it holds no tokenizer, so `tokenizer` must name one."""
+    from orz.convert import mcore2hf
+
+    model = Path(model)
+    if (model / MEGATRON_META).is_file():
+        if tokenizer is None:
+            raise ModelConfigError(f"{model} is a Megatron checkpoint, which holds no tokenizer: pass --tokenizer DIR")
+        return str(mcore2hf(str(model), str(Path(workdir) / "hf"), like=tokenizer)), tokenizer
+    if not (model / "config.json").is_file():
+        raise ModelConfigError(f"{model}: neither an HF directory (config.json) nor an orz Megatron checkpoint ({MEGATRON_META})")
+    return str(model), tokenizer or str(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli, cfg = parse_args(argv)
+    try:
+        return run(cli, cfg)
+    except (DatasetFormatError, ModelConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(cli: CliConfig, cfg) -> int:
+    """setup (benchmarks first: a bad file fails in seconds) -> evaluate -> save -> cleanup."""
+    import ray
+
+    from orz.data.templates import make_template
+    from orz.data.tokenizers import load_tokenizer
+    from orz.evaluation import Evaluator, load_benchmark
+    from orz.rollout.fleet import EngineFleet, FleetConfig
+
+    benchmarks = [load_benchmark(name, path) for name, path in cli.data.items()]
+    Path(cli.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".model-", dir=cli.out) as workdir:
+        model_dir, tokenizer_dir = resolve_model(cli.model, cli.tokenizer, workdir)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        template = make_template(cli.template, tokenizer)
+        engine_args = {k: v for k, v in (("max_model_len", cli.max_model_len),
+                                         ("gpu_memory_utilization", cli.gpu_memory_utilization)) if v is not None}
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(address=cli.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        fleet = None
+        try:
+            fleet = EngineFleet(model_dir, FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,
+                                                       engine_args=engine_args, kv_cache_gib=cli.kv_cache_gib), seed=cfg.seed)
+            with Evaluator(fleet, tokenizer, template, benchmarks, cfg, progress=cli.progress) as evaluator:
+                report = evaluator.run()
+        finally:
+            if fleet is not None:
+                fleet.shutdown()
+            if started_ray:
+                ray.shutdown()
+    report.settings.update(model=str(cli.model), tokenizer=cli.tokenizer or str(cli.model), engines=cli.engines,
+                           tensor_parallel_size=cli.tensor_parallel_size, engine_args=engine_args)
+    paths = report.save(cli.out)
+    print(report.table())
+    print(f"\nreport: {paths['report']}\nsamples: {paths['samples']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Evaluator: samples n responses per benchmark problem from a fleet, judges them, and reports
+avg@k, pass@k, maj@k, response lengths and truncation per benchmark. It is the one code path
+behind `python -m orz.eval` and the trainer's periodic evaluation, so both give the same numbers
+for the same weights and settings.
+
+    evaluator = Evaluator(fleet, tokenizer, template, benchmarks, EvalConfig(n=32))
+    report = evaluator.run(min_version=fleet.weight_version)   # the trainer: the weights just synced
+    print(report.table()); report.save(out_dir); metrics.update(report.metrics())
+    evaluator.close()
+
+Generation goes in chunks of whole problems; the next chunk is generated while the last one is
+judged. Problem i of a benchmark is sampled with seed `cfg.seed + i`, so results depend neither
+on the chunking nor on how many engines share the work (up to the engines' numerics).
+"""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from tqdm import tqdm
+
+from orz.data.templates import ANSWER_CLOSE, ChatTemplate, ThinkAnswerTemplate
+from orz.evaluation import metrics
+from orz.evaluation.benchmarks import Benchmark, Kind, Problem, cluster_math_answers, extract_choice
+from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
+from orz.reward.math import MathReward, MathRewardConfig, extract_answer
+from orz.reward.pool import KillablePool
+from orz.rollout.engine import Sample, SamplingConfig
+
+
+class Generator(Protocol):
+    """What the evaluator needs of a fleet (EngineFleet, or a stand-in in tests)."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None) -> list[Sample]:
+        ...
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    n: int = 1  # samples per problem: the k of avg@k
+    temperature: float = 0.6  # 0.6 / 0.95: the sampling DeepSeek-R1 and Skywork-OR1 report avg@k with
+    top_p: float = 0.95
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 8192
+    stop: tuple[str, ...] | None = None  # None: the template's own (think_answer: after "</answer>")
+    seed: int = 0  # problem i of each benchmark is sampled with seed + i
+    ks: tuple[int, ...] | None = None  # the k of pass@k and maj@k; None: 1, 2, 4, ... below n, and n
+    # Samples per generate call, rounded to whole problems. The progress bar moves once per chunk;
+    # bigger chunks keep more engines busy.
+    chunk_samples: int = 1024
+    # Verdicts are 0 or 1: no format bonus, and code must pass every test.
+    math: MathRewardConfig = field(default_factory=MathRewardConfig)
+    code: CodeRewardConfig = field(default_factory=lambda: CodeRewardConfig(scoring="all_pass"))
+    # Wall-clock limit for clustering one problem's answers for maj@k (math-verify, pairwise). Past
+    # it, that problem's answers are clustered by exact string instead (counted as
+    # cluster_fallbacks).
+    cluster_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.n < 1 or self.chunk_samples < 1:
+            raise ValueError(f"need n >= 1 and chunk_samples >= 1; got n={self.n}, chunk_samples={self.chunk_samples}")
+        if self.ks is not None and any(not 1 <= k <= self.n for k in self.ks):
+            raise ValueError(f"every k must be in 1..n={self.n}; got ks={list(self.ks)}")
+        if self.math.format_reward != 0.0 or self.code.scoring != "all_pass":
+            raise ValueError(f"a verdict is right or wrong: need math.format_reward=0 and code.scoring='all_pass'; "
+                             f"got {self.math.format_reward} and {self.code.scoring!r}")
+
+    @property
+    def pass_ks(self) -> tuple[int, ...]:
+        return self.ks if self.ks is not None else metrics.default_ks(self.n)
+
+
+def default_stop(template: Any) -> tuple[str, ...]:
+    """ORZ's template ends its answer with a tag; a chat template ends with the EOS token."""
+    return (ANSWER_CLOSE,) if isinstance(template, ThinkAnswerTemplate) else ()
+
+
+def encode_prompt(tokenizer: Any, template: Any, question: str) -> list[int]:
+    """Token ids of the templated question. A chat template writes its own special tokens (BOS
+    included), so they are not added twice; a plain template gets what the tokenizer adds."""
+    text = template.prompt(question)
+    return tokenizer(text, add_special_tokens=not isinstance(template, ChatTemplate))["input_ids"]
+
+
+@dataclass
+class Judged:
+    """Verdicts on one chunk of samples, problem by problem (n samples each, in order)."""
+
+    extracted: list[str | None]  # the answer, letter or code read from each response
+    verdicts: list[bool]
+    clusters: list[int | None] | None  # per sample, its answer cluster within its problem; None: no voting (code)
+    judge_timeouts: int = 0  # math: samples whose verification was killed (judged wrong); code: test cases killed
+    cluster_fallbacks: int = 0  # problems clustered by exact string after a clustering timeout
+
+
+@dataclass
+class EvalReport:
+    settings: dict[str, Any]
+    figures: dict[str, dict[str, float]]  # benchmark -> figure -> value
+    records: list[dict[str, Any]]  # one per sample
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """Flat `eval/<benchmark>/<figure>` metrics for the trainer's logs."""
+        return {f"{prefix}/{name}/{key}": value for name, figs in self.figures.items() for key, value in figs.items()}
+
+    def table(self) -> str:
+        """The Markdown table: accuracies in percent, lengths in tokens."""
+        n = self.settings["n"]
+        header = ["benchmark", "kind", "problems", f"avg@{n}", f"pass@{n}", f"maj@{n}",
+                  "tokens mean", "tokens p95", "truncated", "wall s"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i < 2 else "--:" for i in range(len(header))) + "|"]
+        for name, f in self.figures.items():
+            maj = f.get(f"maj@{n}")
+            cells = [name, self.settings["benchmarks"][name]["kind"], str(f["problems"]), _pct(f[f"avg@{n}"]),
+                     _pct(f[f"pass@{n}"]), "–" if maj is None else _pct(maj), f"{f['response_tokens_mean']:.0f}",
+                     f"{f['response_tokens_p95']:.0f}", _pct(f["truncated_rate"]), f"{f['wall_s']:.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Writes report.json (settings and every figure), samples.jsonl and table.md."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"report": out / "report.json", "samples": out / "samples.jsonl", "table": out / "table.md"}
+        paths["report"].write_text(json.dumps({"settings": self.settings, "benchmarks": self.figures}, indent=2) + "\n")
+        with open(paths["samples"], "w", encoding="utf-8") as f:
+            for record in self.records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        paths["table"].write_text(self.table() + "\n")
+        return paths
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+class Evaluator:
+    """Evaluates whatever weights `fleet` holds on `benchmarks`; holds the verifier pools between
+    runs (call `close()`)."""
+
+    def __init__(self, fleet: Generator, tokenizer: Any, template: Any, benchmarks: Sequence[Benchmark],
+                 cfg: EvalConfig = EvalConfig(), progress: bool = True):
+        names = [b.name for b in benchmarks]
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"need at least one benchmark and distinct names; got {names}")
+        self.fleet, self.template, self.benchmarks, self.cfg, self.progress = fleet, template, list(benchmarks), cfg, progress
+        self.prompts = {b.name: [template.prompt(p.question) for p in b.problems] for b in benchmarks}
+        self.prompt_ids = {b.name: [encode_prompt(tokenizer, template, p.question) for p in b.problems] for b in benchmarks}
+        stop = default_stop(template) if cfg.stop is None else cfg.stop
+        self.sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                       max_new_tokens=cfg.max_new_tokens, stop=list(stop), n=cfg.n, seed=cfg.seed)
+        kinds = {b.kind for b in benchmarks}
+        self.math_reward = MathReward(cfg.math) if "math" in kinds else None
+        self.cluster_pool = KillablePool(cluster_math_answers, cfg.math.num_workers, cfg.cluster_timeout_s,
+                                         chunk_size=1, memory_limit_mb=cfg.math.memory_limit_mb) if "math" in kinds else None
+        self.code_reward = CodeReward(cfg.code) if "code" in kinds else None
+        self._judges = {"math": self._judge_math, "multiple_choice": self._judge_choice, "code": self._judge_code}
+
+    def settings(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "benchmarks": {b.name: {"path": b.path, "kind": b.kind, "problems": len(b.problems)} for b in self.benchmarks},
+            "template": type(self.template).__name__,
+            "n": cfg.n, "ks": list(cfg.pass_ks), "seed": cfg.seed,
+            "sampling": asdict(self.sampling),
+            "math_extraction": list(cfg.math.extraction),
+            "cluster_timeout_s": cfg.cluster_timeout_s,
+            **({"code_sandbox": self.code_reward.sandbox.isolation} if self.code_reward else {}),
+        }
+
+    def run(self, min_version: int | None = None) -> EvalReport:
+        """Generates and judges every benchmark; `min_version` is passed to fleet.generate (the
+        trainer's guarantee that the engines hold the weights it means to evaluate)."""
+        figures, records, versions = {}, [], set()
+        total = sum(len(b.problems) for b in self.benchmarks) * self.cfg.n
+        with tqdm(total=total, unit="sample", desc="eval", disable=not self.progress, dynamic_ncols=True) as bar:
+            for bench in self.benchmarks:
+                figures[bench.name], bench_records = self._run_one(bench, min_version, bar)
+                records += bench_records
+                versions |= {r["weight_version"] for r in bench_records}
+        settings = {**self.settings(), "min_version": min_version, "weight_versions": sorted(versions)}
+        return EvalReport(settings, figures, records)
+
+    def _run_one(self, bench: Benchmark, min_version: int | None, bar: tqdm) -> tuple[dict[str, float], list[dict]]:
+        n, start = self.cfg.n, time.perf_counter()
+        per_chunk = max(1, self.cfg.chunk_samples // n)
+        starts = list(range(0, len(bench.problems), per_chunk))
+        verdicts, clusters, records = [], [], []
+        judge_timeouts = cluster_fallbacks = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="orz-eval-generate") as generator:
+            pending = generator.submit(self._generate, bench, starts[0], per_chunk, min_version)
+            for i, first in enumerate(starts):
+                samples = pending.result()
+                if i + 1 < len(starts):  # the engines work on the next chunk while this one is judged
+                    pending = generator.submit(self._generate, bench, starts[i + 1], per_chunk, min_version)
+                problems = [bench.problems[first + s.index] for s in samples]
+                judged = self._judges[bench.kind](problems, samples)
+                judge_timeouts += judged.judge_timeouts
+                cluster_fallbacks += judged.cluster_fallbacks
+                for j in range(0, len(samples), n):
+                    verdicts.append(judged.verdicts[j : j + n])
+                    clusters.append(None if judged.clusters is None else judged.clusters[j : j + n])
+                records += [self._record(bench, first, k, s, judged) for k, s in enumerate(samples)]
+                bar.set_postfix_str(f"{bench.name} avg@{n} {metrics.avg_at_k(verdicts):.3f}")
+                bar.update(len(samples))
+        figures = metrics.benchmark_figures(
+            verdicts, None if bench.kind == "code" else clusters, self.cfg.pass_ks,
+            [r["response_tokens"] for r in records], [r["finish_reason"] == "length" for r in records],
+        )
+        figures.update(
+            no_answer_rate=metrics.mean([float(r["extracted"] is None) for r in records]),
+            judge_timeouts=judge_timeouts,
+            **({"cluster_fallbacks": cluster_fallbacks} if bench.kind == "math" else {}),
+            wall_s=time.perf_counter() - start,
+        )
+        return figures, records
+
+    def _generate(self, bench: Benchmark, first: int, count: int, min_version: int | None) -> list[Sample]:
+        prompts = self.prompt_ids[bench.name][first : first + count]
+        samples = self.fleet.generate(prompts, replace(self.sampling, seed=self.cfg.seed + first), min_version=min_version)
+        expected = [i for i in range(len(prompts)) for _ in range(self.cfg.n)]
+        if [s.index for s in samples] != expected:
+            raise RuntimeError(f"{bench.name}: the fleet returned samples for prompts {[s.index for s in samples][:12]}..., "
+                               f"expected {self.cfg.n} per prompt for {len(prompts)} prompts, in order")
+        return samples
+
+    def _record(self, bench: Benchmark, first: int, k: int, sample: Sample, judged: Judged) -> dict[str, Any]:
+        """The JSONL line of sample `k` of a chunk that starts at problem `first`."""
+        problem_index = first + sample.index
+        return {
+            "benchmark": bench.name, "problem": problem_index, "row": bench.problems[problem_index].row,
+            "sample": k % self.cfg.n, "prompt": self.prompts[bench.name][problem_index], "response": sample.text,
+            "extracted": judged.extracted[k], "answer": bench.problems[problem_index].answer or None,
+            "correct": judged.verdicts[k], "cluster": None if judged.clusters is None else judged.clusters[k],
+            "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids),
+            "weight_version": sample.weight_version,
+        }
+
+    # ---- judges: one per kind, over one chunk (whole problems, n samples each) ---------------
+    def _votes(self, samples: Sequence[Sample], extracted: Sequence[str | None]) -> list[tuple[str | None, ...]]:
+        """Per problem, the answers that vote in maj@k: a truncated response does not (it is wrong
+        by definition, as in the reward)."""
+        votes = [a if s.finish_reason == "stop" else None for s, a in zip(samples, extracted)]
+        return [tuple(votes[j : j + self.cfg.n]) for j in range(0, len(votes), self.cfg.n)]
+
+    def _judge_math(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
+        texts = [s.text for s in samples]
+        extracted = [extract_answer(t, self.cfg.math.extraction) for t in texts]
+        scores, reward_metrics = self.math_reward.score(texts, [p.answer for p in problems], [s.finish_reason for s in samples])
+        votes = self._votes(samples, extracted)
+        clusters, fallbacks = [], 0
+        for answers, outcome in zip(votes, self.cluster_pool.map(votes)):
+            if outcome.status != "ok":  # identical strings still agree; nothing else is compared
+                fallbacks += 1
+            clusters += outcome.value if outcome.status == "ok" else metrics.cluster_answers(answers, lambda a, b: False)
+        failures = sum(int(reward_metrics[f"reward/{k}"]) for k in ("timeouts", "crashes", "errors"))
+        return Judged(extracted, [s >= 1.0 for s in scores], clusters, failures, fallbacks)
+
+    def _judge_choice(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
+        extracted = [extract_choice(s.text, len(p.choices), self.cfg.math.extraction) for p, s in zip(problems, samples)]
+        verdicts = [s.finish_reason == "stop" and a == p.answer for p, s, a in zip(problems, samples, extracted)]
+        clusters = [c for answers in self._votes(samples, extracted) for c in metrics.cluster_answers(answers, lambda a, b: False)]
+        return Judged(extracted, verdicts, clusters)
+
+    def _judge_code(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
+        texts = [s.text for s in samples]
+        scores, code_metrics = self.code_reward.score(texts, [p.tests for p in problems], [s.finish_reason for s in samples])
+        return Judged([extract_code(t) for t in texts], [s >= 1.0 for s in scores], None, int(code_metrics["code/timeouts"]))
+
+    def close(self) -> None:
+        for closeable in (self.math_reward, self.cluster_pool, self.code_reward):
+            if closeable is not None:
+                closeable.close()
+
+    def __enter__(self) -> Evaluator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
