@@ -29,7 +29,8 @@ from torch import Tensor
 
 from orz.ppo.core_algos import AGGREGATIONS, aggregate_denominator, whiten
 
-__all__ = ["Experience", "PackedSequences", "pack_sequences", "MiniBatch", "MicroBatch", "ReplayBuffer"]
+__all__ = ["Experience", "PackedSequences", "pack_sequences", "MiniBatch", "MicroBatch", "ReplayBuffer",
+           "experience_from_rollouts"]
 
 
 def _tensor(dims: str, required: bool = False) -> Any:
@@ -394,3 +395,31 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
                 record[f"{name}_mean"] = on_loss_tokens.mean().item() if len(on_loss_tokens) else 0.0
     record |= {f"info/{name}": value[row].tolist() for name, value in experience.info.items()}
     return record
+
+
+def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                             rollout_logprobs: Sequence[Sequence[float]] | None = None,
+                             pad_id: int = 0) -> Experience:
+    """An Experience with the token fields (and the engine's log-probs) of B rollouts, in the
+    module's layout: ``sequences`` = prompt + response right-padded, ``response_mask`` over T."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    resp_width = max(max((len(r) for r in response_ids), default=0), 1)
+    batch = len(prompt_ids)
+    sequences = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(batch, width, dtype=torch.long)
+    response_mask = torch.zeros(batch, resp_width)
+    for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        tokens = list(prompt) + list(response)
+        sequences[row, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[row, : len(tokens)] = 1
+        response_mask[row, : len(response)] = 1
+    logprobs = None
+    if rollout_logprobs is not None:
+        logprobs = torch.zeros(batch, resp_width)
+        for row, values in enumerate(rollout_logprobs):
+            logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return Experience(sequences=sequences, attention_mask=attention_mask,
+                      prompt_lengths=torch.tensor([len(p) for p in prompt_ids]),
+                      response_mask=response_mask, rollout_logprobs=logprobs)

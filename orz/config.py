@@ -1,0 +1,291 @@
+"""One typed config tree for a run, YAML presets, and `key.sub=value` overrides.
+
+    cfg = load_config("configs/tiny_grpo.yaml", ["trainer.iterations=20", "algorithm.kl_coef=0.01"])
+    save_config(cfg, "runs/x/config.yaml")      # the resolved config, saved with every run
+
+Unknown keys are an error that names the key; values are checked against the field's type.
+Recipes in playground/ build on `ExperimentConfig` with `dataclasses.replace`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF directory of the policy; the reference model starts from it too
+    critic_path: str = ""  # HF directory of the critic's trunk; "" means the policy's
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU; or float32 | bfloat16
+    recompute: bool = False  # full activation recomputation: less memory, ~33% more compute
+    vocab_divisible_by: int = 1  # pad the vocabulary to a multiple of this × TP (128 on GPU is fast)
+
+
+@dataclass
+class RoleConfig:
+    """A Megatron role (actor, critic or reference): its parallel layout and its optimizer."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1  # replicas; the role has tp·pp·dp workers
+    cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is one thread per worker
+    gpus_per_worker: float = 1.0  # on GPU; < 1 lets roles share a GPU (colocation)
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps
+    lr_decay: str = "constant"  # "constant" | "cosine" | "linear" towards min_lr over the run
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # max global gradient norm
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    steps_per_iteration: int = 1  # optimizer steps per iteration: the buffer is cut into this many mini-batches
+    micro_batch_size: int = 8  # rows per forward/backward pass (ignored when micro_batch_tokens > 0)
+    micro_batch_tokens: int = 0  # > 0: dynamic micro-batches by a token budget instead
+    use_distributed_optimizer: bool = False  # ZeRO-1 over DP (GPU; untested on CPU)
+
+
+@dataclass
+class RolloutConfig:
+    num_engines: int = 1
+    engine_tp: int = 1  # GPUs per engine
+    cpus_per_engine: float = 1.0
+    kv_cache_gib: int = 2  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.5  # GPU only
+    max_model_len: int = 0  # 0: prompt_max_tokens + max_new_tokens
+    n_samples: int = 8  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)
+    transport: str = "collective"  # weight sync: "collective" | "object_store"
+    check: str = "received"  # digest check after each sync: "off" | "received" | "held"
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "gae"  # gae | grpo | dr_grpo | orz_grpo | rloo | reinforce_pp (core_algos registry)
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_advantages: bool = True  # over the whole buffer, as ORZ does
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    value_clip: float | None = 0.2
+    kl_coef: float = 0.0  # 0: no reference model at all (ORZ)
+    kl_kind: str = "k1"  # k1 | k2 | k3 | k3+
+    kl_in_reward: bool = True  # True: −β·KL per token in the reward (PPO); False: β·KL in the actor loss (GRPO)
+    kl_target: float | None = None  # set: adaptive KL coefficient towards this KL
+    kl_horizon: float = 10000.0
+    entropy_coef: float = 0.0
+    entropy_target: float | None = None  # set: Skywork-OR1's adaptive entropy control
+    entropy_step: float = 0.005
+    entropy_max_coef: float = 0.01
+    is_correction: bool = False  # truncated importance weights for engine/trainer log-prob mismatch
+    is_cap: float = 2.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose scores are all equal, draw more prompts
+    max_prompt_draws: int = 3  # rollout rounds per iteration when dynamic sampling
+    overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty over the last this-many tokens
+    overlong_factor: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)  # files (jsonl/json/parquet) or "synthetic:arithmetic" / "synthetic:countdown"
+    eval: dict[str, str] = field(default_factory=dict)  # name -> file or synthetic spec
+    template: str = "think_answer"  # "think_answer" (base models) | "chat"
+    instruction: str = ""  # replaces the think_answer template's instruction when set
+    prompt_max_tokens: int = 1024  # longer prompts are skipped
+    synthetic_train_size: int = 20000
+    synthetic_eval_size: int = 200
+    synthetic_digits: tuple[int, int] = (1, 8)
+    synthetic_ops: str = "+-*"
+
+
+@dataclass
+class RewardConfig:
+    kind: str = "math"  # "math" (math-verify) | "countdown"
+    format_reward: float = 0.0
+    num_workers: int = 2
+    timeout_s: float = 5.0
+
+
+@dataclass
+class StageConfig:
+    """A stage of a multi-stage run: how many iterations, and the overrides it applies."""
+
+    iterations: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)  # "rollout.max_new_tokens": 16384, ...
+
+
+@dataclass
+class TrainerConfig:
+    iterations: int = 100
+    prompts_per_iteration: int = 128
+    seed: int = 0
+    eval_every: int = 0  # 0: only before and after training
+    eval_n: int = 1  # samples per eval prompt (pass@k, avg@k); plus one greedy pass
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    output_dir: str = "runs/orz"
+    resume: bool = True  # continue from output_dir/checkpoints/latest when present
+    export_hf: bool = True  # write the final actor as an HF directory
+    tensorboard: bool = True
+    dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
+    ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
+    ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: RoleConfig = field(default_factory=lambda: RoleConfig(lr=1e-6))
+    critic: RoleConfig = field(default_factory=lambda: RoleConfig(lr=5e-6))
+    ref: RoleConfig = field(default_factory=RoleConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    stages: list[StageConfig] = field(default_factory=list)  # empty: one stage of trainer.iterations
+
+
+# ---- building dataclasses from plain data, strictly -------------------------------------------
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {str(k): v if args[1] is Any else _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected float, got {value!r}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, bool, str) and type(value) is not hint:
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls, data: Any, where: str = "config"):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; valid: {sorted(names)}")
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
+    """`["trainer.iterations=20", ...]` or `{"trainer.iterations": 20}`: a new config.
+    Values are parsed as YAML (numbers, booleans, lists); unknown keys are an error."""
+    items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
+    data = to_dict(cfg)
+    for key, value in items:
+        *parents, last = key.split(".")
+        target = data
+        for i, part in enumerate(parents):
+            if not isinstance(target, dict) or part not in target:
+                raise ConfigError(f"override {key!r}: unknown key {'.'.join(key.split('.')[: i + 1])!r}")
+            target = target[part]
+        if not isinstance(target, dict) or last not in target:
+            raise ConfigError(f"override {key!r}: unknown key {key!r}")
+        target[last] = value
+    return from_dict(ExperimentConfig, data)
+
+
+def _split(override: str) -> tuple[str, Any]:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like key.sub=value")
+    key, raw = override.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: ExperimentConfig | None = None) -> ExperimentConfig:
+    """base (or the defaults), then a YAML preset, then overrides."""
+    cfg = base or ExperimentConfig()
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"{path}: cannot read ({err})") from None
+        try:
+            cfg = apply_overrides(cfg, _flatten(data))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    return apply_overrides(cfg, list(overrides))
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested YAML mapping -> dotted keys; stops at values that are not config sections."""
+    out = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and key not in ("eval", "overrides"):
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def stage_at(cfg: ExperimentConfig, iteration: int) -> tuple[int, ExperimentConfig]:
+    """(stage index, config with that stage's overrides) for a 0-based iteration."""
+    if not cfg.stages:
+        return 0, cfg
+    start = 0
+    for index, stage in enumerate(cfg.stages):
+        if iteration < start + stage.iterations:
+            return index, apply_overrides(cfg, stage.overrides)
+        start += stage.iterations
+    return len(cfg.stages) - 1, apply_overrides(cfg, cfg.stages[-1].overrides)
+
+
+def total_iterations(cfg: ExperimentConfig) -> int:
+    return sum(s.iterations for s in cfg.stages) if cfg.stages else cfg.trainer.iterations

@@ -1,0 +1,358 @@
+"""Ray worker groups around Megatron models: the actor, the critic and the reference.
+
+Each role is a group of tp·pp·dp Ray actors (MegatronWorker) that together form one
+torch.distributed world with Megatron's TP/PP/DP groups (gloo on CPU, NCCL on GPU). The trainer
+talks to a role through its WorkerGroup: every worker receives the same Experience (one object in
+Ray's store), takes its data-parallel share, and the last pipeline stage's TP-rank-0 worker of
+each DP replica reports results, which the group puts back in row order.
+
+Methods ending in `_async` return Ray refs; the others return results.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+import torch.nn.functional as F
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orz.config import AlgorithmConfig, RoleConfig
+from orz.ppo.core_algos import (
+    aggregate,
+    entropy_bonus,
+    kl_penalty,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
+from orz.ppo.replay_buffer import Experience, MiniBatch
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What a worker needs to build its part of a role."""
+
+    name: str  # "actor" | "critic" | "ref"
+    model_path: str  # HF directory the weights start from
+    cfg: RoleConfig
+    critic: bool = False  # value head instead of the LM head
+    train: bool = True  # False: forward only (reference), no optimizer
+    dtype: str = "auto"
+    recompute: bool = False
+    vocab_divisible_by: int = 1
+    total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
+    seed: int = 0
+
+
+def combine_metrics(parts: list[dict]) -> dict[str, float]:
+    """Merges per-micro-batch (or per-replica) metrics: losses, which are already normalised by
+    the whole mini-batch, add up; everything else is a mean weighted by `tokens`."""
+    parts = [p for p in parts if p]
+    total = sum(float(p["tokens"]) for p in parts) or 1.0
+    out = {"tokens": total}
+    for key in {k for p in parts for k in p if k != "tokens"}:
+        values = [(float(p[key]), float(p["tokens"])) for p in parts if key in p]
+        if key.endswith("loss"):
+            out[key] = sum(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / max(sum(w for _, w in values), 1e-9)
+    return out
+
+
+def _shift_right(per_position: torch.Tensor) -> torch.Tensor:
+    """(B, S-1) results computed at positions 0..S-2 for tokens 1..S-1 -> (B, S), the value at s
+    belonging to token s (Experience.gather_response's convention)."""
+    return F.pad(per_position, (1, 0))
+
+
+class MegatronWorker:
+    """One rank of a role. Created by WorkerGroup; `setup` joins the role's world."""
+
+    def __init__(self, spec: RoleSpec, rank: int, world_size: int):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+    def address(self) -> tuple[str, int]:
+        from orz.rollout.fleet import free_address
+
+        return free_address()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        # On GPU, Ray gives each worker its own device (CUDA_VISIBLE_DEVICES): local rank 0.
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from orz.models.checkpoint import HFCheckpoint
+        from orz.models.engine import ModelEngine, OptimConfig
+        from orz.models.parallel import init_model_parallel
+
+        cfg = self.spec.cfg
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed)
+        self.ps = ps
+        ckpt = HFCheckpoint(self.spec.model_path)
+        optim = None
+        if self.spec.train:
+            optim = OptimConfig(lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                                adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
+                                clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
+        self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
+                                  self.spec.vocab_divisible_by)
+        self.engine.load_hf(ckpt)
+        self.scheduler = None
+        if self.spec.train:
+            steps = max(self.spec.total_steps, cfg.warmup_steps + 1)
+            self.scheduler = OptimizerParamScheduler(
+                self.engine.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,
+                min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=steps,
+                lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+                wd_incr_steps=steps, wd_incr_style="constant",
+            )
+
+    # ---- where this rank sits ----------------------------------------------------------------
+    @property
+    def _dp(self) -> tuple[int, int]:
+        return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+
+    @property
+    def _reports(self) -> bool:
+        """Last pipeline stage, TP rank 0: the rank whose results the group keeps."""
+        return self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
+
+    def _micro_batches(self, minibatch: MiniBatch) -> list:
+        shard = minibatch.shard(*self._dp)
+        cfg = self.spec.cfg
+        if cfg.micro_batch_tokens > 0:
+            return shard.micro_batches(max_tokens=cfg.micro_batch_tokens)
+        return shard.micro_batches(size=cfg.micro_batch_size)
+
+    def _inputs(self, micro_batches: list) -> list[dict]:
+        """Megatron inputs; with PP every micro-batch is padded to one width (p2p shapes are fixed)."""
+        width = max(mb.experience.sequences.shape[1] for mb in micro_batches)
+        out = []
+        for mb in micro_batches:
+            exp = mb.experience
+            if self.engine.layout.pp > 1:
+                ids = F.pad(exp.sequences, (0, width - exp.sequences.shape[1]))
+            else:
+                ids = exp.sequences
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            out.append({"input_ids": ids, "position_ids": positions, "micro": mb})
+        return out
+
+    def _token_logprobs(self, logits: torch.Tensor, batch: dict, temperature: float, with_entropy: bool):
+        from orz.models.logprobs import logprobs_and_entropy
+
+        exp: Experience = batch["micro"].experience
+        width = exp.sequences.shape[1]
+        ids = batch["input_ids"]
+        logprobs, entropy = logprobs_and_entropy(
+            logits[:, :-1], ids[:, 1:], self.engine.arch.vocab_size,
+            self.ps.get_tensor_model_parallel_group(), temperature, with_entropy,
+        )
+        logprob = exp.gather_response(_shift_right(logprobs)[:, :width])
+        if entropy is not None:
+            entropy = exp.gather_response(_shift_right(entropy)[:, :width])
+        return logprob, entropy
+
+    # ---- forward passes ----------------------------------------------------------------------
+    def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
+        minibatch = MiniBatch.of(experience)
+        micro = minibatch.shard(*self._dp).micro_batches(size=self.spec.cfg.micro_batch_size)
+        self.engine.model.eval()
+        with torch.no_grad():
+            outputs = self.engine.run(self._inputs(micro), collect=per_micro_batch)
+        if not self._reports:
+            return None
+        width = experience.response_mask.shape[1]
+        return self._dp[0], torch.cat([F.pad(o, (0, width - o.shape[1])) for o in outputs])
+
+    def logprobs(self, experience: Experience, temperature: float = 1.0):
+        """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
+        return self._forward(experience, lambda logits, b: self._token_logprobs(logits, b, temperature, False)[0])
+
+    def values(self, experience: Experience):
+        """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
+
+        def collect(values, batch):
+            exp = batch["micro"].experience
+            return exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, : exp.sequences.shape[1]])
+
+        return self._forward(experience, collect)
+
+    # ---- updates -----------------------------------------------------------------------------
+    def _train(self, minibatches: list[MiniBatch], loss_fn) -> dict | None:
+        steps = []
+        for minibatch in minibatches:
+            micro = self._micro_batches(minibatch)
+            out = self.engine.train_step(self._inputs(micro), loss_fn)
+            self.scheduler.step(increment=1)
+            step = combine_metrics(out["metrics"]) if self._reports else {}
+            if self._reports:
+                step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
+                step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
+            steps.append(step)
+        if not self._reports:
+            return None
+        # Mean over optimizer steps; the group then merges replicas by tokens.
+        merged = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        merged["tokens"] = sum(s["tokens"] for s in steps)
+        return merged
+
+    def train_actor(self, minibatches: list[MiniBatch], algo: AlgorithmConfig, temperature: float,
+                    entropy_coef: float, kl_coef: float) -> dict | None:
+        def loss_fn(logits, batch):
+            mb = batch["micro"]
+            exp, agg = mb.experience, algo.loss_agg
+            denominator = mb.denominator(agg)
+            logprob, entropy = self._token_logprobs(logits, batch, temperature, True)
+            mask = exp.response_mask
+            is_weights = None
+            if algo.is_correction:
+                is_weights = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs, mask, algo.is_cap)
+            loss, metrics = policy_loss(exp.old_logprobs, logprob, exp.advantages, mask, algo.clip_low,
+                                        algo.clip_high, algo.dual_clip, agg, is_weights, denominator=denominator)
+            if entropy_coef:
+                bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
+                loss = loss + bonus
+                metrics |= entropy_metrics
+            if kl_coef and not algo.kl_in_reward:
+                kl = kl_penalty(logprob, exp.ref_logprobs, algo.kl_kind, mask)
+                kl_loss = aggregate(kl, mask, agg, denominator=denominator)
+                loss = loss + kl_coef * kl_loss
+                metrics["actor/kl_loss"] = kl_loss.detach()
+            tokens = mask.sum()
+            metrics["actor/entropy"] = (entropy.detach() * mask).sum() / tokens.clamp_min(1)
+            metrics["tokens"] = tokens
+            return loss, {k: float(v) for k, v in metrics.items()}
+
+        return self._train(minibatches, loss_fn)
+
+    def train_critic(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> dict | None:
+        def loss_fn(values, batch):
+            mb = batch["micro"]
+            exp = mb.experience
+            width = exp.sequences.shape[1]
+            new_values = exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, :width])
+            loss, metrics = value_loss(new_values, exp.values, exp.returns, exp.response_mask, algo.value_clip,
+                                       algo.loss_agg, denominator=mb.denominator(algo.loss_agg))
+            metrics["tokens"] = exp.response_mask.sum()
+            return loss, {k: float(v) for k, v in metrics.items()}
+
+        return self._train(minibatches, loss_fn)
+
+    # ---- weights out -------------------------------------------------------------------------
+    def send_weights(self, spec, bucket_bytes: int) -> dict[str, str] | None:
+        """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
+        from orz.rollout.fleet import broadcast_weights
+
+        tensors = self.engine.hf_tensors()
+        if self.rank == 0:
+            return broadcast_weights(spec, tensors, bucket_bytes)
+        for _ in tensors:
+            pass
+        return None
+
+    def put_weights(self, bucket_bytes: int):
+        from orz.rollout.weight_sync import to_object_store_buckets
+
+        tensors = self.engine.hf_tensors()
+        if self.rank == 0:
+            return to_object_store_buckets(tensors, bucket_bytes)
+        for _ in tensors:
+            pass
+        return None
+
+    def export_hf(self, out_dir: str) -> str | None:
+        from orz.models.checkpoint import HFCheckpoint, save_hf
+
+        tensors = self.engine.hf_tensors()
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return None
+        source = HFCheckpoint(self.spec.model_path)
+        return str(save_hf(out_dir, tensors, source.config, extra_files_from=self.spec.model_path))
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _shard_dir(self, root: str) -> Path:
+        layout = self.engine.layout
+        return Path(root) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}"
+
+    def save(self, root: str) -> None:
+        """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
+        state; DP replicas hold identical copies, so only DP rank 0 writes."""
+        from safetensors.torch import save_file
+
+        if self._dp[0] != 0:
+            return
+        shard = self._shard_dir(root)
+        shard.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.engine.local_state().items()}, shard / "model.safetensors")
+        state = {"rng": torch.get_rng_state()}
+        if self.spec.train:
+            state |= {"optimizer": self.engine.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        torch.save(state, shard / "optim.pt")
+
+    def load(self, root: str) -> None:
+        from safetensors.torch import load_file
+
+        shard = self._shard_dir(root)
+        self.engine.load_local_state(load_file(shard / "model.safetensors"))
+        state = torch.load(shard / "optim.pt", weights_only=False)
+        torch.set_rng_state(state["rng"])
+        if self.spec.train:
+            self.engine.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.engine.optimizer.reload_model_params()
+
+
+class WorkerGroup:
+    """A role's workers: placed with a Ray placement group, joined into one torch world."""
+
+    def __init__(self, spec: RoleSpec):
+        cfg = spec.cfg
+        self.spec = spec
+        self.world_size = cfg.tp * cfg.pp * cfg.dp
+        on_gpu = torch.cuda.is_available()
+        bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if on_gpu else {})}
+        self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
+        ray.get(self.placement.ready())
+        cls = ray.remote(MegatronWorker)
+        self.workers = [
+            cls.options(
+                num_cpus=cfg.cpus_per_worker,
+                num_gpus=cfg.gpus_per_worker if on_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+            ).remote(spec, r, self.world_size)
+            for r in range(self.world_size)
+        ]
+        addr, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(addr, port) for w in self.workers])
+
+    def run_async(self, method: str, *args) -> list:
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
+    def run(self, method: str, *args) -> list:
+        return ray.get(self.run_async(method, *args))
+
+    def gather_rows(self, refs: list) -> torch.Tensor:
+        """Concatenates the reporting ranks' (dp_rank, rows) in DP order."""
+        parts = sorted((r for r in ray.get(refs) if r is not None), key=lambda part: part[0])
+        return torch.cat([rows for _, rows in parts])
+
+    def merge_metrics(self, refs: list) -> dict[str, float]:
+        return combine_metrics([m for m in ray.get(refs) if m is not None])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.placement)

@@ -1,0 +1,79 @@
+"""Where a run's numbers go: a JSONL file (one line per iteration, every figure), TensorBoard,
+and at the end a PNG of the curves people look at first (reward, accuracy, held-out accuracy).
+
+    logger = MetricsLogger("runs/x", tensorboard=True)
+    logger.log(step, {"reward/accuracy": 0.4, ...})
+    logger.close()            # writes runs/x/curves.png
+"""
+import json
+import math
+from pathlib import Path
+
+PLOTTED = (  # (panel title, metric keys drawn in it)
+    ("training reward", ("reward/mean", "reward/accuracy")),
+    ("held-out accuracy", ("eval/accuracy_greedy", "eval/avg_at_k")),
+    ("response length", ("response/length_mean",)),
+    ("policy", ("actor/entropy", "actor/approx_kl", "actor/clip_frac")),
+)
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_from_step: int | None = None):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        if resume_from_step is not None and self.path.exists():
+            # Lines past the checkpoint belong to iterations that will run again.
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_from_step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.writer is not None:
+            for key, value in clean.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def history(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+    def plot(self) -> Path | None:
+        """curves.png: one panel per group of PLOTTED that has data."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.history()
+        panels = [(title, [k for k in keys if any(k in r for r in rows)]) for title, keys in PLOTTED]
+        panels = [(title, keys) for title, keys in panels if keys]
+        if not panels:
+            return None
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+        for ax, (title, keys) in zip(axes[0], panels):
+            for key in keys:
+                points = [(r["step"], r[key]) for r in rows if key in r]
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
+            ax.set_title(title)
+            ax.set_xlabel("iteration")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = self.dir / "curves.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+    def close(self) -> Path | None:
+        if self.writer is not None:
+            self.writer.close()
+        return self.plot()

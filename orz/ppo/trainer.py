@@ -1,0 +1,461 @@
+"""RayPPOTrainer: the single controller of a PPO/GRPO run.
+
+    trainer = RayPPOTrainer(cfg); trainer.fit()
+
+One iteration, each phase timed into `timing/*`:
+  1 rollout     prompts -> vLLM fleet -> samples (n per prompt)
+  2 reward      verifier scores; dynamic sampling draws more prompts when asked
+  3 forward     old log-probs (actor), reference log-probs, critic values — in parallel
+  4 advantages  per-token rewards (score on the last token − β·KL), the configured estimator
+  5 update      critic and actor optimizer steps over the replay buffer — in parallel
+  6 sync        the actor's new weights into every engine, as the next weight version
+then metrics, evaluation and checkpoints every k iterations. The trainer holds handles, not
+model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orz.config import ExperimentConfig, save_config, stage_at, to_dict, total_iterations
+from orz.data.datasets import load_prompts
+from orz.data.sampler import PromptLoader
+from orz.data.synthetic import arithmetic_rows
+from orz.data.templates import ThinkAnswerTemplate, make_template
+from orz.data.tokenizers import load_tokenizer
+from orz.ppo.actors import RoleSpec, WorkerGroup
+from orz.ppo.core_algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveEntropyController,
+    AdaptiveKLController,
+    FixedKLController,
+    dynamic_sampling_filter,
+    estimate_advantages,
+    kl_penalty,
+    overlong_penalty,
+    reward_on_last_token,
+    whiten,
+)
+from orz.ppo.metrics_logger import MetricsLogger
+from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
+from orz.reward.math import MathReward, MathRewardConfig
+from orz.rollout.engine import SamplingConfig
+from orz.rollout.fleet import EngineFleet, FleetConfig
+
+console = Console()
+
+
+class ActorWeightSource:
+    """The actor group as the fleet's WeightSource: its rank 0 broadcasts (or puts) the weights
+    that all of its ranks gather from their TP/PP shards."""
+
+    def __init__(self, actor: WorkerGroup):
+        self.actor = actor
+
+    def address(self):
+        return ray.get(self.actor.workers[0].address.remote())
+
+    def send(self, spec, bucket_bytes):
+        return self.actor.run("send_weights", spec, bucket_bytes)[0]
+
+    def put(self, bucket_bytes):
+        return self.actor.run("put_weights", bucket_bytes)[0]
+
+
+def load_rows(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list[dict]:
+    """A data file, or `synthetic:arithmetic` (seeded; train and test never overlap)."""
+    if spec == "synthetic:arithmetic":
+        d = cfg.data
+        return arithmetic_rows(size, seed=cfg.trainer.seed, split=split, digits=d.synthetic_digits, ops=d.synthetic_ops)
+    return load_prompts(spec)
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[f"timing/{phase}"] = time.perf_counter() - start
+
+
+class RayPPOTrainer:
+    def __init__(self, cfg: ExperimentConfig):
+        self.base_cfg = cfg
+        _, self.cfg = stage_at(cfg, 0)
+        self.out = Path(cfg.trainer.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out / "config.yaml")
+        self.iteration, self.version = 0, 0
+        self.total = total_iterations(cfg)
+        self._setup_data()
+        self._setup_ray()
+        self._setup_roles()
+        self._setup_controllers()
+        resumed = self._maybe_resume()
+        self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard, resume_from_step=self.iteration if resumed else 0)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _setup_data(self):
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        if cfg.data.template == "think_answer" and cfg.data.instruction:
+            self.template = ThinkAnswerTemplate(cfg.data.instruction)
+        else:
+            self.template = make_template(cfg.data.template, self.tokenizer)
+        train = [row for spec in cfg.data.train for row in load_rows(spec, cfg, "train", cfg.data.synthetic_train_size)]
+        if not train:
+            raise ValueError("data.train is empty: give data files or 'synthetic:arithmetic'")
+        self.eval_sets = {name: load_rows(spec, cfg, "test", cfg.data.synthetic_eval_size)
+                          for name, spec in cfg.data.eval.items()}
+        self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, cfg.trainer.seed)
+        self.reward = MathReward(MathRewardConfig(format_reward=cfg.reward.format_reward,
+                                                  num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
+
+    def _setup_ray(self):
+        if not ray.is_initialized():
+            t = self.cfg.trainer
+            ray.init(address=t.ray_address or None, num_cpus=t.ray_num_cpus or None, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+
+    def _role(self, name: str, **kwargs) -> RoleSpec:
+        cfg = self.cfg
+        role_cfg = getattr(cfg, name)
+        return RoleSpec(
+            name=name, model_path=cfg.model.path, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
+            total_steps=self.total * role_cfg.steps_per_iteration, **kwargs,
+        )
+
+    def _setup_roles(self):
+        cfg = self.cfg
+        console.print(f"[bold]orz[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
+        self.needs_critic = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).needs_critic
+        self.actor = WorkerGroup(self._role("actor"))
+        self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path)) \
+            if self.needs_critic else None
+        self.ref = WorkerGroup(self._role("ref", train=False)) if cfg.algorithm.kl_coef > 0 else None
+        r = cfg.rollout
+        max_len = r.max_model_len or cfg.data.prompt_max_tokens + max(self._max_new_tokens_over_stages())
+        engine_args = {"max_model_len": max_len}
+        if torch.cuda.is_available():
+            engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
+        self.fleet = EngineFleet(cfg.model.path, FleetConfig(
+            num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
+            engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
+            request_timeout_s=r.request_timeout_s,
+        ), seed=cfg.trainer.seed)
+        self.weights = ActorWeightSource(self.actor)
+
+    def _max_new_tokens_over_stages(self) -> list[int]:
+        return [stage_at(self.base_cfg, i)[1].rollout.max_new_tokens for i in range(self.total)] or [0]
+
+    def _setup_controllers(self):
+        a = self.cfg.algorithm
+        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target else FixedKLController(a.kl_coef)
+        self.entropy_ctl = AdaptiveEntropyController(a.entropy_target, a.entropy_step, a.entropy_max_coef, a.entropy_coef) \
+            if a.entropy_target is not None else None
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.base_cfg.trainer
+        start = time.time()
+        if self.iteration == 0:
+            self.logger.log(0, self.evaluate())
+        with Progress(TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=console) as progress:
+            task = progress.add_task("", total=self.total, completed=self.iteration)
+            while self.iteration < self.total:
+                _, self.cfg = stage_at(self.base_cfg, self.iteration)
+                metrics = self.step(lambda phase: progress.update(task, description=phase))
+                self.iteration += 1
+                last = self.iteration == self.total
+                if (cfg.eval_every and self.iteration % cfg.eval_every == 0) or last:
+                    progress.update(task, description="evaluation")
+                    metrics |= self.evaluate()
+                self.logger.log(self.iteration, metrics)
+                progress.update(task, advance=1, description=_summary(metrics))
+                if (cfg.save_every and self.iteration % cfg.save_every == 0) or last:
+                    progress.update(task, description="checkpoint")
+                    self.save_checkpoint()
+        if cfg.export_hf:
+            ray.get(self.actor.run_async("export_hf", str(self.out / "hf")))
+        plot = self.logger.close()
+        history = self.logger.history()
+        return {"iterations": self.iteration, "seconds": time.time() - start, "plot": str(plot),
+                "first": history[0] if history else {}, "last": history[-1] if history else {}}
+
+    def step(self, show=lambda phase: None) -> dict:
+        cfg, algo, timer = self.cfg, self.cfg.algorithm, Timer()
+        with timer("step"):
+            show("rollout")
+            with timer("rollout"):
+                experience, metrics = self._rollout_and_reward(timer)
+            show("log-probs and values")
+            with timer("forward"):
+                experience = self._forward(experience)
+            with timer("advantages"):
+                experience, adv_metrics = self._advantages(experience)
+            show("update")
+            with timer("update"):
+                update_metrics = self._update(experience)
+            show("weight sync")
+            with timer("sync"):
+                self.version += 1
+                sync = self.fleet.sync(self.weights, self.version)
+        metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
+        generated = float(experience.response_mask.sum())
+        metrics["throughput/generated_tokens_per_s"] = generated / max(timer.seconds["timing/rollout"], 1e-9)
+        metrics["throughput/trained_tokens_per_s"] = update_metrics.get("tokens", 0.0) / max(timer.seconds["timing/update"], 1e-9)
+        metrics["algorithm/kl_coef"] = self.kl_ctl.value
+        if self.entropy_ctl is not None:
+            metrics["algorithm/entropy_coef"] = self.entropy_ctl.value
+        every = self.base_cfg.trainer.dump_samples_every
+        if every and (self.iteration + 1) % every == 0:
+            self._dump(experience)
+        return metrics
+
+    # ---- phases ------------------------------------------------------------------------------
+    def _sampling(self, draw: int) -> SamplingConfig:
+        r = self.cfg.rollout
+        # Seeds depend on the iteration, so a resumed run samples what the uninterrupted one did.
+        seed = (self.cfg.trainer.seed * 1_000_003 + self.iteration * 1009 + draw * 100_003) % 2**31
+        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                              stop=list(r.stop), n=r.n_samples, seed=seed)
+
+    def _prompt_ids(self, rows: list[dict]) -> list[tuple[dict, list[int]]]:
+        out = []
+        for row in rows:
+            ids = self.tokenizer(self.template.prompt(row["prompt"]), add_special_tokens=True)["input_ids"]
+            if len(ids) <= self.cfg.data.prompt_max_tokens:
+                out.append((row, ids))
+        return out
+
+    def _rollout_and_reward(self, timer: Timer) -> tuple[Experience, dict]:
+        algo = self.cfg.algorithm
+        kept, metrics, dropped, first_group = [], {}, 0, 0
+        target = self.cfg.trainer.prompts_per_iteration * self.cfg.rollout.n_samples
+        for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
+            prompts = self._prompt_ids(next(self.loader))
+            samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(draw), min_version=self.version)
+            answers = [prompts[s.index][0]["answer"] for s in samples]
+            scores, reward_metrics = self.reward.score([s.text for s in samples], answers,
+                                                       [s.finish_reason for s in samples])
+            if draw == 0:
+                metrics |= reward_metrics
+            scores = torch.tensor(scores)
+            group = torch.tensor([first_group + s.index for s in samples])
+            first_group += len(prompts)
+            if algo.dynamic_sampling:
+                keep, n_dropped = dynamic_sampling_filter(scores, group)
+                dropped += n_dropped
+                samples, scores, group = [s for s, k in zip(samples, keep.tolist()) if k], scores[keep], group[keep]
+            kept.append((samples, scores, group))
+            if sum(len(part[0]) for part in kept) >= target:
+                break
+        samples = [s for part in kept for s in part[0]]
+        if not samples:
+            raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
+        scores = torch.cat([part[1] for part in kept]).float()
+        experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                              [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0)
+        lengths = experience.response_mask.sum(1)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
+        if algo.overlong_buffer:
+            scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer,
+                                               algo.overlong_factor)
+        experience = replace(experience, scores=scores, group_index=torch.cat([part[2] for part in kept]),
+                             info={"response_length": lengths, "truncated": truncated})
+        metrics |= {
+            "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
+            "rollout/samples": float(len(samples)), "rollout/weight_version": float(self.version),
+        }
+        if algo.dynamic_sampling:
+            metrics["rollout/groups_dropped"] = float(dropped)
+        return experience, metrics
+
+    def _forward(self, experience: Experience) -> Experience:
+        ref = ray.put(experience)
+        temperature = self.cfg.rollout.temperature
+        old = self.actor.run_async("logprobs", ref, temperature)
+        refs = self.ref.run_async("logprobs", ref, temperature) if self.ref else None
+        values = self.critic.run_async("values", ref) if self.critic else None
+        return replace(
+            experience,
+            old_logprobs=self.actor.gather_rows(old),
+            ref_logprobs=self.ref.gather_rows(refs) if refs else None,
+            values=self.critic.gather_rows(values) if values else None,
+        )
+
+    def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
+        algo, mask = self.cfg.algorithm, experience.response_mask
+        metrics = {}
+        kl = None
+        if experience.ref_logprobs is not None:
+            kl = kl_penalty(experience.old_logprobs, experience.ref_logprobs, algo.kl_kind, mask)
+            metrics["actor/kl_ref"] = float((kl * mask).sum() / mask.sum().clamp_min(1))
+            self.kl_ctl.update(metrics["actor/kl_ref"], experience.batch_size)
+        in_reward = kl if algo.kl_in_reward else None
+        rewards = reward_on_last_token(experience.scores, mask, in_reward, self.kl_ctl.value if in_reward is not None else 0.0)
+        advantages, returns = estimate_advantages(
+            algo.advantage, mask=mask, token_rewards=rewards, scores=experience.scores, values=experience.values,
+            group_index=experience.group_index, gamma=algo.gamma, lam=algo.lam,
+        )
+        if algo.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        mismatch = (experience.old_logprobs - experience.rollout_logprobs).abs() * mask
+        metrics |= {
+            "algorithm/advantage_mean": float((advantages * mask).sum() / mask.sum()),
+            "algorithm/return_mean": float((returns * mask).sum() / mask.sum()),
+            "rollout/logprob_mismatch_mean": float(mismatch.sum() / mask.sum()),
+            "rollout/logprob_mismatch_max": float(mismatch.max()),
+        }
+        return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
+
+    def _update(self, experience: Experience) -> dict:
+        algo, buffer = self.cfg.algorithm, ReplayBuffer()
+        buffer.append(experience)
+        seed = self.cfg.trainer.seed * 7919 + self.iteration
+        norm_len = self.cfg.rollout.max_new_tokens
+        critic_refs = None
+        if self.critic:
+            steps = self.cfg.critic.steps_per_iteration
+            minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed, norm_len=norm_len)
+            critic_refs = self.critic.run_async("train_critic", minibatches, algo)
+        steps = self.cfg.actor.steps_per_iteration
+        minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed + 1, norm_len=norm_len)
+        entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
+        kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
+        actor_refs = self.actor.run_async("train_actor", minibatches, algo, self.cfg.rollout.temperature,
+                                          entropy_coef, kl_coef)
+        metrics = self.actor.merge_metrics(actor_refs)
+        if critic_refs:
+            critic = self.critic.merge_metrics(critic_refs)
+            critic.pop("tokens", None)
+            metrics |= critic
+        if self.entropy_ctl is not None and "actor/entropy" in metrics:
+            self.entropy_ctl.update(metrics["actor/entropy"])
+        return metrics
+
+    def _dump(self, experience: Experience) -> None:
+        buffer = ReplayBuffer()
+        buffer.append(experience)
+        (self.out / "samples").mkdir(exist_ok=True)
+        buffer.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy accuracy (and, with eval_n > 1, sampled avg@k) on every held-out set."""
+        metrics = {}
+        for name, rows in self.eval_sets.items():
+            prompts = self._prompt_ids(rows)
+            ids = [p for _, p in prompts]
+            answers = [row["answer"] for row, _ in prompts]
+            greedy = self.fleet.generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                                             stop=list(self.cfg.rollout.stop)), min_version=self.version)
+            scores, _ = self.reward.score([s.text for s in greedy], answers, [s.finish_reason for s in greedy])
+            metrics[f"eval/{name}/accuracy_greedy"] = float(np.mean(scores))
+            k = self.base_cfg.trainer.eval_n
+            if k > 1:
+                sampled = self.fleet.generate(ids, replace(self._sampling(0), n=k, seed=12345), min_version=self.version)
+                scores, _ = self.reward.score([s.text for s in sampled], [answers[s.index] for s in sampled],
+                                              [s.finish_reason for s in sampled])
+                metrics[f"eval/{name}/avg_at_k"] = float(np.mean(scores))
+        if self.eval_sets:
+            metrics["eval/accuracy_greedy"] = float(np.mean([v for k, v in metrics.items() if k.endswith("accuracy_greedy")]))
+        return metrics
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @property
+    def _ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Writes iter_N atomically: into a temporary directory, renamed when every role and the
+        trainer state are on disk; `latest` is replaced last. A crash never leaves a checkpoint
+        that looks complete, and the previous one stays intact."""
+        root = self._ckpt_root
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"iter_{self.iteration:06d}"
+        tmp = root / f".iter_{self.iteration:06d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            refs = self.actor.run_async("save", str(tmp / "actor"))
+            if self.critic:
+                refs += self.critic.run_async("save", str(tmp / "critic"))
+            ray.get(refs)
+            state = {
+                "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
+                "kl_ctl": self.kl_ctl.state_dict(),
+                "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
+                "python_rng": repr(random.getstate()), "config": to_dict(self.base_cfg),
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        pointer = root / "latest.tmp"
+        pointer.write_text(final.name)
+        pointer.replace(root / "latest")
+        for old in sorted(root.glob("iter_*"))[: -self.base_cfg.trainer.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _maybe_resume(self) -> bool:
+        latest = self._ckpt_root / "latest"
+        if not (self.base_cfg.trainer.resume and latest.is_file()):
+            return False
+        ckpt = self._ckpt_root / latest.read_text().strip()
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        refs = self.actor.run_async("load", str(ckpt / "actor"))
+        if self.critic:
+            refs += self.critic.run_async("load", str(ckpt / "critic"))
+        ray.get(refs)
+        self.iteration, self.version = state["iteration"], state["version"]
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if self.entropy_ctl and state["entropy_ctl"]:
+            self.entropy_ctl.load_state_dict(state["entropy_ctl"])
+        self.fleet.sync(self.weights, self.version)
+        console.print(f"resumed from {ckpt} at iteration {self.iteration}")
+        return True
+
+    def shutdown(self) -> None:
+        self.reward.close()
+        self.fleet.shutdown()
+        for group in (self.actor, self.critic, self.ref):
+            if group is not None:
+                group.shutdown()
+
+
+def _summary(metrics: dict) -> str:
+    keys = (("reward/mean", "reward"), ("eval/accuracy_greedy", "eval"), ("response/length_mean", "len"),
+            ("timing/step", "s"))
+    return "  ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics)
+
+
+def main(cfg: ExperimentConfig) -> dict:
+    trainer = RayPPOTrainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.shutdown()
