@@ -62,14 +62,15 @@ MODELS = {
 class GPU:
     tflops: float  # dense bf16 peak, TFLOP/s (datasheet, without sparsity)
     hbm_tb_s: float  # peak HBM bandwidth, TB/s
-    mem_gib: float  # device memory as nvidia-smi reports it
 
 
+# Memory is the cluster's gpu_mem_gib, as nvidia-smi reports it: A100 80 GB 80.0 GiB, H100/H800 79.6 GiB
+# (81559 MiB), H200 140.4 GiB (143771 MiB).
 GPUS = {
-    "A100": GPU(tflops=312, hbm_tb_s=2.039, mem_gib=80.0),  # SXM 80 GB
-    "H100": GPU(tflops=989, hbm_tb_s=3.35, mem_gib=79.6),  # SXM; 81559 MiB
-    "H800": GPU(tflops=989, hbm_tb_s=3.35, mem_gib=79.6),  # an H100 with slower NVLink
-    "H200": GPU(tflops=989, hbm_tb_s=4.8, mem_gib=140.4),  # 143771 MiB
+    "A100": GPU(tflops=312, hbm_tb_s=2.039),  # SXM 80 GB
+    "H100": GPU(tflops=989, hbm_tb_s=3.35),  # SXM
+    "H800": GPU(tflops=989, hbm_tb_s=3.35),  # an H100 with slower NVLink
+    "H200": GPU(tflops=989, hbm_tb_s=4.8),
 }
 
 
@@ -88,10 +89,10 @@ class Cluster:
 
     def __post_init__(self):
         if self.gpu not in GPUS:
-            raise LayoutError(f"cluster.gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
-        _require_positive(self, "cluster", "nodes", "gpus_per_node", "gpu_mem_gib")
+            raise LayoutError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
+        _require_positive(self, "nodes", "gpus_per_node", "gpu_mem_gib")
         if not (0 < self.train_mfu <= 1 and 0 < self.hbm_efficiency <= 1 and self.reserved_gib >= 0):
-            raise LayoutError(f"cluster: need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
+            raise LayoutError(f"need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
                               f"{self.train_mfu}, {self.hbm_efficiency}, {self.reserved_gib}")
 
     @property
@@ -108,7 +109,7 @@ class ModelParallel:
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
 
     def __post_init__(self):
-        _require_positive(self, "parallel", "tp", "pp", "micro_batch_tokens")
+        _require_positive(self, "tp", "pp", "micro_batch_tokens")
         if self.dp is not None and self.dp < 1:
             raise LayoutError(f"dp must be >= 1, got {self.dp}")
 
@@ -134,9 +135,9 @@ class Rollout:
     max_num_seqs: int = 256  # sequences an engine decodes at once; its KV cache is sized for them
 
     def __post_init__(self):
-        _require_positive(self, "rollout", "engines", "tp", "max_num_seqs")
+        _require_positive(self, "engines", "tp", "max_num_seqs")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise LayoutError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise LayoutError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def label(self) -> str:
         return f"{self.engines}×TP{self.tp}"
@@ -168,9 +169,9 @@ class Workload:
     critic_epochs: int = 1  # ORZ's 12 critic updates are 12 optimizer steps within one pass
 
     def __post_init__(self):
-        _require_positive(self, "workload", *(f.name for f in fields(self)))
+        _require_positive(self, *(f.name for f in fields(self)))
         if self.mean_prompt_len > self.max_prompt_len or self.mean_response_len > self.max_response_len:
-            raise LayoutError(f"workload: mean lengths ({self.mean_prompt_len}, {self.mean_response_len}) exceed "
+            raise LayoutError(f"mean lengths ({self.mean_prompt_len}, {self.mean_response_len}) exceed "
                               f"the maxima ({self.max_prompt_len}, {self.max_response_len})")
 
     @property
@@ -186,10 +187,10 @@ class Workload:
         return self.mean_prompt_len + self.mean_response_len
 
 
-def _require_positive(obj, where: str, *names: str) -> None:
+def _require_positive(obj, *names: str) -> None:
     for name in names:
         if getattr(obj, name) <= 0:
-            raise LayoutError(f"{where}.{name} must be positive, got {getattr(obj, name)}")
+            raise LayoutError(f"{name} must be positive, got {getattr(obj, name)}")
 
 
 # ---------------------------------------------------------------- outputs
@@ -206,6 +207,7 @@ class RoleMemory:
     activations: int  # kept for backward (training) or one layer's working set (forward only), logits included
     kv_cache: int  # vLLM only
     overhead: int  # this process's reserved_gib
+    kept_by_others: int  # bytes other colocated processes keep on the same GPU meanwhile
     limit: int  # bytes this role may use on its GPUs
     limit_why: str  # how `limit` was derived, for messages
 
@@ -411,27 +413,24 @@ def _resident(layout: Layout, role: str, states: dict[str, int], mem: int, reser
 def memory_rows(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> tuple[RoleMemory, ...]:
     """One row per role. Separate GPUs: the limit is the GPU's memory. Colocated: the GPU's memory
     less what the other roles keep resident (_resident). vLLM's limit is gpu_memory_utilization × memory."""
-    mem, reserved = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB)
-    parts = {name: (train_memory(arch, par, "value" if name == "critic" else "lm")
-                    if isinstance(par, TrainParallel) else forward_memory(arch, par))
+    mem, reserved, rollout = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB), layout.rollout
+    roles = {name: (train_memory(arch, par, "value" if name == "critic" else "lm") if isinstance(par, TrainParallel)
+                    else forward_memory(arch, par), par.label(), par.gpus)
              for name, par in layout.megatron_roles().items()}
-    parts["rollout"] = rollout_memory(arch, layout.rollout, workload)
-    labels = {name: par.label() for name, par in layout.megatron_roles().items()}
-    labels["rollout"] = layout.rollout.label()
-    gpus = {name: par.gpus for name, par in layout.megatron_roles().items()}
-    gpus["rollout"] = layout.rollout.engines * layout.rollout.tp
+    roles["rollout"] = (rollout_memory(arch, rollout, workload), rollout.label(), rollout.engines * rollout.tp)
+    others = len(roles) - 1 if layout.colocate else 0
     rows = []
-    for role, own in parts.items():
-        others = [_resident(layout, o, parts[o], mem, reserved) for o in parts if o != role] if layout.colocate else []
-        limit, why = mem - sum(others), f"{_gib(mem)} GiB"
-        if others:
-            why += f" − {_gib(sum(others))} GiB kept by {len(others)} other colocated process{'es' * (len(others) > 1)}"
+    for role, (own, label, gpus) in roles.items():
+        kept = sum(_resident(layout, o, roles[o][0], mem, reserved) for o in roles if o != role) if others else 0
+        limit, why = mem - kept, f"{_gib(mem)} GiB"
+        if kept:
+            why += f" − {_gib(kept)} GiB kept by {others} other colocated process{'es' * (others > 1)}"
         if role == "rollout":
-            limit = int(layout.rollout.gpu_memory_utilization * mem)
-            why = f"gpu_memory_utilization {layout.rollout.gpu_memory_utilization} × {_gib(mem)} GiB"
-        rows.append(RoleMemory(role=role, gpus=gpus[role], parallel=labels[role],
+            limit = int(rollout.gpu_memory_utilization * mem)
+            why = f"gpu_memory_utilization {rollout.gpu_memory_utilization} × {_gib(mem)} GiB"
+        rows.append(RoleMemory(role=role, gpus=gpus, parallel=label,
                                **{c: own.get(c, 0) for c in RoleMemory.COMPONENTS[:-1]},
-                               overhead=reserved, limit=limit, limit_why=why))
+                               overhead=reserved, kept_by_others=kept, limit=limit, limit_why=why))
     return tuple(rows)
 
 
@@ -445,7 +444,8 @@ def forward_flops(arch: ModelArch, tokens: float, seq_len: float, head: str) -> 
     tokens on average) 2·2·a·d·s/2 per token and layer. A backward pass costs twice a forward, so a
     training step is 3× forward, 4× with full recompute.
     """
-    return 2 * matmul_params(arch, head) * tokens + 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len * tokens
+    attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len
+    return (2 * matmul_params(arch, head) + attention) * tokens
 
 
 def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: Workload) -> tuple[float, int, float]:
@@ -525,8 +525,8 @@ def layout_problems(arch: ModelArch, cluster: Cluster, layout: Layout, workload:
         problems.append(f"layout.rollout.tp={rollout.tp} does not divide gpus_per_node={cluster.gpus_per_node}")
     engine_gpus = rollout.engines * rollout.tp
     if layout.colocate and engine_gpus != total:
-        problems.append(f"layout.rollout: engines·tp = {rollout.engines}·{rollout.tp} = {engine_gpus} ≠ {total} GPUs "
-                        "(colocated engines use every GPU)")
+        problems.append(f"layout.rollout: engines·tp = {rollout.engines}·{rollout.tp} = {engine_gpus} ≠ {total} "
+                        "GPUs (colocated engines use every GPU)")
     if not layout.colocate:
         used = {name: par.gpus for name, par in layout.megatron_roles().items()} | {"rollout": engine_gpus}
         if sum(used.values()) > total:
@@ -573,7 +573,7 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
         row = p.row("rollout")
         per_seq = w.max_seq_len * kv_bytes_per_token(p.arch, r.tp)
         seqs = (row.limit - row.weights - row.overhead) // per_seq
-        options = [(f"lower max_num_seqs to {seqs}", replace(r, max_num_seqs=max(seqs, 1)))]
+        options = [(f"lower max_num_seqs to {seqs}", replace(r, max_num_seqs=seqs))] if seqs >= 1 else []
         if r.engines % 2 == 0:
             options.append((f"raise engine TP to {2 * r.tp}, engines to {r.engines // 2}",
                             replace(r, tp=2 * r.tp, engines=r.engines // 2)))
@@ -618,7 +618,7 @@ def _fixes(p: Plan, role: str, most_changes: int = 4) -> list[str]:
     """The single changes after which `role` fits, with its new total. When none does, changes are
     stacked in _changes' order (cheapest for throughput first), each kept if it shrinks the role,
     and the settings that differ at the end are named."""
-    singles = [f"{text} ({_gib(new.row(role).total)} GiB)" for text, new in _replans(p, role) if new.row(role).fits]
+    singles = [f"{text} ({_gib(new.row(role).total)} GiB)" for text, new in _replans(p, role) if _fits(new, role)]
     if singles:
         return singles
     start = p
@@ -627,7 +627,7 @@ def _fixes(p: Plan, role: str, most_changes: int = 4) -> list[str]:
         if not smaller:
             return []
         p = smaller[0]
-        if p.row(role).fits:
+        if _fits(p, role):
             before, after = dict(_flat(asdict(start.layout))), dict(_flat(asdict(p.layout)))
             changed = ", ".join(f"{key} {before.get(key)}→{value}" for key, value in after.items()
                                 if before.get(key) != value)
@@ -651,20 +651,29 @@ def check(p: Plan) -> list[str]:
         if row.fits:
             continue
         fixes = _fixes(p, row.role)
-        advice = ("Would fit: " + "; ".join(fixes)) if fixes else f"No {len(_changes(p, row.role))} changes tried fit: add GPUs"
+        tried = len(_changes(p, row.role))
+        advice = ("Would fit: " + "; ".join(fixes)) if fixes else f"None of {tried} changes tried fits: add GPUs"
         problems.append(f"{row.role} does not fit: {_gib(row.total)} GiB per GPU > {_gib(row.limit)} GiB "
                         f"({row.limit_why}); largest part: {row.dominant} {_gib(getattr(row, row.dominant))} GiB. "
                         f"{advice}.")
-    if p.layout.colocate:
-        budget = p.row("rollout").limit
-        free = p.cluster.gpu_mem_gib * GIB - sum(
-            _resident(p.layout, r.role, asdict(r), int(p.cluster.gpu_mem_gib * GIB), r.overhead)
-            for r in p.memory if r.role != "rollout")
-        if budget > free:
-            problems.append(f"rollout: gpu_memory_utilization {p.layout.rollout.gpu_memory_utilization} asks for "
-                            f"{_gib(budget)} GiB but only {_gib(free)} GiB are free beside the other colocated "
-                            f"processes; lower it to {math.floor(100 * free / (p.cluster.gpu_mem_gib * GIB)) / 100}")
-    return problems
+    overcommit = _vllm_overcommit(p)
+    return problems + [overcommit] if overcommit else problems
+
+
+def _vllm_overcommit(p: Plan) -> str | None:
+    """vLLM refuses to start when its gpu_memory_utilization budget exceeds the free memory beside the
+    other colocated processes; the problem when it does."""
+    mem, rollout = p.cluster.gpu_mem_gib * GIB, p.row("rollout")
+    free = mem - rollout.kept_by_others
+    if rollout.limit <= free:
+        return None
+    return (f"rollout: gpu_memory_utilization {p.layout.rollout.gpu_memory_utilization} asks for "
+            f"{_gib(rollout.limit)} GiB but only {_gib(free)} GiB are free beside the other colocated "
+            f"processes; lower it to {math.floor(100 * free / mem) / 100}")
+
+
+def _fits(p: Plan, role: str) -> bool:
+    return p.row(role).fits and (role != "rollout" or _vllm_overcommit(p) is None)
 
 
 # ---------------------------------------------------------------- inputs from YAML and flags
@@ -718,10 +727,14 @@ def from_dict(cls, data, where: str):
             kwargs[key] = from_dict(nested[0], value, f"{where}.{key}")
         else:
             kwargs[key] = _scalar(value, hints[key], f"{where}.{key}")
-    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING and f.name not in data]
+    required = [f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING and f.name not in data]
     if required:
         raise LayoutError(f"{where} is missing {', '.join(required)}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except LayoutError as err:  # a value out of range, found by __post_init__
+        raise LayoutError(f"{where}: {err}") from None
 
 
 def inputs_from_tree(tree: dict, where: str) -> tuple[str, ModelArch, Cluster, Layout, Workload]:
@@ -750,8 +763,8 @@ FLAGS = {
     "reserved_gib": [("cluster", "reserved_gib")], "mfu": [("cluster", "train_mfu")],
     "hbm_efficiency": [("cluster", "hbm_efficiency")],
     "colocate": [("layout", "colocate")], "offload": [("layout", "offload")],
-    **{f"{flag}_{knob}": [("layout", role, knob)]
-       for flag, role in (("actor", "actor"), ("critic", "critic"), ("ref", "reference")) for knob in ("tp", "pp", "dp")},
+    **{f"{flag}_{knob}": [("layout", role, knob)] for knob in ("tp", "pp", "dp")
+       for flag, role in (("actor", "actor"), ("critic", "critic"), ("ref", "reference"))},
     "micro_batch_tokens": [("layout", role, "micro_batch_tokens") for role in ("actor", "critic", "reference")],
     "sequence_parallel": [("layout", role, "sequence_parallel") for role in ("actor", "critic", "reference")],
     "recompute": [("layout", role, "recompute") for role in ("actor", "critic")],
@@ -838,9 +851,10 @@ def print_table(p: Plan, problems: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c = p.cluster
+    c, layout = p.cluster, p.layout
+    placement = ("colocated" + (" + offload" if layout.offload else "")) if layout.colocate else "separate GPUs"
     title = (f"{p.model} ({p.arch.num_params / 1e9:.2f}B) on {c.nodes}×{c.gpus_per_node} {c.gpu} "
-             f"({c.gpu_mem_gib} GiB), {'colocated' + (' + offload' if p.layout.offload else '') if p.layout.colocate else 'separate GPUs'}")
+             f"({c.gpu_mem_gib} GiB), {placement}")
     table = Table(title=title + " — GiB per GPU, heaviest stage")
     for header in ("role", "GPUs", "parallel", "weights", "grads", "optim", "activ", "KV", "reserved", "total",
                    "limit", "fits"):

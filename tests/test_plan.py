@@ -90,7 +90,8 @@ def test_critic_memory_by_hand_full_recompute():
 
 def test_optimizer_without_distributed_optimizer_is_on_every_rank():
     # 12 bytes/param (fp32 master + m + v) not divided by DP: 12·93824
-    actor = tiny_plan(actor=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, sequence_parallel=True)).row("actor")
+    par = TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, sequence_parallel=True)
+    actor = tiny_plan(actor=par).row("actor")
     assert actor.optimizer == 12 * 93824
 
 
@@ -261,7 +262,9 @@ def test_layouts_that_cannot_run(changes, message):
     ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8}\nlayout: {}", "cluster is missing gpu_mem_gib"),
     ("model: Qwen9\ncluster: {}\nlayout: {}", "neither a preset"),
     ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80, gpu: B300}\nlayout: {}",
-     "cluster.gpu='B300' is not a preset"),
+     "cluster: gpu='B300' is not a preset"),
+    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
+     "layout: {actor: {tp: 0}, rollout: {engines: 8}}", "layout.actor: tp must be positive, got 0"),
 ])
 def test_bad_yaml_exits_2_naming_the_key(tmp_path, capsys, yaml_text, message):
     path = tmp_path / "bad.yaml"
