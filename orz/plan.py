@@ -313,7 +313,8 @@ def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_paral
         kernel) and their product 2·T·f (down's input);
       - the two RMSNorms keep their inputs, 4·T·h.
     Total T·(8h + 4·a·d + 4·g·d + 6f); with a·d = g·d = h and f = 4h that is Korthikanti's 34 less the
-    masks. The 8h part (norm inputs and the copies entering column-parallel linears) is split by t only
+    masks. Megatron-LM's theoretical_memory_usage keeps s·b·h·(18 + 4f/h): the same 16h, plus the two
+    masks, with an ungated MLP (4f) and K, V as wide as h. The 8h part (norm inputs and the copies entering column-parallel linears) is split by t only
     with sequence parallelism; the rest always. With packing every term is linear in T.
     """
     h, ad, gd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -349,6 +350,7 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
       weights      2·P      bf16 parameters
       grads        4·P      fp32 main gradients (accumulated and reduced in fp32)
       optimizer   12·P      fp32 master weights + Adam m + v; 12·P/DP with the distributed optimizer
+                            (Megatron's 18, or 6 + 12/DP, bytes per parameter)
       activations n·(L/pp)·A(T)                          without recompute
                   n·(L/pp)·2·T·h/t_sp + A(T)             full recompute: each layer's input, plus one
                                                          layer re-materialised during its backward
