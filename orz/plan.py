@@ -312,10 +312,11 @@ def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_paral
       - SwiGLU of width f keeps its input 2·T·h, gate and up 4·T·f (silu is recomputed in the fused
         kernel) and their product 2·T·f (down's input);
       - the two RMSNorms keep their inputs, 4·T·h.
-    Total T·(8h + 4·a·d + 4·g·d + 6f); with a·d = g·d = h and f = 4h that is Korthikanti's 34 less the
-    masks. Megatron-LM's theoretical_memory_usage keeps s·b·h·(18 + 4f/h): the same 16h, plus the two
-    masks, with an ungated MLP (4f) and K, V as wide as h. The 8h part (norm inputs and the copies entering column-parallel linears) is split by t only
-    with sequence parallelism; the rest always. With packing every term is linear in T.
+    Total T·(8h + 4·a·d + 4·g·d + 6f). Check: with a·d = g·d = h, an ungated MLP (4f for 6f) and f = 4h
+    it is 32·T·h, Korthikanti's 34 less the two masks; Megatron-LM's theoretical_memory_usage keeps
+    s·b·h·(18 + 4f/h), the same plus the masks. The 8h part (norm inputs and the copies entering
+    column-parallel linears) is split by t only with sequence parallelism; the rest always.
+    With packing every term is linear in T.
     """
     h, ad, gd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     replicated = tokens * 8 * h // (tp if sequence_parallel else 1)
@@ -801,6 +802,8 @@ def tree_from_args(args: argparse.Namespace) -> tuple[dict, str]:
                     node[key] = {}
                 node = node[key]
             node[path[-1]] = value
+    if not args.layout:  # the actor's flags all have defaults
+        tree.setdefault("layout", {}).setdefault("actor", {})
     layout = tree.get("layout") or {}
     if not args.layout and isinstance(layout.get("actor"), dict):
         for role, keys in (("critic", TrainParallel), ("reference", ModelParallel)):
@@ -910,8 +913,11 @@ def main(argv: list[str] | None = None) -> int:
         name, arch, cluster, layout, workload = inputs_from_tree(tree, where)
         p = plan(arch, cluster, layout, workload, name)
     except (LayoutError, ModelConfigError) as err:
-        print("orz.plan: cannot plan this layout:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines()),
-              file=sys.stderr)
+        missing = not args.layout and "missing" in str(err)
+        hint = "\n(give --layout FILE, or at least --model, --nodes, --gpus-per-node, --gpu-mem and --engines)"
+        hint = hint if missing else ""
+        print("orz.plan: cannot plan this layout:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines())
+              + hint, file=sys.stderr)
         return 2
     problems = check(p)
     if args.json:

@@ -135,6 +135,11 @@ def test_separate_gpus_have_the_whole_gpu():
                      rollout=Rollout(engines=2, tp=1))
     p = plan(TINY, CLUSTER, layout, WORK)
     assert all(r.limit == GIB for r in p.memory if r.role != "rollout") and p.row("actor").gpus == 2
+    # roles on their own 2 GPUs overlap: the slowest counts (forward FLOPs as in test_timing_by_hand)
+    flop_s = 989e12 * 0.5
+    fwd_lm = 2 * 309824 * 2048 + 512 * 64 * 2048
+    assert p.timing.forward_s == pytest.approx(fwd_lm / (2 * flop_s))
+    assert p.timing.train_s == pytest.approx(3 * fwd_lm / (2 * flop_s))
 
 
 def test_timing_by_hand():
@@ -193,6 +198,17 @@ def test_cli_flags_and_overrides(capsys):
     main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--actor-tp", "4", "--actor-dp", "8", "--no-critic", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["memory_gib"]["actor"]["parallel"] == "TP4 PP1 DP8" and "critic" not in out["memory_gib"]
+
+
+def test_minimal_flags_default_the_rest(capsys):
+    # critic and reference copy the actor (TP1 PP1, DP = 8 GPUs); the workload is ORZ's
+    code = main(["--model", "Qwen2.5-0.5B", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem", "79.6",
+                 "--engines", "8", "--max-num-seqs", "64", "--recompute", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("\n") == 1
+    assert {r["parallel"] for r in json.loads(out)["memory_gib"].values()} == {"TP1 PP1 DP8", "8×TP1"}
+    assert main(["--nodes", "1"]) == 2
+    assert "give --layout FILE, or at least --model" in capsys.readouterr().err
 
 
 def test_table_output(capsys):
