@@ -249,7 +249,8 @@ def test_unprivileged_fallback_records_why():
         print(sandbox.isolation["user"])
         print(sandbox.isolation["namespaces"])
         print(sandbox.run([sandbox.python, "-c", "print(6 * 7)"]).stdout.strip())
-        print(sandbox.run([sandbox.python, "-c", "import time; time.sleep(60)"], limits=SandboxLimits(wall_s=0.5)).timed_out)
+        sleeper = [sandbox.python, "-c", "import time; time.sleep(60)"]
+        print(sandbox.run(sleeper, limits=SandboxLimits(wall_s=0.5)).timed_out)
     """)
     with tempfile.TemporaryDirectory() as home:
         os.chmod(home, 0o777)

@@ -57,7 +57,6 @@ EQUIVALENCE = [
     (r"\begin{bmatrix}1\\2\end{bmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", True),
     (r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", True),
     (r"\begin{pmatrix}1&2\\3&5\end{pmatrix}", r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", False),
-   
     (r"\begin{pmatrix}\frac12\\0.25\end{pmatrix}", r"\begin{pmatrix}0.5\\\frac14\end{pmatrix}", True),
     (r"\begin{pmatrix}2\\1\end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", False),
     # expressions

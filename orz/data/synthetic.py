@@ -28,7 +28,9 @@ def _split_of(problem_key: str) -> str:
     return "test" if int.from_bytes(digest, "big") < TEST_FRACTION * 2**64 else "train"
 
 
-def _generate(n: int, seed: int, split: str, task: str, make: Callable[[random.Random], tuple[str, dict]]) -> list[dict]:
+def _generate(
+    n: int, seed: int, split: str, task: str, make: Callable[[random.Random], tuple[str, dict]]
+) -> list[dict]:
     """Draws problems with `make` until n of them fall in `split`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")

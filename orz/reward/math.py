@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,11 +55,14 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _BARE_ARGUMENT = re.compile(r"\s+([^\s$]+)")
 
 
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    tail = deque(pattern.finditer(text), maxlen=1)
+    return tail[0] if tail else None
+
+
 def _last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}`, `\\fbox{...}` or `\\boxed x`; None if it never closes."""
-    last = None
-    for last in _BOXED.finditer(text):
-        pass
+    last = _last_match(_BOXED, text)
     if last is None:
         return None
     after = last.end()
@@ -83,9 +87,7 @@ _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*([^\n]+)
 
 def _answer_is(text: str) -> str | None:
     """What follows the last "the answer is" / "final answer:" on its line."""
-    last = None
-    for last in _ANSWER_IS.finditer(text):
-        pass
+    last = _last_match(_ANSWER_IS, text)
     return last.group(1) if last else None
 
 
@@ -93,9 +95,7 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
 def _last_number(text: str) -> str | None:
-    last = None
-    for last in _NUMBER.finditer(text):
-        pass
+    last = _last_match(_NUMBER, text)
     return last.group(0) if last else None
 
 

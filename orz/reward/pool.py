@@ -4,8 +4,14 @@ hard wall-clock limit enforced by killing its worker.
 Why not `multiprocessing.Pool` or a SIGALRM: a pool cannot kill one stuck task, and signals only
 reach the main thread; the trainer calls rewards from Ray actors and helper threads. Here the
 parent watches every in-flight item and SIGKILLs the worker whose item overruns, then starts a
-fresh one. Workers come from a "forkserver" (a clean, single-threaded process that forks them), so
-the trainer's own threads (Ray, torch) are never forked, and a restart costs a fork, not an import.
+fresh one.
+
+Workers are forked by a zygote: a clean, single-threaded interpreter, started once per pool, that
+imports fn's module and nothing else, then forks a worker on request and passes its socket back.
+So the trainer's threads (Ray, torch) are never forked, a restart costs a fork rather than an
+import, and, unlike multiprocessing's spawn and forkserver, no worker re-imports the trainer's
+main script (with torch and Megatron behind it). Workers die with the zygote (PR_SET_PDEATHSIG),
+the zygote exits when the pool's process goes, so nothing outlives the trainer.
 
 Protocol: the parent sends a worker a chunk `[(index, item), ...]`; the worker answers one message
 per item, `(index, status, value, seconds)`, so the parent knows which item is running and restarts
@@ -14,13 +20,18 @@ fresh worker, then reported as "crash"; the rest of that chunk is requeued witho
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import multiprocessing.forkserver as mp_forkserver
 import os
+import pickle
 import resource
+import select
 import signal
+import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -72,12 +83,9 @@ class KillablePool:
         self.initializer = initializer
         self.memory_limit_mb = memory_limit_mb
         self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
-        self._ctx = mp.get_context("forkserver")
-        # Preloading makes each fork start with fn's module imported. It only takes effect if this
-        # process has not started its forkserver yet; otherwise workers import on first use.
-        self._ctx.set_forkserver_preload([fn.__module__])
         self._lock = threading.Lock()
         self._closed = False
+        self._zygote = _Zygote(fn, initializer, memory_limit_mb)
         self._workers = [self._start_worker() for _ in range(num_workers)]
 
     def map(self, items: Sequence[Any]) -> list[ItemResult]:
@@ -93,6 +101,7 @@ class KillablePool:
             for worker in self._workers:
                 worker.stop()
             self._workers = []
+            self._zygote.close()
 
     def __enter__(self) -> KillablePool:
         return self
@@ -101,16 +110,10 @@ class KillablePool:
         self.close()
 
     def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_worker_main,
-            args=(child_conn, self.fn, self.initializer, self.memory_limit_mb),
-            daemon=True,
-            name="orz-reward-worker",
-        )
-        process.start()
-        child_conn.close()
-        return _Worker(process, parent_conn, self.item_timeout_s)
+        if not self._zygote.alive():  # killed from outside; workers need a parent
+            self._zygote = _Zygote(self.fn, self.initializer, self.memory_limit_mb)
+        pid, conn = self._zygote.fork_worker()
+        return _Worker(pid, conn, self.item_timeout_s)
 
     def _replace(self, slot: int) -> None:
         """Kills the worker in `slot` (whatever it is doing) and starts a fresh one there."""
@@ -124,7 +127,7 @@ class KillablePool:
             self._dispatch(run)
             busy = [w.deadline for w in self._workers if w.in_flight]
             wait_s = max(0.0, min(busy) - time.monotonic()) if busy else self.item_timeout_s
-            waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+            waitables = [w.conn for w in self._workers] + [w.pidfd for w in self._workers]
             signalled = set(mp_connection.wait(waitables, timeout=wait_s))
             for slot, worker in enumerate(self._workers):
                 if not self._collect(worker, run, signalled):
@@ -159,7 +162,7 @@ class KillablePool:
                     worker.finish_one()
             except (EOFError, OSError):
                 return False
-        return not (worker.process.sentinel in signalled and not worker.conn.poll())
+        return not (worker.pidfd in signalled and not worker.conn.poll())
 
     def _after_death(self, slot: int, run: _MapRun) -> None:
         """Retries the item a dead worker was running once, requeues the rest of its chunk."""
@@ -168,15 +171,13 @@ class KillablePool:
             run.startup_failures += 1
             if run.startup_failures >= _STARTUP_FAILURES_ALLOWED:
                 raise RuntimeError(
-                    f"reward workers die before they are ready (exit code {worker.process.exitcode}); "
-                    f"is fn's module importable in a fresh process, and does the main script have "
-                    f"an `if __name__ == \"__main__\":` guard?"
+                    "pool workers die before they are ready; does the initializer fail? (see stderr)"
                 )
         if worker.in_flight:
             current, *rest = worker.in_flight
             run.crashes[current] = run.crashes.get(current, 0) + 1
             if run.crashes[current] > 1:
-                run.finish(current, ItemResult("crash", f"worker exit code {worker.process.exitcode}"))
+                run.finish(current, ItemResult("crash", "the worker died"))
             else:
                 rest = [current, *rest]
             run.requeue(rest)
@@ -203,10 +204,12 @@ class _MapRun:
 
 
 class _Worker:
-    """The parent's view of one worker: its process, pipe, and the items it holds, in order."""
+    """The parent's view of one worker: its pid (and pidfd, to wait on and kill it without pid
+    reuse races), its socket, and the items it holds, in order."""
 
-    def __init__(self, process: mp.process.BaseProcess, conn: mp_connection.Connection, timeout_s: float):
-        self.process = process
+    def __init__(self, pid: int, conn: mp_connection.Connection, timeout_s: float):
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
         self.conn = conn
         self.timeout_s = timeout_s
         self.ready = False
@@ -223,16 +226,79 @@ class _Worker:
         self.deadline = time.monotonic() + self.timeout_s if self.in_flight else float("inf")
 
     def stop(self, kill: bool = False) -> None:
-        if not kill and self.process.is_alive():
+        """Asks the worker to exit (or kills it), waits until it has, and frees its handles."""
+        if not kill:
             try:
                 self.conn.send(None)
-                self.process.join(timeout=1.0)
             except OSError:
                 pass
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
+        if kill or not select.select([self.pidfd], [], [], 1.0)[0]:
+            with contextlib.suppress(ProcessLookupError):  # already dead
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [])
+        os.close(self.pidfd)
         self.conn.close()
+
+
+class _Zygote:
+    """The clean process that forks workers: started with `python -c`, it gets fn and the
+    initializer pickled (importing their module), then forks a worker per request."""
+
+    def __init__(self, fn, initializer, memory_limit_mb: int | None):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        bootstrap = (f"import sys; sys.path[:0] = {sys.path!r}; "
+                     f"from orz.reward.pool import _zygote_main; _zygote_main({theirs.fileno()})")
+        self.process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[theirs.fileno()],
+                                        stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.socket = ours
+        config = pickle.dumps((fn, initializer, memory_limit_mb))
+        ours.sendall(struct.pack("!Q", len(config)) + config)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork_worker(self) -> tuple[int, mp_connection.Connection]:
+        self.socket.sendall(b"F")
+        message, fds, _, _ = socket.recv_fds(self.socket, 8, 1)
+        if not fds:
+            raise RuntimeError(f"the pool's zygote died (exit code {self.process.wait()}); see stderr")
+        return struct.unpack("!q", message)[0], mp_connection.Connection(fds[0])
+
+    def close(self) -> None:
+        self.socket.close()  # the zygote exits on end of file
+        self.process.wait()
+
+
+def _zygote_main(fd: int) -> None:
+    """Zygote loop: one forked worker per b"F" request, until the pool's socket closes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps dead workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    control = socket.socket(fileno=fd)
+    (size,) = struct.unpack("!Q", _recv_exactly(control, 8))
+    fn, initializer, memory_limit_mb = pickle.loads(_recv_exactly(control, size))
+    while control.recv(1) == b"F":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            ours.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _worker_main(mp_connection.Connection(theirs.detach()), fn, initializer, memory_limit_mb)
+            os._exit(0)
+        theirs.close()
+        socket.send_fds(control, [struct.pack("!q", pid)], [ours.fileno()])
+        ours.close()
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the pool's process closed the zygote's socket")
+        data += chunk
+    return data
 
 
 def _worker_main(
@@ -241,23 +307,18 @@ def _worker_main(
     initializer: Callable[[], None] | None,
     memory_limit_mb: int | None,
 ) -> None:
-    """Worker loop: set up, say "ready", then answer item by item until told to stop."""
-    # Die with the forkserver, even when stuck in C code. The forkserver exits once every holder of
-    # its "alive" pipe is gone; forked children inherit one end, so drop it here, or a worker would
-    # keep the forkserver (and so itself) alive after the pool's process dies.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    alive_fd = getattr(mp_forkserver._forkserver, "_forkserver_alive_fd", None)
-    if alive_fd is not None:
-        os.close(alive_fd)
-        mp_forkserver._forkserver._forkserver_alive_fd = None
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    """Worker loop: set up, say "ready", then answer item by item until told to stop (None) or
+    until the pool's process is gone (end of file)."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the zygote, even in C code
+    if os.getppid() == 1:  # the zygote died before the line above
+        os._exit(0)
     if memory_limit_mb is not None:
         limit = memory_limit_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if initializer is not None:
         initializer()
     conn.send("ready")
-    while (chunk := conn.recv()) is not None:
+    while (chunk := _recv_or_none(conn)) is not None:
         for index, item in chunk:
             start = time.monotonic()
             try:
@@ -265,3 +326,10 @@ def _worker_main(
             except BaseException as error:  # MemoryError and RecursionError included
                 status, value = "error", f"{type(error).__name__}: {error}"[:500]
             conn.send((index, status, value, time.monotonic() - start))
+
+
+def _recv_or_none(conn: mp_connection.Connection) -> Any:
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
