@@ -102,28 +102,41 @@ def test_close_stops_the_workers():
         pool.map([("double", 1)])
 
 
-def test_workers_die_with_their_owner_even_mid_item():
-    """The owner is SIGKILLed while a worker spins in C code: nothing must survive it."""
-    script = (
+def test_workers_die_with_their_owner_even_mid_item(tmp_path):
+    """The owner is SIGKILLed while a worker spins in C code: nothing must survive it. Its main
+    script prints a line when imported: workers must not import it again (multiprocessing's
+    spawn and forkserver would, with everything a trainer script imports)."""
+    script = tmp_path / "owner.py"
+    script.write_text(
         "import sys, time, threading\n"
+        "print('main script imported', flush=True)\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from test_reward_pool import _behave\n"
         "from orz.reward.pool import KillablePool\n"
         "if __name__ == '__main__':\n"
-        "    pool = KillablePool(_behave, num_workers=1, item_timeout_s=60)\n"
+        "    pool = KillablePool(_behave, num_workers=2, item_timeout_s=60)\n"
         "    print(pool.map([('pid', None)])[0].value, flush=True)\n"
         "    threading.Thread(target=pool.map, args=([('spin', None)],), daemon=True).start()\n"
         "    time.sleep(60)\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert owner.stdout.readline() == "main script imported\n"
     worker_pid = int(owner.stdout.readline())
     time.sleep(0.3)
     owner.kill()
     owner.wait()
+    assert owner.stdout.read() == ""
     deadline = time.monotonic() + 5
     while _alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker_pid)
+
+
+def test_the_pool_survives_its_zygote_being_killed():
+    with KillablePool(_behave, num_workers=2, item_timeout_s=5.0) as pool:
+        pool._zygote.process.kill()
+        time.sleep(0.2)  # its workers die with it, while idle
+        assert [r.value for r in pool.map([("double", i) for i in range(10)])] == [2 * i for i in range(10)]
 
 
 def test_bad_settings_are_rejected():

@@ -145,7 +145,11 @@ class KillablePool:
             if worker.ready and not worker.in_flight and run.pending:
                 size = max(1, min(self.chunk_size, len(run.pending) // (2 * self.num_workers)))
                 chunk = [run.pending.popleft() for _ in range(min(size, len(run.pending)))]
-                worker.send(chunk, [run.items[i] for i in chunk])
+                try:
+                    worker.send(chunk, [run.items[i] for i in chunk])
+                except OSError:  # it died while idle; its pidfd tells the loop, the chunk waits
+                    worker.in_flight = []
+                    run.requeue(chunk)
 
     def _collect(self, worker: _Worker, run: _MapRun, signalled: set) -> bool:
         """Reads the worker's messages; False when it has died."""
@@ -277,6 +281,7 @@ def _zygote_main(fd: int) -> None:
     control = socket.socket(fileno=fd)
     (size,) = struct.unpack("!Q", _recv_exactly(control, 8))
     fn, initializer, memory_limit_mb = pickle.loads(_recv_exactly(control, size))
+    zygote_pid = os.getpid()
     while control.recv(1) == b"F":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
@@ -284,7 +289,7 @@ def _zygote_main(fd: int) -> None:
             control.close()
             ours.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _worker_main(mp_connection.Connection(theirs.detach()), fn, initializer, memory_limit_mb)
+            _worker_main(mp_connection.Connection(theirs.detach()), zygote_pid, fn, initializer, memory_limit_mb)
             os._exit(0)
         theirs.close()
         socket.send_fds(control, [struct.pack("!q", pid)], [ours.fileno()])
@@ -303,6 +308,7 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 
 def _worker_main(
     conn: mp_connection.Connection,
+    zygote_pid: int,
     fn: Callable[[Any], Any],
     initializer: Callable[[], None] | None,
     memory_limit_mb: int | None,
@@ -310,7 +316,7 @@ def _worker_main(
     """Worker loop: set up, say "ready", then answer item by item until told to stop (None) or
     until the pool's process is gone (end of file)."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the zygote, even in C code
-    if os.getppid() == 1:  # the zygote died before the line above
+    if os.getppid() != zygote_pid:  # the zygote died before the line above
         os._exit(0)
     if memory_limit_mb is not None:
         limit = memory_limit_mb * 2**20
