@@ -17,7 +17,10 @@ import pytest
 from orz.reward.code import CodeReward, CodeRewardConfig, CodeTests, extract_code, outputs_match
 from orz.reward.sandbox import Sandbox, SandboxLimits, _pids_of
 
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=512, processes=16)
+# Tight limits for the hostile batch (their timeouts overlap); generous ones where a busy machine
+# must not fail a correct solution.
+LIMITS = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
+GENEROUS = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=512, processes=16)
 UIDS = (3_800_000, 3_804_096)  # Sandbox's default range
 ADD = CodeTests(inputs=["1 2\n", "30 4\n"], outputs=["3\n", "34"])
 ADD_SOURCE = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -30,6 +33,12 @@ def fenced(source: str) -> str:
 
 @pytest.fixture(scope="module")
 def reward():
+    with CodeReward(CodeRewardConfig(max_parallel=4, limits=GENEROUS)) as reward:
+        yield reward
+
+
+@pytest.fixture(scope="module")
+def strict_reward():
     with CodeReward(CodeRewardConfig(max_parallel=8, limits=LIMITS)) as reward:
         yield reward
 
@@ -131,11 +140,11 @@ ONE_TEST = CodeTests(inputs=["1 2\n"], outputs=["3"])
 
 
 @pytest.fixture(scope="module")
-def hostile_results(reward, outside):
+def hostile_results(strict_reward, outside):
     names = list(HOSTILE)
     responses = [fenced(HOSTILE[n].format(**outside)) for n in names] + [fenced(CORRECT)]
     start = time.monotonic()
-    scores, metrics = reward.score(responses, [ONE_TEST] * len(responses))
+    scores, metrics = strict_reward.score(responses, [ONE_TEST] * len(responses))
     elapsed = time.monotonic() - start
     return dict(zip(names + ["correct"], scores)), metrics, elapsed
 
@@ -153,7 +162,7 @@ def test_hostile_neighbours_do_not_disturb_a_correct_solution(hostile_results):
     scores, metrics, elapsed = hostile_results
     assert scores["correct"] == 1.0
     assert metrics["code/timeouts"] >= 2  # the loop/sleep/fork bombs hit the wall clock
-    assert elapsed < 3 * LIMITS.wall_s + 5  # 14 solutions, 8 at a time
+    assert elapsed < 4 * LIMITS.wall_s + 10  # 14 solutions, 8 at a time; none hangs the batch
 
 
 def test_nothing_is_left_behind(hostile_results, outside, reward):
@@ -200,7 +209,7 @@ def test_correct_and_wrong_solutions(reward):
 
 
 def test_pass_fraction_scoring():
-    with CodeReward(CodeRewardConfig(scoring="pass_fraction", limits=LIMITS)) as reward:
+    with CodeReward(CodeRewardConfig(scoring="pass_fraction", limits=GENEROUS)) as reward:
         assert reward.judge("print(3)\n", ADD) == 0.5
 
 
@@ -224,7 +233,7 @@ def test_a_solution_may_write_in_its_own_directory(reward):
 
 
 def test_isolation_is_recorded():
-    isolation = Sandbox(LIMITS).isolation
+    isolation = Sandbox(GENEROUS).isolation
     assert set(isolation) == {"limits", "user", "namespaces", "python"}
     if ROOT:
         assert not isolation["user"].startswith("off")

@@ -51,6 +51,9 @@ class SandboxLimits:
     open_files: int = 64  # RLIMIT_NOFILE
 
 
+_PROBE_LIMITS = SandboxLimits(wall_s=30, cpu_s=10)  # generous: the machine may be busy
+
+
 @dataclass(frozen=True)
 class SandboxResult:
     returncode: int | None  # None when killed for the wall clock; -N when killed by signal N
@@ -91,10 +94,11 @@ class Sandbox:
         else:
             self._isolation.reasons["user"] = "not root: cannot switch to a dedicated uid"
             self.workdir_root = workdir_root or tempfile.gettempdir()
-        self._probe(python_candidates)
+        self._probe_namespaces()
         hidden = [d for d in _WORLD_WRITABLE if _is_within(self.workdir_root, d)]
         if self._isolation.namespaces and hidden:
             raise ValueError(f"workdir_root {self.workdir_root} is under {hidden[0]}, which the sandbox hides")
+        self._pick_python(python_candidates)
 
     @property
     def python(self) -> str:
@@ -117,7 +121,7 @@ class Sandbox:
     def run(
         self,
         argv: Sequence[str],
-        files: Mapping[str, str | bytes] = {},
+        files: Mapping[str, str | bytes] | None = None,
         stdin: str = "",
         limits: SandboxLimits | None = None,
     ) -> SandboxResult:
@@ -126,7 +130,7 @@ class Sandbox:
         with _UidLease(self._isolation.uids) as uid, tempfile.TemporaryDirectory() as io_dir:
             workdir = tempfile.mkdtemp(prefix="orz-sandbox-", dir=self.workdir_root)
             try:
-                for name, content in files.items():
+                for name, content in (files or {}).items():
                     path = os.path.join(workdir, name)
                     mode = "wb" if isinstance(content, bytes) else "w"
                     with open(path, mode) as f:
@@ -184,16 +188,18 @@ class Sandbox:
             wall_s=time.monotonic() - start,
         )
 
-    def _probe(self, python_candidates: Sequence[str]) -> None:
-        """Turns off what this machine does not permit, and picks the interpreter."""
-        probe_limits = SandboxLimits(wall_s=30, cpu_s=10)
-        result = self.run(["/bin/sh", "-c", "exit 0"], limits=probe_limits)
+    def _probe_namespaces(self) -> None:
+        """Turns namespaces off, with the reason, where this machine does not permit them."""
+        result = self.run(["/bin/sh", "-c", "exit 0"], limits=_PROBE_LIMITS)
         if result.returncode != 0:
             self._isolation.namespaces = False
             self._isolation.reasons["namespaces"] = (result.stderr.strip() or f"exit code {result.returncode}")[:300]
+
+    def _pick_python(self, candidates: Sequence[str]) -> None:
+        """The first candidate interpreter that runs inside the sandbox."""
         failures = []
-        for python in dict.fromkeys(python_candidates):
-            result = self.run([python, "-I", "-c", "print(3)"], limits=probe_limits)
+        for python in dict.fromkeys(candidates):
+            result = self.run([python, "-I", "-c", "print(3)"], limits=_PROBE_LIMITS)
             if result.returncode == 0 and result.stdout.strip() == "3":
                 self._isolation.python = python
                 return
