@@ -116,6 +116,7 @@ def run(cli: CliConfig, cfg) -> int:
     from orz.evaluation import Evaluator, load_benchmark
     from orz.rollout.fleet import EngineFleet, FleetConfig
 
+    start = time.perf_counter()
     benchmarks = [load_benchmark(name, path) for name, path in cli.data.items()]
     Path(cli.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".model-", dir=cli.out) as workdir:
@@ -139,7 +140,8 @@ def run(cli: CliConfig, cfg) -> int:
             if started_ray:
                 ray.shutdown()
     report.settings.update(model=str(cli.model), tokenizer=cli.tokenizer or str(cli.model), engines=cli.engines,
-                           tensor_parallel_size=cli.tensor_parallel_size, engine_args=engine_args)
+                           tensor_parallel_size=cli.tensor_parallel_size, engine_args=engine_args,
+                           total_wall_s=time.perf_counter() - start)  # engine start-up included
     paths = report.save(cli.out)
     print(report.table())
     print(f"\nreport: {paths['report']}\nsamples: {paths['samples']}")

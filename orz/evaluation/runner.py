@@ -208,13 +208,13 @@ class Evaluator:
                 bar.set_postfix_str(f"{bench.name} avg@{n} {metrics.avg_at_k(verdicts):.3f}")
                 bar.update(len(samples))
         figures = metrics.benchmark_figures(
-            verdicts, None if bench.kind == "code" else clusters, self.cfg.pass_ks,
+            verdicts, None if None in clusters else clusters, self.cfg.pass_ks,
             [r["response_tokens"] for r in records], [r["finish_reason"] == "length" for r in records],
         )
         figures.update(
             no_answer_rate=metrics.mean([float(r["extracted"] is None) for r in records]),
             judge_timeouts=judge_timeouts,
-            **({"cluster_fallbacks": cluster_fallbacks} if bench.kind == "math" else {}),
+            cluster_fallbacks=cluster_fallbacks,
             wall_s=time.perf_counter() - start,
         )
         return figures, records
