@@ -45,6 +45,7 @@ def test_parquet_flat_and_verl(tmp_path):
 @pytest.mark.parametrize("bad_row, problem", [
     ({"question": "q", "answer": "1"}, "no 'prompt' field"),
     ({"prompt": "q"}, "no answer"),
+    ({"prompt": "q", "reward_model": "4"}, "no answer"),
     ({"prompt": "", "answer": "1"}, "non-empty string"),
     ({"prompt": "q", "answer": ""}, "the answer must be"),
     ({"prompt": "q", "answer": True}, "the answer must be"),

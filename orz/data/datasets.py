@@ -78,9 +78,9 @@ def _to_prompt_row(raw: Any) -> dict[str, str]:
     for key in ("answer", "final_answer"):
         if key in raw:
             return _row(question, raw[key])
-    ground_truth = (raw.get("reward_model") or {}).get("ground_truth")
-    if ground_truth is not None:
-        return _row(question, ground_truth)
+    reward_model = raw.get("reward_model")
+    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
+        return _row(question, reward_model["ground_truth"])
     raise ValueError(f"no answer: expected 'answer', 'final_answer' or 'reward_model.ground_truth' "
                      f"(fields: {sorted(raw)})")
 
@@ -99,7 +99,7 @@ def _last_user_message(messages: Any) -> str:
     if not isinstance(messages, list):
         raise ValueError(f"'prompt' must be a string or a list of messages, got {type(messages).__name__}")
     texts = [
-        m.get("value", m.get("content"))
+        m.get("value") or m.get("content")  # Parquet fills a struct's missing fields with None
         for m in messages
         if isinstance(m, dict) and (m.get("from") in ("human", "user") or m.get("role") == "user")
     ]

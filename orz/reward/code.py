@@ -59,13 +59,8 @@ def extract_code(response: str) -> str | None:
 
 
 def outputs_match(actual: str, expected: str) -> bool:
-    """stdout comparison: equal line by line up to trailing whitespace and blank lines at the
-    end; failing that, equal token by token with numbers compared to 1e-6 (relative or absolute)."""
-    def lines(text: str) -> list[str]:
-        stripped = [line.rstrip() for line in text.rstrip().splitlines()]
-        return stripped
-    if lines(actual) == lines(expected):
-        return True
+    """stdout comparison, as most judges do it: equal token by token, whitespace and line breaks
+    aside, with numbers equal to within 1e-6 (relative or absolute)."""
     got, want = actual.split(), expected.split()
     return len(got) == len(want) and all(_tokens_match(g, w) for g, w in zip(got, want))
 
