@@ -91,10 +91,12 @@ def resolve_model(model: str | Path, tokenizer: str | None, workdir: str | Path)
     model = Path(model)
     if (model / MEGATRON_META).is_file():
         if tokenizer is None:
-            raise ModelConfigError(f"{model} is a Megatron checkpoint, which holds no tokenizer: pass --tokenizer DIR")
+            raise ModelConfigError(f"{model} is a Megatron checkpoint, which holds no tokenizer: "
+                                   f"pass --tokenizer DIR")
         return str(mcore2hf(str(model), str(Path(workdir) / "hf"), like=tokenizer)), tokenizer
     if not (model / "config.json").is_file():
-        raise ModelConfigError(f"{model}: neither an HF directory (config.json) nor an orz Megatron checkpoint ({MEGATRON_META})")
+        raise ModelConfigError(f"{model}: neither an HF directory (config.json) nor an orz Megatron checkpoint "
+                               f"({MEGATRON_META})")
     return str(model), tokenizer or str(model)
 
 
@@ -130,8 +132,9 @@ def run(cli: CliConfig, cfg) -> int:
             ray.init(address=cli.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         fleet = None
         try:
-            fleet = EngineFleet(model_dir, FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,
-                                                       engine_args=engine_args, kv_cache_gib=cli.kv_cache_gib), seed=cfg.seed)
+            fleet_cfg = FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,
+                                    engine_args=engine_args, kv_cache_gib=cli.kv_cache_gib)
+            fleet = EngineFleet(model_dir, fleet_cfg, seed=cfg.seed)
             with Evaluator(fleet, tokenizer, template, benchmarks, cfg, progress=cli.progress) as evaluator:
                 report = evaluator.run()
         finally:

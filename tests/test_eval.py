@@ -163,6 +163,7 @@ def test_report_files_table_and_flat_metrics(scripted, tmp_path):
 def test_config_checks_name_the_offending_values():
     with pytest.raises(ValueError, match=r"k must be in 1..n=4; got ks=\[8\]"):
         EvalConfig(n=4, ks=(8,))
+    assert EvalConfig(n=4, ks=(2,)).pass_ks == (2, 4)  # n always: the table shows pass@n and maj@n
     from orz.reward.math import MathRewardConfig
 
     with pytest.raises(ValueError, match="format_reward=0"):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orz.data.datasets import DatasetFormatError, _read_raw_rows, _to_prompt_row
-from orz.reward.code import CodeTests, extract_code
+from orz.reward.code import CodeTests
 from orz.reward.math import extract_answer, is_equivalent
 
 Kind = Literal["math", "multiple_choice", "code"]
@@ -168,7 +168,8 @@ def extract_choice(text: str, num_choices: int, extraction: Sequence[str]) -> st
 
 # ---- code ------------------------------------------------------------------------------------
 
-STDIN_INSTRUCTION = "Write a Python 3 program that reads the input from standard input and writes the answer to standard output."
+STDIN_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and writes the answer to "
+                     "standard output.")
 STARTER_INSTRUCTION = "Complete this starter code, keeping its function names and signatures:"
 CODE_INSTRUCTION = "Give the complete solution in one ```python code block."
 
@@ -224,8 +225,10 @@ def _lcb_cases(value: Any, field: str) -> list[dict]:
                 value = json.loads(_StringsOnly(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load())
             except Exception as error:  # any decoding failure means the same thing to the user
                 raise ValueError(f"'{field}' is neither JSON nor LiveCodeBench's compressed form ({error})") from None
-    if not isinstance(value, list) or not value or not all(isinstance(c, dict) and "input" in c and "output" in c for c in value):
-        raise ValueError(f"'{field}' must be a non-empty list of {{'input', 'output', 'testtype'}}, got {value!r:.80}")
+    if not isinstance(value, list) or not value or not all(isinstance(c, dict) and {"input", "output"} <= c.keys()
+                                                           for c in value):
+        raise ValueError(f"'{field}' must be a non-empty list of {{'input', 'output', 'testtype'}}, "
+                         f"got {value!r:.80}")
     return list(value)
 
 

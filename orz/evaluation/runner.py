@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from orz.data.templates import ANSWER_CLOSE, ChatTemplate, ThinkAnswerTemplate
 from orz.evaluation import metrics
-from orz.evaluation.benchmarks import Benchmark, Kind, Problem, cluster_math_answers, extract_choice
+from orz.evaluation.benchmarks import Benchmark, Problem, cluster_math_answers, extract_choice
 from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
 from orz.reward.math import MathReward, MathRewardConfig, extract_answer
 from orz.reward.pool import KillablePool
@@ -35,8 +36,9 @@ from orz.rollout.engine import Sample, SamplingConfig
 class Generator(Protocol):
     """What the evaluator needs of a fleet (EngineFleet, or a stand-in in tests)."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None) -> list[Sample]:
-        ...
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None
+    ) -> list[Sample]: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class EvalConfig:
     max_new_tokens: int = 8192
     stop: tuple[str, ...] | None = None  # None: the template's own (think_answer: after "</answer>")
     seed: int = 0  # problem i of each benchmark is sampled with seed + i
-    ks: tuple[int, ...] | None = None  # the k of pass@k and maj@k; None: 1, 2, 4, ... below n, and n
+    ks: tuple[int, ...] | None = None  # the k of pass@k and maj@k besides n; None: 1, 2, 4, ... below n
     # Samples per generate call, rounded to whole problems. The progress bar moves once per chunk;
     # bigger chunks keep more engines busy.
     chunk_samples: int = 1024
@@ -62,7 +64,8 @@ class EvalConfig:
 
     def __post_init__(self):
         if self.n < 1 or self.chunk_samples < 1:
-            raise ValueError(f"need n >= 1 and chunk_samples >= 1; got n={self.n}, chunk_samples={self.chunk_samples}")
+            raise ValueError(f"need n >= 1 and chunk_samples >= 1; got n={self.n}, "
+                             f"chunk_samples={self.chunk_samples}")
         if self.ks is not None and any(not 1 <= k <= self.n for k in self.ks):
             raise ValueError(f"every k must be in 1..n={self.n}; got ks={list(self.ks)}")
         if self.math.format_reward != 0.0 or self.code.scoring != "all_pass":
@@ -71,7 +74,8 @@ class EvalConfig:
 
     @property
     def pass_ks(self) -> tuple[int, ...]:
-        return self.ks if self.ks is not None else metrics.default_ks(self.n)
+        """The k of pass@k and maj@k: `ks` and always n (the table's columns)."""
+        return tuple(sorted({*self.ks, self.n})) if self.ks is not None else metrics.default_ks(self.n)
 
 
 def default_stop(template: Any) -> tuple[str, ...]:
@@ -112,7 +116,8 @@ class EvalReport:
         n = self.settings["n"]
         header = ["benchmark", "kind", "problems", f"avg@{n}", f"pass@{n}", f"maj@{n}",
                   "tokens mean", "tokens p95", "truncated", "wall s"]
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i < 2 else "--:" for i in range(len(header))) + "|"]
+        align = ["---"] * 2 + ["--:"] * (len(header) - 2)  # names left, numbers right
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
         for name, f in self.figures.items():
             maj = f.get(f"maj@{n}")
             cells = [name, self.settings["benchmarks"][name]["kind"], str(f["problems"]), _pct(f[f"avg@{n}"]),
@@ -126,7 +131,8 @@ class EvalReport:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"report": out / "report.json", "samples": out / "samples.jsonl", "table": out / "table.md"}
-        paths["report"].write_text(json.dumps({"settings": self.settings, "benchmarks": self.figures}, indent=2) + "\n")
+        report = {"settings": self.settings, "benchmarks": self.figures}
+        paths["report"].write_text(json.dumps(report, indent=2) + "\n")
         with open(paths["samples"], "w", encoding="utf-8") as f:
             for record in self.records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -138,6 +144,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
+def _never(a: str, b: str) -> bool:
+    """Equivalence by identity alone (cluster_answers already merges identical strings)."""
+    return False
+
+
 class Evaluator:
     """Evaluates whatever weights `fleet` holds on `benchmarks`; holds the verifier pools between
     runs (call `close()`)."""
@@ -147,23 +158,31 @@ class Evaluator:
         names = [b.name for b in benchmarks]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"need at least one benchmark and distinct names; got {names}")
-        self.fleet, self.template, self.benchmarks, self.cfg, self.progress = fleet, template, list(benchmarks), cfg, progress
+        self.fleet, self.template, self.benchmarks, self.cfg = fleet, template, list(benchmarks), cfg
+        self.progress = progress
         self.prompts = {b.name: [template.prompt(p.question) for p in b.problems] for b in benchmarks}
-        self.prompt_ids = {b.name: [encode_prompt(tokenizer, template, p.question) for p in b.problems] for b in benchmarks}
+        self.prompt_ids = {
+            b.name: [encode_prompt(tokenizer, template, p.question) for p in b.problems] for b in benchmarks
+        }
         stop = default_stop(template) if cfg.stop is None else cfg.stop
         self.sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                        max_new_tokens=cfg.max_new_tokens, stop=list(stop), n=cfg.n, seed=cfg.seed)
         kinds = {b.kind for b in benchmarks}
-        self.math_reward = MathReward(cfg.math) if "math" in kinds else None
-        self.cluster_pool = KillablePool(cluster_math_answers, cfg.math.num_workers, cfg.cluster_timeout_s,
-                                         chunk_size=1, memory_limit_mb=cfg.math.memory_limit_mb) if "math" in kinds else None
-        self.code_reward = CodeReward(cfg.code) if "code" in kinds else None
+        self.math_reward = self.cluster_pool = self.code_reward = None
+        if "math" in kinds:
+            self.math_reward = MathReward(cfg.math)
+            self.cluster_pool = KillablePool(cluster_math_answers, cfg.math.num_workers, cfg.cluster_timeout_s,
+                                             chunk_size=1, memory_limit_mb=cfg.math.memory_limit_mb)
+        if "code" in kinds:
+            self.code_reward = CodeReward(cfg.code)
         self._judges = {"math": self._judge_math, "multiple_choice": self._judge_choice, "code": self._judge_code}
 
     def settings(self) -> dict[str, Any]:
         cfg = self.cfg
         return {
-            "benchmarks": {b.name: {"path": b.path, "kind": b.kind, "problems": len(b.problems)} for b in self.benchmarks},
+            "benchmarks": {
+                b.name: {"path": b.path, "kind": b.kind, "problems": len(b.problems)} for b in self.benchmarks
+            },
             "template": type(self.template).__name__,
             "n": cfg.n, "ks": list(cfg.pass_ks), "seed": cfg.seed,
             "sampling": asdict(self.sampling),
@@ -221,11 +240,12 @@ class Evaluator:
 
     def _generate(self, bench: Benchmark, first: int, count: int, min_version: int | None) -> list[Sample]:
         prompts = self.prompt_ids[bench.name][first : first + count]
-        samples = self.fleet.generate(prompts, replace(self.sampling, seed=self.cfg.seed + first), min_version=min_version)
-        expected = [i for i in range(len(prompts)) for _ in range(self.cfg.n)]
-        if [s.index for s in samples] != expected:
-            raise RuntimeError(f"{bench.name}: the fleet returned samples for prompts {[s.index for s in samples][:12]}..., "
-                               f"expected {self.cfg.n} per prompt for {len(prompts)} prompts, in order")
+        sampling = replace(self.sampling, seed=self.cfg.seed + first)  # problem i: seed + i
+        samples = self.fleet.generate(prompts, sampling, min_version=min_version)
+        got = [s.index for s in samples]
+        if got != [i for i in range(len(prompts)) for _ in range(self.cfg.n)]:
+            raise RuntimeError(f"{bench.name}: the fleet returned samples for prompts {got[:12]}..., expected "
+                               f"{self.cfg.n} per prompt for {len(prompts)} prompts, in order")
         return samples
 
     def _record(self, bench: Benchmark, first: int, k: int, sample: Sample, judged: Judged) -> dict[str, Any]:
@@ -250,26 +270,33 @@ class Evaluator:
     def _judge_math(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
         texts = [s.text for s in samples]
         extracted = [extract_answer(t, self.cfg.math.extraction) for t in texts]
-        scores, reward_metrics = self.math_reward.score(texts, [p.answer for p in problems], [s.finish_reason for s in samples])
+        finish_reasons = [s.finish_reason for s in samples]
+        scores, reward_metrics = self.math_reward.score(texts, [p.answer for p in problems], finish_reasons)
         votes = self._votes(samples, extracted)
         clusters, fallbacks = [], 0
         for answers, outcome in zip(votes, self.cluster_pool.map(votes)):
-            if outcome.status != "ok":  # identical strings still agree; nothing else is compared
+            if outcome.status == "ok":
+                clusters += outcome.value
+            else:  # identical strings still agree; nothing else is compared
+                clusters += metrics.cluster_answers(answers, _never)
                 fallbacks += 1
-            clusters += outcome.value if outcome.status == "ok" else metrics.cluster_answers(answers, lambda a, b: False)
         failures = sum(int(reward_metrics[f"reward/{k}"]) for k in ("timeouts", "crashes", "errors"))
         return Judged(extracted, [s >= 1.0 for s in scores], clusters, failures, fallbacks)
 
     def _judge_choice(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
-        extracted = [extract_choice(s.text, len(p.choices), self.cfg.math.extraction) for p, s in zip(problems, samples)]
+        extraction = self.cfg.math.extraction
+        extracted = [extract_choice(s.text, len(p.choices), extraction) for p, s in zip(problems, samples)]
         verdicts = [s.finish_reason == "stop" and a == p.answer for p, s, a in zip(problems, samples, extracted)]
-        clusters = [c for answers in self._votes(samples, extracted) for c in metrics.cluster_answers(answers, lambda a, b: False)]
+        # Letters are equal only when identical.
+        clusters = [c for answers in self._votes(samples, extracted) for c in metrics.cluster_answers(answers, _never)]
         return Judged(extracted, verdicts, clusters)
 
     def _judge_code(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
         texts = [s.text for s in samples]
-        scores, code_metrics = self.code_reward.score(texts, [p.tests for p in problems], [s.finish_reason for s in samples])
-        return Judged([extract_code(t) for t in texts], [s >= 1.0 for s in scores], None, int(code_metrics["code/timeouts"]))
+        finish_reasons = [s.finish_reason for s in samples]
+        scores, code_metrics = self.code_reward.score(texts, [p.tests for p in problems], finish_reasons)
+        timeouts = int(code_metrics["code/timeouts"])
+        return Judged([extract_code(t) for t in texts], [s >= 1.0 for s in scores], None, timeouts)
 
     def close(self) -> None:
         for closeable in (self.math_reward, self.cluster_pool, self.code_reward):
