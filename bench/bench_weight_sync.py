@@ -48,7 +48,8 @@ def worker_receiver_parts(worker, model_dir: str, repeats: int) -> dict:
 
     from orz.rollout.weight_sync import digest
 
-    named = load_file(os.path.join(model_dir, "model.safetensors"))
+    # Into ordinary memory first: the staging bucket _unpack copies from is not a file mapping.
+    named = {name: t.clone() for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     parts = {"unpack_clone": [], "digest": [], "reload_weights": []}
     for _ in range(repeats):
         start = time.perf_counter()
@@ -86,7 +87,7 @@ def worker_profile(worker, action: str, top: int = 25) -> str | None:
         return None
     worker._orz_profile.disable()
     out = io.StringIO()
-    pstats.Stats(worker._orz_profile, stream=out).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(worker._orz_profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
 
 
@@ -138,8 +139,8 @@ def wire_and_group(fleet: EngineFleet, sizes: list[int], repeats: int) -> dict:
     return {"wire_broadcast": statistics.median(times[1:]), "group_open": group_open, "group_close": group_close}
 
 
-def profile_sync(fleet: EngineFleet, source: TensorSource, transport: str) -> dict:
-    """cProfile of one sync on both sides: the top of each side's cumulative profile, as text."""
+def profile_sync(fleet: EngineFleet, source: TensorSource, transport: str) -> str:
+    """cProfile of one sync on both sides: the top of each side by own time, as text."""
     import cProfile
     import io
     import pstats
@@ -154,8 +155,8 @@ def profile_sync(fleet: EngineFleet, source: TensorSource, transport: str) -> di
     profile.disable()
     engine_text = ray.get(fleet.engines[0].collective_rpc.remote(worker_profile, ("stop",)))[0]
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
-    return {"trainer": out.getvalue(), "engine": engine_text}
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    return f"==== {transport}: trainer side ====\n{out.getvalue()}\n==== {transport}: engine side ====\n{engine_text}"
 
 
 def main(args: argparse.Namespace) -> None:
@@ -198,7 +199,7 @@ def main(args: argparse.Namespace) -> None:
                 **{f"receiver_{k}": v for k, v in ray.get(fleet.engines[0].collective_rpc.remote(
                     worker_receiver_parts, (model_dir, args.syncs)))[0].items()},
             }
-            profiles = profile_sync(fleet, source, "collective") if args.profile else None
+            profiles = [profile_sync(fleet, source, t) for t in ("collective", "object_store")] if args.profile else []
         finally:
             fleet.shutdown()
 
@@ -217,14 +218,13 @@ def main(args: argparse.Namespace) -> None:
                      "engine_start_s": engine_start_s},
         "copy": {"seconds": copy_s, "gbps": copy_gbps, "frac_copy_limit": copy_gbps / limits["copy_gbps"]},
         "sync": figures,
-        "split_collective_seconds": split,
+        "split_collective_seconds": {**split, "sum_if_serial": sum(split.values())},
         "limits": limits,
         "threads": threads,
         "machine": machine(),
     }
     emit(result)
-    if profiles:
-        print(profiles["trainer"], profiles["engine"], sep="\n", file=sys.stderr)
+    print(*profiles, sep="\n", file=sys.stderr)
 
 
 def parse_args() -> argparse.Namespace:
@@ -237,7 +237,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=64, help="the fleet's bucket size (its default is 64)")
     p.add_argument("--syncs", type=int, default=3, help="timed syncs per transport and check, after a warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process (sender, copy baseline)")
-    p.add_argument("--profile", action="store_true", help="also cProfile one collective sync on both sides (stderr)")
+    p.add_argument("--profile", action="store_true", help="also cProfile one sync per transport on both sides (stderr)")
     return p.parse_args()
 
 
