@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import marshal
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -141,7 +140,7 @@ class Sandbox:
                 os.chmod(workdir, 0o700)
                 return self._run_in(workdir, io_dir, uid, list(argv), stdin, limits)
             finally:
-                if uid is not None and not self._isolation.namespaces:
+                if uid is not None:  # also a pid namespace still being torn down after a kill
                     _kill_uid(uid)
                 shutil.rmtree(workdir, ignore_errors=True)
 
@@ -221,9 +220,7 @@ class _UidLease:
         lock_dir = os.path.join(_ROOT_WORKDIRS, "uid-locks")
         os.makedirs(lock_dir, mode=0o700, exist_ok=True)
         first, last = self.uids
-        offset = random.randrange(last - first)
-        for k in range(last - first):
-            uid = first + (offset + k) % (last - first)
+        for uid in range(first, last):  # lowest free first: few lock files, few uids ever used
             lock_file = open(os.path.join(lock_dir, str(uid)), "w")
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -250,7 +247,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 
 def _kill_uid(uid: int, timeout_s: float = 5.0) -> None:
-    """SIGKILLs every process of `uid` until none is left (processes that left the session)."""
+    """SIGKILLs every process of `uid` until none is left: ones that left the session when there
+    is no pid namespace, or ones of a namespace the kernel is still tearing down after a kill."""
     deadline = time.monotonic() + timeout_s
     while (pids := _pids_of(uid)) and time.monotonic() < deadline:
         for pid in pids:
@@ -262,17 +260,19 @@ def _kill_uid(uid: int, timeout_s: float = 5.0) -> None:
 
 
 def _pids_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real uid is `uid`."""
+    """Live (not zombie) processes running as `uid` (the owner of /proc/PID is the euid)."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
-        if int(status["Uid"].split()[0]) == uid and not status["State"].strip().startswith("Z"):
+        if state != "Z":
             pids.append(int(name))
     return pids
 
