@@ -115,7 +115,8 @@ def run(cli: CliConfig, cfg) -> int:
 
     from orz.data.templates import make_template
     from orz.data.tokenizers import load_tokenizer
-    from orz.evaluation import Evaluator, load_benchmark
+    from orz.evaluation.benchmarks import load_benchmark
+    from orz.evaluation.runner import Evaluator
     from orz.rollout.fleet import EngineFleet, FleetConfig
 
     start = time.perf_counter()

@@ -12,7 +12,8 @@ import torch
 from orz.data.templates import make_template
 from orz.data.tokenizers import char_tokenizer, load_tokenizer
 from orz.eval import main, resolve_model
-from orz.evaluation import EvalConfig, Evaluator, load_benchmark
+from orz.evaluation.benchmarks import load_benchmark
+from orz.evaluation.runner import EvalConfig, Evaluator
 from orz.models.arch import ModelConfigError
 from orz.rollout.engine import Sample
 
@@ -158,6 +159,20 @@ def test_report_files_table_and_flat_metrics(scripted, tmp_path):
     assert table[4].startswith("| code | code | 1 | 25.0 | 100.0 | – | ")
     assert paths["table"].read_text() == report.table() + "\n"
     assert report.metrics()["eval/math/maj@4"] == 0.5
+
+
+def test_prompts_carry_one_bos_with_either_template():
+    from tokenizers import processors
+
+    from orz.evaluation.runner import encode_prompt
+
+    tokenizer = char_tokenizer(["What is 1 + 2?\nPut the final answer in \\boxed{}. UserAssistant:"])
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for name in ("think_answer", "chat"):  # the tokenizer adds it; the chat template writes it
+        ids = encode_prompt(tokenizer, make_template(name, tokenizer), "What is 1 + 2?")
+        assert ids[0] == bos and ids[1] != bos, name
 
 
 def test_config_checks_name_the_offending_values():

@@ -1,6 +1,4 @@
-"""Evaluation: benchmark files (benchmarks.py), figures from verdicts (metrics.py, pure), and the
-Evaluator that the CLI (`python -m orz.eval`) and the trainer share (runner.py)."""
-from orz.evaluation.benchmarks import Benchmark, Problem, load_benchmark
-from orz.evaluation.runner import EvalConfig, EvalReport, Evaluator
-
-__all__ = ["Benchmark", "Problem", "load_benchmark", "EvalConfig", "EvalReport", "Evaluator"]
+"""Evaluation: benchmark files and how responses are read (benchmarks.py), figures from verdicts
+(metrics.py, pure), and the Evaluator that the CLI (`python -m orz.eval`) and the trainer share
+(runner.py). Nothing is re-exported here: the verifier pool's workers import benchmarks.py, and
+must not pull in torch through runner.py."""
