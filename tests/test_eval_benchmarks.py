@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from orz.data.datasets import DatasetFormatError
-from orz.evaluation.benchmarks import detect_kind, extract_choice, load_benchmark
+from orz.evaluation.benchmarks import benchmark_from_rows, detect_kind, extract_choice, load_benchmark
 from orz.reward.code import CodeTests
 
 GPQA_ROW = {"Question": "Which particle is a lepton?", "Correct Answer": "electron",
@@ -135,7 +135,14 @@ def test_invalid_json_line_and_empty_file(tmp_path):
     with pytest.raises(ValueError, match="empty.jsonl: holds no problems"):
         load_benchmark("empty", empty)
     with pytest.raises(ValueError, match="unknown benchmark kind 'essay'"):
-        load_benchmark("x", path, kind="essay")
+        load_benchmark("x", _write(tmp_path, "ok.jsonl", [{"prompt": "1+1?", "answer": "2"}]), kind="essay")
+
+
+def test_rows_in_memory_read_like_a_file(tmp_path):
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"question": "q", "choices": ["a", "b"], "answer": "A"}]
+    assert benchmark_from_rows("arith", rows[:1]).problems == load_benchmark("arith", _write(tmp_path, "a.json", rows[:1])).problems
+    with pytest.raises(DatasetFormatError, match=r"<arith rows>, row 2: math problem: no 'prompt' field"):
+        benchmark_from_rows("arith", rows)
 
 
 def test_kind_detection():

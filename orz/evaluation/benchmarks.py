@@ -1,6 +1,7 @@
 """Benchmark files and how a response to each kind of problem is read.
 
     bench = load_benchmark("gpqa", "gpqa_diamond.jsonl")      # kind detected from the first row
+    bench = benchmark_from_rows("arith", rows)                # rows in memory (the trainer's eval sets)
     bench.kind, bench.problems[0].question, bench.problems[0].answer
 
 Three kinds, told apart by the first row's fields (a file holds one kind; .jsonl, .json or .parquet):
@@ -62,12 +63,20 @@ class Benchmark:
 
 def load_benchmark(name: str, path: str | Path, kind: Kind | None = None) -> Benchmark:
     """Reads every problem of a benchmark file; `kind` None detects it from the first row."""
-    path = Path(path)
+    return _parse(name, str(path), list(_read_raw_rows(Path(path))), kind)
+
+
+def benchmark_from_rows(name: str, rows: Sequence[Any], kind: Kind | None = None) -> Benchmark:
+    """A benchmark from rows already in memory, in the formats a file may hold (the trainer's
+    held-out sets, synthetic ones included: `{"prompt": q, "answer": a}`)."""
+    return _parse(name, f"<{name} rows>", list(enumerate(rows, start=1)), kind)
+
+
+def _parse(name: str, source: str, rows: list[tuple[int, Any]], kind: Kind | None) -> Benchmark:
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown benchmark kind {kind!r}; valid: {list(KINDS)}")
-    rows = list(_read_raw_rows(path))
     if not rows:
-        raise ValueError(f"{path}: holds no problems")
+        raise ValueError(f"{source}: holds no problems")
     kind = kind or detect_kind(rows[0][1])
     parse = _PARSERS[kind]
     problems = []
@@ -75,8 +84,8 @@ def load_benchmark(name: str, path: str | Path, kind: Kind | None = None) -> Ben
         try:
             problems.append(parse(raw, number))
         except (ValueError, TypeError, KeyError) as error:
-            raise DatasetFormatError(path, number, f"{kind} problem: {_reason(error)}") from None
-    return Benchmark(name, str(path), kind, tuple(problems))
+            raise DatasetFormatError(source, number, f"{kind} problem: {_reason(error)}") from None
+    return Benchmark(name, source, kind, tuple(problems))
 
 
 def _reason(error: Exception) -> str:
