@@ -115,7 +115,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    kind: str = "math"  # "math" (math-verify) | "countdown"
+    extraction: list[str] = field(default_factory=lambda: ["boxed", "answer_tag"])  # answer forms, by preference
     format_reward: float = 0.0
     num_workers: int = 2
     timeout_s: float = 5.0

@@ -52,3 +52,22 @@ def tiny_model(tmp_path_factory):
     make_tiny_hf(path, vocab_size=vocab + 4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                  num_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def arith_model(tmp_path_factory):
+    """A tiny random Llama whose character tokenizer covers the arithmetic task's text."""
+    from orz.data.synthetic import arithmetic_rows
+    from orz.data.templates import ThinkAnswerTemplate
+    from orz.data.tokenizers import char_tokenizer
+    from orz.models.tiny import make_tiny_hf
+
+    path = tmp_path_factory.mktemp("arith_llama")
+    rows = arithmetic_rows(200, seed=0, digits=(1, 2))
+    texts = [ThinkAnswerTemplate("Compute.").prompt(r["prompt"]) + r["solution"] for r in rows]
+    tokenizer = char_tokenizer(texts)
+    tokenizer.save_pretrained(path)
+    make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                 num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    return str(path)

@@ -11,6 +11,7 @@ Methods ending in `_async` return Ray refs; the others return results.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,8 @@ class MegatronWorker:
 
     def __init__(self, spec: RoleSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        # Megatron announces at import that TE/Apex are absent (expected on CPU), once per worker.
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -123,7 +123,8 @@ class RayPPOTrainer:
         self.eval_sets = {name: load_rows(spec, cfg, "test", cfg.data.synthetic_eval_size)
                           for name, spec in cfg.data.eval.items()}
         self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, cfg.trainer.seed)
-        self.reward = MathReward(MathRewardConfig(format_reward=cfg.reward.format_reward,
+        self.reward = MathReward(MathRewardConfig(extraction=tuple(cfg.reward.extraction),
+                                                  format_reward=cfg.reward.format_reward,
                                                   num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
 
     def _setup_ray(self):
@@ -135,8 +136,9 @@ class RayPPOTrainer:
     def _role(self, name: str, **kwargs) -> RoleSpec:
         cfg = self.cfg
         role_cfg = getattr(cfg, name)
+        kwargs.setdefault("model_path", cfg.model.path)
         return RoleSpec(
-            name=name, model_path=cfg.model.path, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            name=name, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
             total_steps=self.total * role_cfg.steps_per_iteration, **kwargs,
         )
@@ -283,7 +285,9 @@ class RayPPOTrainer:
         metrics |= {
             "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
-            "rollout/samples": float(len(samples)), "rollout/weight_version": float(self.version),
+            "rollout/samples": float(len(samples)),
+            # What the engines report they generated with (the fleet refuses anything older).
+            "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
         }
         if algo.dynamic_sampling:
             metrics["rollout/groups_dropped"] = float(dropped)
