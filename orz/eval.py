@@ -77,9 +77,12 @@ def parse_args(argv: list[str] | None = None):
     out = args.out or f"runs/eval/{Path(args.model).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
                     args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress)
-    cfg = EvalConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                     max_new_tokens=args.max_tokens, stop=None if args.stop is None else tuple(args.stop),
-                     seed=args.seed, ks=None if args.k is None else tuple(args.k), chunk_samples=args.chunk_samples)
+    try:
+        cfg = EvalConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                         max_new_tokens=args.max_tokens, stop=None if args.stop is None else tuple(args.stop),
+                         seed=args.seed, ks=None if args.k is None else tuple(args.k), chunk_samples=args.chunk_samples)
+    except ValueError as err:
+        p.error(str(err))
     return cli, cfg
 
 

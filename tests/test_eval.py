@@ -200,6 +200,12 @@ def test_bad_benchmark_file_stops_before_any_engine_starts(tiny_model, tmp_path,
     assert f"error: {bad}, row 2: math problem: no answer" in err
 
 
+def test_bad_settings_are_usage_errors(tiny_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", tiny_model, "--data", f"a={tmp_path / 'a.jsonl'}", "--n", "4", "--k", "8"])
+    assert exit_.value.code == 2 and "every k must be in 1..n=4; got ks=[8]" in capsys.readouterr().err
+
+
 def test_a_megatron_checkpoint_is_converted_for_the_engines(tiny_model, tmp_path):
     from orz.convert import hf2mcore
     from orz.models.checkpoint import HFCheckpoint

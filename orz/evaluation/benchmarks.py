@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orz.data.datasets import DatasetFormatError, _read_raw_rows, _to_prompt_row
+from orz.evaluation.metrics import cluster_answers
 from orz.reward.code import CodeTests
 from orz.reward.math import extract_answer, is_equivalent
 
@@ -112,8 +113,6 @@ def _math(raw: Any, row: int) -> Problem:
 def cluster_math_answers(answers: tuple[str | None, ...]) -> list[int | None]:
     """Clusters of one problem's extracted answers under math-verify equivalence (a pool worker
     function: module level, plain data in and out)."""
-    from orz.evaluation.metrics import cluster_answers
-
     return cluster_answers(answers, is_equivalent)
 
 
