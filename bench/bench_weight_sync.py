@@ -191,8 +191,9 @@ def main(args: argparse.Namespace) -> None:
         try:
             runs = {f"{transport}/{check}": timed_syncs(fleet, source, transport, check, args.syncs)
                     for transport in ("collective", "object_store") for check in ("off", "received")}
-            fleet.cfg.check = "held"  # one exact read-back, to prove what was timed really landed
-            fleet.verify()
+            started = time.perf_counter()
+            fleet.verify()  # an exact read-back (check="held"): what was timed really landed
+            verify_s = time.perf_counter() - started
             split = {
                 **{f"sender_{k}": v for k, v in sender_parts(named, args.bucket_mb << 20, args.syncs).items()},
                 **wire_and_group(fleet, sizes, args.syncs),
@@ -218,6 +219,7 @@ def main(args: argparse.Namespace) -> None:
                      "engine_start_s": engine_start_s},
         "copy": {"seconds": copy_s, "gbps": copy_gbps, "frac_copy_limit": copy_gbps / limits["copy_gbps"]},
         "sync": figures,
+        "verify_held_seconds": verify_s,
         "split_collective_seconds": {**split, "sum_if_serial": sum(split.values())},
         "limits": limits,
         "threads": threads,

@@ -69,7 +69,7 @@ def machine_limits(matmul_n: int = 2048, copy_bytes: int = 256 << 20, repeats: i
 
 
 def machine() -> dict:
-    """What the JSON line needs to be copied into the README: date, CPU, core count, versions."""
+    """What the JSON line needs to be copied into the README: date, CPU, cores, load, versions."""
     cpu = platform.processor()
     with contextlib.suppress(OSError):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -78,6 +78,7 @@ def machine() -> dict:
         with contextlib.suppress(Exception):
             versions[package] = version(package)
     return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+            "load_avg_1_5_15m": os.getloadavg(),  # others' jobs on the shared machine, at the time of the call
             "python": platform.python_version(), "versions": versions}
 
 
