@@ -143,7 +143,11 @@ def optimizer_on_cpu():
     )
     for cls in classes:
         for name, attr in list(vars(cls).items()):
-            if callable(attr) and not isinstance(attr, type) and not name.startswith("__") or name == "__init__":
+            if name.startswith("__") and name != "__init__":
+                continue
+            if isinstance(attr, (staticmethod, classmethod)):
+                setattr(cls, name, type(attr)(_on_cpu(attr.__func__)))
+            elif callable(attr) and not isinstance(attr, type):
                 setattr(cls, name, _on_cpu(attr))
 
 

@@ -135,7 +135,7 @@ class TrainerConfig:
     prompts_per_iteration: int = 128
     seed: int = 0
     eval_every: int = 0  # 0: only before and after training
-    eval_n: int = 1  # samples per eval prompt (pass@k, avg@k); plus one greedy pass
+    eval_n: int = 1  # > 1: also sample this many responses per eval prompt (avg@k, pass@k, maj@k); greedy always
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     output_dir: str = "runs/orz"

@@ -164,8 +164,8 @@ def main(argv: list[str]) -> dict:
     summary = {
         "heldout_accuracy_before": before.get("eval/accuracy_greedy"),
         "heldout_accuracy_after": after.get("eval/accuracy_greedy"),
-        "heldout_avg_at_4_before": before.get("eval/heldout/avg_at_k"),
-        "heldout_avg_at_4_after": after.get("eval/heldout/avg_at_k"),
+        "heldout_avg_at_4_before": before.get("eval/avg_at_k"),
+        "heldout_avg_at_4_after": after.get("eval/avg_at_k"),
         "iterations": result["iterations"],
         "rl_seconds": round(result["seconds"], 1),
         "wall_seconds": round(time.time() - start, 1),

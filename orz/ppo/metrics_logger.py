@@ -11,7 +11,7 @@ from pathlib import Path
 
 PLOTTED = (  # (panel title, metric keys drawn in it)
     ("training reward", ("reward/mean", "reward/accuracy")),
-    ("held-out accuracy", ("eval/accuracy_greedy", "eval/avg_at_k")),
+    ("held-out accuracy", ("eval/accuracy_greedy", "eval/avg_at_k")),  # greedy; sampled avg@k
     ("response length", ("response/length_mean",)),
     ("policy", ("actor/entropy", "actor/approx_kl", "actor/clip_frac")),
 )

@@ -35,6 +35,8 @@ from orz.data.sampler import PromptLoader
 from orz.data.synthetic import arithmetic_rows
 from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
+from orz.evaluation.benchmarks import benchmark_from_rows
+from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
 from orz.ppo.actors import RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS,
@@ -106,6 +108,7 @@ class RayPPOTrainer:
         self._setup_ray()
         self._setup_roles()
         self._setup_controllers()
+        self._setup_eval()
         resumed = self._maybe_resume()
         self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard, resume_from_step=self.iteration if resumed else 0)
 
@@ -242,7 +245,7 @@ class RayPPOTrainer:
     def _prompt_ids(self, rows: list[dict]) -> list[tuple[dict, list[int]]]:
         out = []
         for row in rows:
-            ids = self.tokenizer(self.template.prompt(row["prompt"]), add_special_tokens=True)["input_ids"]
+            ids = encode_prompt(self.tokenizer, self.template, row["prompt"])
             if len(ids) <= self.cfg.data.prompt_max_tokens:
                 out.append((row, ids))
         return out
@@ -363,25 +366,28 @@ class RayPPOTrainer:
         buffer.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer)
 
     # ---- evaluation --------------------------------------------------------------------------
+    def _setup_eval(self):
+        """The same Evaluator as `python -m orz.eval`: greedy (avg@1 at temperature 0) and, with
+        eval_n > 1, sampled avg@k / pass@k / maj@k at the rollout's sampling settings."""
+        t, r = self.base_cfg.trainer, self.cfg.rollout
+        benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.eval_sets.items()]
+        common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=t.seed,
+                      math=MathRewardConfig(extraction=tuple(self.cfg.reward.extraction), num_workers=1))
+        settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
+        if t.eval_n > 1:
+            settings["eval"] = EvalConfig(n=t.eval_n, temperature=r.temperature, top_p=r.top_p, **common)
+        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, cfg, progress=False)
+                           for prefix, cfg in settings.items()} if benchmarks else {}
+
     def evaluate(self) -> dict:
-        """Greedy accuracy (and, with eval_n > 1, sampled avg@k) on every held-out set."""
         metrics = {}
-        for name, rows in self.eval_sets.items():
-            prompts = self._prompt_ids(rows)
-            ids = [p for _, p in prompts]
-            answers = [row["answer"] for row, _ in prompts]
-            greedy = self.fleet.generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                                             stop=list(self.cfg.rollout.stop)), min_version=self.version)
-            scores, _ = self.reward.score([s.text for s in greedy], answers, [s.finish_reason for s in greedy])
-            metrics[f"eval/{name}/accuracy_greedy"] = float(np.mean(scores))
-            k = self.base_cfg.trainer.eval_n
-            if k > 1:
-                sampled = self.fleet.generate(ids, replace(self._sampling(0), n=k, seed=12345), min_version=self.version)
-                scores, _ = self.reward.score([s.text for s in sampled], [answers[s.index] for s in sampled],
-                                              [s.finish_reason for s in sampled])
-                metrics[f"eval/{name}/avg_at_k"] = float(np.mean(scores))
-        if self.eval_sets:
-            metrics["eval/accuracy_greedy"] = float(np.mean([v for k, v in metrics.items() if k.endswith("accuracy_greedy")]))
+        for prefix, evaluator in self.evaluators.items():
+            report = evaluator.run(min_version=self.version)
+            report.save(self.out / "eval" / f"{prefix}_iter_{self.iteration:06d}")
+            metrics |= report.metrics(prefix)
+            accuracies = [figures[f"avg@{report.settings['n']}"] for figures in report.figures.values()]
+            summary = "eval/accuracy_greedy" if prefix == "eval_greedy" else "eval/avg_at_k"
+            metrics[summary] = float(np.mean(accuracies))
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -445,6 +451,8 @@ class RayPPOTrainer:
 
     def shutdown(self) -> None:
         self.reward.close()
+        for evaluator in self.evaluators.values():
+            evaluator.close()
         self.fleet.shutdown()
         for group in (self.actor, self.critic, self.ref):
             if group is not None:
