@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import char_llama, emit, machine, machine_limits, param_count, ray_session, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    best_limits, char_llama, emit, machine, machine_limits, param_count, ray_session, set_threads,
+)
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
@@ -140,7 +142,7 @@ def fleet_run(fleet, prompts, sampling: SamplingConfig, targets: list[int]) -> d
 
 def main(args: argparse.Namespace) -> None:
     threads = set_threads(args.threads)
-    limits = machine_limits()
+    limits_before = machine_limits()
     rows = arithmetic_rows(args.prompts, seed=args.seed)
     texts = [r["prompt"] + " <think>" for r in rows]
 
@@ -177,12 +179,16 @@ def main(args: argparse.Namespace) -> None:
                 # vLLM: the fleet's stock path (n samples per prompt) for the fixed workload, one
                 # request per sample (per-request lengths) for the variable one.
                 fixed_sampling = SamplingConfig(max_new_tokens=args.fixed_tokens, n=args.n, seed=args.seed)
-                runs = {"fixed": {"orz": fleet_run(fleet, prompts, fixed_sampling, fixed),
-                                  "transformers": hf_run(model, expanded, fixed, pad, 1, args.seed)},
-                        "variable": {"orz": fleet_run(fleet, expanded, SamplingConfig(seed=args.seed), variable),
-                                     "transformers": hf_run(model, expanded, variable, pad, args.hf_buckets, args.seed)}}
+                runs = {
+                    "fixed": {"orz": fleet_run(fleet, prompts, fixed_sampling, fixed),
+                              "transformers": hf_run(model, expanded, fixed, pad, 1, args.seed)},
+                    "variable": {"orz": fleet_run(fleet, expanded, SamplingConfig(seed=args.seed), variable),
+                                 "transformers": hf_run(model, expanded, variable, pad, args.hf_buckets, args.seed)},
+                }
         finally:
             fleet.shutdown()
+
+    limits = best_limits(limits_before, machine_limits())
 
     def side(run: dict) -> dict:
         """Adds rates: per wall second (the figure), per CPU second (robust to others' load on
@@ -217,7 +223,8 @@ def main(args: argparse.Namespace) -> None:
                      "engine_start_s": fleet_start_s, "engine_args": engine_args},
             "transformers": {"threads": threads["torch_threads"], "padding": "left", "use_cache": True,
                              "fixed": f"one batch of {len(expanded)}",
-                             "variable": f"sorted by target into {args.hf_buckets} batches, per-row stopping criterion"},
+                             "variable": f"sorted by target into {args.hf_buckets} batches, "
+                                         "per-row stopping criterion"},
         },
         "fixed": workload(runs["fixed"]),
         "variable": workload(runs["variable"]),
@@ -229,7 +236,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--fixed-tokens", type=int, default=64, help="response length of the fixed workload")
@@ -237,7 +244,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=0.8, help="sigma of its log: the tail")
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--hf-buckets", type=int, default=16, help="transformers batches for the variable workload (1: one batch)")
+    p.add_argument("--hf-buckets", type=int, default=16,
+                   help="transformers batches for the variable workload (1: one batch)")
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
