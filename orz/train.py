@@ -1,21 +1,25 @@
-"""Train from a YAML preset and overrides.
+"""Train from a YAML preset (or a playground recipe) and `key.sub=value` overrides.
 
     python -m orz.train --config configs/tiny_grpo.yaml trainer.iterations=50 actor.lr=1e-5
+    python playground/orz_7b_ppo.py model.path=/models/Qwen2.5-7B data.train=[/data/orz_math_57k.json]
 """
 import argparse
 import json
 import sys
 
-from orz.config import ConfigError, load_config
+from orz.config import ConfigError, ExperimentConfig, load_config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orz.train", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) -> int:
+    """The entry point of `python -m orz.train` and of every recipe (`base` = the recipe)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML preset (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, base=base)
+        if not cfg.model.path:
+            raise ConfigError("model.path is not set: pass model.path=/path/to/hf_model")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -134,3 +134,12 @@ def test_killed_engine_is_restarted_resynced_and_batch_completes(fleet, weights)
     assert all(s.weight_version == version for s in samples)
     # Same weights (re-synced) and per-request seeds: the very same samples as before the kill.
     assert _responses(samples) == _responses(reference)
+
+
+def test_a_batch_larger_than_one_scheduler_step(fleet):
+    """More prompt tokens than one engine step holds: vLLM schedules them over several steps
+    (on CPU without chunked prefill, whose seeded-generator rewind CPU generators lack)."""
+    prompts = [[1] + [4 + (i * 7 + j) % 40 for j in range(60)] for i in range(300)]
+    samples = fleet.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=5))
+    assert [s.index for s in samples] == list(range(300))
+    assert all(len(s.response_ids) >= 1 for s in samples)

@@ -53,8 +53,12 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
         )
         if on_cpu:
-            args.update(distributed_executor_backend="uni", dtype="float32")
+            # Chunked prefill discards a partial step's sample by rewinding the request's seeded
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset").
+            args.update(distributed_executor_backend="uni", dtype="float32", enable_chunked_prefill=False)
         args.update(engine_args or {})
+        if on_cpu and "max_model_len" in args:  # without chunking, one step must fit a whole prompt
+            args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))
         self.llm = LLM(**args)
         self.weight_version = 0
 

@@ -1,0 +1,33 @@
+"""A Skywork-OR1-style GRPO recipe: adaptive entropy control and multi-stage context growth
+(8k -> 16k -> 32k tokens), on a 7B model.
+
+    python playground/skywork_or1_grpo.py model.path=/models/DeepSeek-R1-Distill-Qwen-7B data.train=[...] data.template=chat
+"""
+import sys
+from dataclasses import replace
+
+from orz.config import StageConfig
+from orz.train import main
+from playground.orz_7b_grpo import RECIPE as GRPO
+
+RECIPE = replace(
+    GRPO,
+    rollout=replace(GRPO.rollout, n_samples=16, stop=[]),
+    algorithm=replace(
+        GRPO.algorithm,
+        # Entropy kept near a target by an adaptive coefficient instead of a fixed bonus.
+        entropy_target=0.2, entropy_step=0.005, entropy_max_coef=0.005,
+        dynamic_sampling=True,  # groups whose samples all score alike carry no signal
+        loss_agg="token-mean",
+    ),
+    trainer=replace(GRPO.trainer, prompts_per_iteration=256, output_dir="runs/skywork_or1_grpo"),
+    # Context grows with training; each stage resumes from the previous one's checkpoint.
+    stages=[
+        StageConfig(iterations=300, overrides={"rollout.max_new_tokens": 8192}),
+        StageConfig(iterations=300, overrides={"rollout.max_new_tokens": 16384}),
+        StageConfig(iterations=400, overrides={"rollout.max_new_tokens": 32768, "actor.lr": 5e-7}),
+    ],
+)
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], base=RECIPE))
