@@ -14,7 +14,9 @@ its own with the same bytes, buckets and processes:
   them, and vLLM's `reload_weights` on tensors already in memory;
 - group: building and closing the private gloo group (rendezvous and the Ray calls around it).
 The fleet always computes digests on both sides, even with check="off" (only the comparison is
-skipped), so they are part of every sync.
+skipped), so they are part of every sync. Each sync also reports the CPU seconds of both processes
+and the memory it touched for the first time (minor page faults x 4 KiB): the copy baseline
+touches none, and on these VMs first touch costs several times the copy itself.
 
 Threads: this process runs `--threads` torch threads (1 by default, the copy baseline too); the
 engine runs one OMP thread (the fleet sets it). Prints ONE JSON line.
@@ -94,26 +96,35 @@ def worker_profile(worker, action: str, top: int = 25) -> str | None:
 
 
 # ---- this process -----------------------------------------------------------------------------
-def worker_cpu_seconds(worker) -> float:
-    return time.process_time()  # the engine's process: with the uni executor, the worker is in it
+def process_counters(worker=None) -> tuple[float, int]:
+    """(CPU seconds, minor page faults) of the calling process so far; as a collective_rpc function,
+    of the engine's process (with the uni executor, the worker lives in it)."""
+    import resource
+
+    return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def timed_syncs(fleet: EngineFleet, source: TensorSource, transport: str, check: str, syncs: int) -> dict:
-    """Wall seconds of each sync, and CPU seconds (this process + the engine's), after a warm-up.
-    On a loaded machine the CPU time stays close to the work; the wall time also counts waiting
-    for a core at each of the sync's hand-offs between the two processes."""
+    """Wall seconds of each sync, CPU seconds and bytes of memory first touched (minor page faults
+    x 4 KiB), both summed over this process and the engine's, after a warm-up. On a loaded machine
+    the CPU time stays close to the work; the wall time also counts waiting for a core at each of
+    the sync's hand-offs between the two processes."""
     import ray
 
     fleet.cfg.transport, fleet.cfg.check = transport, check
-    walls, cpus = [], []
+    runs = {"wall": [], "cpu": [], "faulted_bytes": []}
+    def engine_counters():
+        return ray.get(fleet.engines[0].collective_rpc.remote(process_counters))[0]
+
     for _ in range(syncs + 1):  # the first is a warm-up
-        engine_cpu = ray.get(fleet.engines[0].collective_rpc.remote(worker_cpu_seconds))[0]
-        start, cpu = time.perf_counter(), time.process_time()
+        engine_before, here_before = engine_counters(), process_counters()
+        start = time.perf_counter()
         fleet.sync(source, version=fleet.weight_version + 1)
-        walls.append(time.perf_counter() - start)
-        cpu = time.process_time() - cpu
-        cpus.append(cpu + ray.get(fleet.engines[0].collective_rpc.remote(worker_cpu_seconds))[0] - engine_cpu)
-    return {"wall": walls[1:], "cpu": cpus[1:]}
+        runs["wall"].append(time.perf_counter() - start)
+        here, engine = process_counters(), engine_counters()
+        runs["cpu"].append(here[0] - here_before[0] + engine[0] - engine_before[0])
+        runs["faulted_bytes"].append((here[1] - here_before[1] + engine[1] - engine_before[1]) * 4096)
+    return {k: v[1:] for k, v in runs.items()}
 
 
 def sender_parts(named: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> dict:
@@ -229,7 +240,8 @@ def main(args: argparse.Namespace) -> None:
         gbps = nbytes / seconds / GB
         figures[key] = {"seconds": seconds, "all_seconds": times["wall"], "gbps": gbps,
                         "ratio_to_copy": seconds / copy_s, "frac_copy_limit": gbps / limits["copy_gbps"],
-                        "cpu_seconds": cpu_seconds, "cpu_ratio_to_copy": cpu_seconds / copy_cpu_s}
+                        "cpu_seconds": cpu_seconds, "cpu_ratio_to_copy": cpu_seconds / copy_cpu_s,
+                        "faulted_bytes": statistics.median(times["faulted_bytes"])}
     result = {
         "bench": "weight_sync",
         "settings": {"params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
