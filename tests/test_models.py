@@ -1,4 +1,6 @@
 """Megatron actor/critic against transformers, for TP/PP in {1, 2}², and one training step."""
+import copy
+
 import pytest
 import torch
 from orz.launch import run_world
@@ -101,6 +103,7 @@ def _train_one_step(rank, world, tp, tokens, path):
     # eps=1e-6 keeps the comparison about the parallel math, not about that amplification.
     engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6))
     engine.load_hf(ckpt)
+    initial_optimizer = copy.deepcopy(engine.optimizer.state_dict())
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     total_tokens = tokens[:, 1:].numel()
 
@@ -111,9 +114,14 @@ def _train_one_step(rank, world, tp, tokens, path):
         loss = -logprobs.sum() / total_tokens
         return loss, {"loss": loss.detach()}
 
-    # Two micro-batches: the accumulated loss must equal the one of the whole batch.
+    # Micro-batches of 2: the accumulated loss and gradient must equal those of the whole batch.
+    whole = engine.train_step([{"input_ids": tokens, "position_ids": positions}], nll)
+    engine.load_hf(ckpt)
+    engine.optimizer.load_state_dict(initial_optimizer)
     micro = [{"input_ids": t, "position_ids": p} for t, p in zip(tokens.split(2), positions.split(2))]
     out = engine.train_step(micro, nll)
+    assert abs(whole["grad_norm"] - out["grad_norm"]) < 1e-6 * max(1.0, whole["grad_norm"])
+    assert abs(whole["metrics"][0]["loss"].item() - sum(m["loss"] for m in out["metrics"]).item()) < 1e-6
     return {
         "loss": sum(m["loss"] for m in out["metrics"]).item(),
         "grad_norm": out["grad_norm"],

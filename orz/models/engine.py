@@ -84,7 +84,7 @@ class ModelEngine:
             )
             self.model = DistributedDataParallel(self.config, ddp_config, module)
             self.config.no_sync_func = self.model.no_sync
-            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.finalize_model_grads_func = _finalize_without_token_scaling
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
                     optimizer="adam",
@@ -213,5 +213,12 @@ class ModelEngine:
 
 def _loss_with_count(loss_fn: LossFn, batch: dict, output: torch.Tensor):
     loss, metrics = loss_fn(output, batch)
-    # The count is only used by Megatron for logging-free bookkeeping: our loss is pre-normalised.
+    # Returning a count makes Megatron skip its division by the number of micro-batches; the
+    # count itself is ignored (see _finalize_without_token_scaling).
     return loss, torch.tensor(1, dtype=torch.int), metrics
+
+
+def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
+    """Megatron's gradient finalisation (DP and embedding all-reduces) without its division by
+    the token count: our losses are already normalised by their mini-batch."""
+    return finalize_model_grads(model, None, *args, **kwargs)
