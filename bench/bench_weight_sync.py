@@ -2,7 +2,7 @@
 one vLLM engine (a Ray actor), over both transports, against a plain in-memory copy of the same
 bytes into a pre-allocated buffer, in one run.
 
-    .venv/bin/python bench/bench_weight_sync.py [--hidden 768] [--layers 12] [--vocab 32000] [--syncs 3]
+    .venv/bin/python bench/bench_weight_sync.py [--hidden 768] [--layers 12] [--vocab 32000] [--syncs 5]
 
 For each transport ("collective": gloo broadcast over a private group; "object_store": Ray
 objects) and each check ("off", "received": blake3 digests of sent vs received), one warm-up sync
@@ -113,6 +113,7 @@ def timed_syncs(fleet: EngineFleet, source: TensorSource, transport: str, check:
 
     fleet.cfg.transport, fleet.cfg.check = transport, check
     runs = {"wall": [], "cpu": [], "faulted_bytes": []}
+
     def engine_counters():
         return ray.get(fleet.engines[0].collective_rpc.remote(process_counters))[0]
 
@@ -259,7 +260,8 @@ def main(args: argparse.Namespace) -> None:
         "machine": machine(),
     }
     emit(result)
-    print(*profiles, sep="\n", file=sys.stderr)
+    if profiles:
+        print(*profiles, sep="\n", file=sys.stderr)
 
 
 def parse_args() -> argparse.Namespace:
@@ -270,7 +272,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bucket-mb", type=int, default=64, help="the fleet's bucket size (its default is 64)")
-    p.add_argument("--syncs", type=int, default=3, help="timed syncs per transport and check, after a warm-up")
+    p.add_argument("--syncs", type=int, default=5, help="timed syncs per transport and check, after a warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process (sender, copy baseline)")
     p.add_argument("--profile", action="store_true", help="also cProfile one sync per transport on both sides (stderr)")
     return p.parse_args()
