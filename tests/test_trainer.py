@@ -64,7 +64,6 @@ def _check_run(out, model, iterations):
     # Every iteration trained on samples of the previous iteration's weights, and synced a new version.
     assert [row["rollout/sample_weight_version"] for row in history[1:]] == list(range(iterations))
     assert [row["rollout/weight_version"] for row in history[1:]] == list(range(1, iterations + 1))
-    assert all(row["rollout/sync_tensors"] > 0 for row in history[1:])
     exported, initial = load_file(f"{out}/hf/model.safetensors"), load_file(f"{model}/model.safetensors")
     assert exported.keys() == initial.keys()
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # the policy moved

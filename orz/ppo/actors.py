@@ -252,23 +252,26 @@ class MegatronWorker:
         return self._train(minibatches, loss_fn)
 
     # ---- weights out -------------------------------------------------------------------------
-    def send_weights(self, spec, bucket_bytes: int) -> dict[str, str] | None:
+    def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
         from orz.rollout.fleet import broadcast_weights
+        from orz.rollout.weight_sync import new_staging
 
         tensors = self.engine.hf_tensors()
         if self.rank == 0:
-            return broadcast_weights(spec, tensors, bucket_bytes)
+            if not hasattr(self, "_staging"):
+                self._staging = new_staging()  # kept across syncs
+            return broadcast_weights(spec, tensors, bucket_bytes, self._staging, with_digests)
         for _ in tensors:
             pass
         return None
 
-    def put_weights(self, bucket_bytes: int):
+    def put_weights(self, bucket_bytes: int, with_digests: bool):
         from orz.rollout.weight_sync import to_object_store_buckets
 
         tensors = self.engine.hf_tensors()
         if self.rank == 0:
-            return to_object_store_buckets(tensors, bucket_bytes)
+            return to_object_store_buckets(tensors, bucket_bytes, with_digests)
         for _ in tensors:
             pass
         return None

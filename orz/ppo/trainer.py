@@ -69,11 +69,11 @@ class ActorWeightSource:
     def address(self):
         return ray.get(self.actor.workers[0].address.remote())
 
-    def send(self, spec, bucket_bytes):
-        return self.actor.run("send_weights", spec, bucket_bytes)[0]
+    def send(self, spec, bucket_bytes, with_digests):
+        return self.actor.run("send_weights", spec, bucket_bytes, with_digests)[0]
 
-    def put(self, bucket_bytes):
-        return self.actor.run("put_weights", bucket_bytes)[0]
+    def put(self, bucket_bytes, with_digests):
+        return self.actor.run("put_weights", bucket_bytes, with_digests)[0]
 
 
 def load_rows(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list[dict]:

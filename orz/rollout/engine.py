@@ -103,14 +103,14 @@ class VLLMEngine:
     def close_weight_group(self):
         self.llm.collective_rpc("orz_close_weight_group")
 
-    def receive_broadcast(self, version: int) -> dict[str, str]:
+    def receive_broadcast(self, version: int, with_digests: bool = True) -> dict[str, str]:
         """Receives one sync over the weight group; returns the received digests (worker 0)."""
-        received = self.llm.collective_rpc("orz_receive_broadcast")[0]
+        received = self.llm.collective_rpc("orz_receive_broadcast", args=(with_digests,))[0]
         self._loaded(version)
         return received
 
-    def receive_object_store(self, refs: list, version: int) -> dict[str, str]:
-        received = self.llm.collective_rpc("orz_receive_object_store", args=(refs,))[0]
+    def receive_object_store(self, refs: list, version: int, with_digests: bool = True) -> dict[str, str]:
+        received = self.llm.collective_rpc("orz_receive_object_store", args=(refs, with_digests))[0]
         self._loaded(version)
         return received
 

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
-from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BroadcastSender, to_object_store_buckets
+from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, new_staging, send_broadcast, to_object_store_buckets
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,10 @@ class WeightSource(Protocol):
     def address(self) -> tuple[str, int]:
         """(ip, free port) where the source will host the group's rendezvous."""
 
-    def send(self, spec: GroupSpec, bucket_bytes: int) -> dict[str, str]:
-        """Joins the group as rank 0, broadcasts all weights, returns their digests."""
+    def send(self, spec: GroupSpec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
+        """Joins the group as rank 0, broadcasts all weights, returns their digests (if asked)."""
 
-    def put(self, bucket_bytes: int) -> tuple[list, dict[str, str]]:
+    def put(self, bucket_bytes: int, with_digests: bool) -> tuple[list, dict[str, str]]:
         """Puts all weights into the object store: (bucket refs, digests)."""
 
 
@@ -75,11 +75,12 @@ def free_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, str]:
+def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                      staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
     """The source side of a collective sync, as rank 0 of a fresh group."""
     group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0, spec.world_size, spec.group_name)
     try:
-        return BroadcastSender(group, bucket_bytes).send(named)
+        return send_broadcast(group, named, bucket_bytes, staging, with_digests)
     finally:
         destroy(group)
 
@@ -89,15 +90,16 @@ class TensorSource:
 
     def __init__(self, named: dict[str, torch.Tensor]):
         self.named = named
+        self.staging = new_staging()
 
     def address(self):
         return free_address()
 
-    def send(self, spec, bucket_bytes):
-        return broadcast_weights(spec, self.named.items(), bucket_bytes)
+    def send(self, spec, bucket_bytes, with_digests):
+        return broadcast_weights(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
 
-    def put(self, bucket_bytes):
-        return to_object_store_buckets(self.named.items(), bucket_bytes)
+    def put(self, bucket_bytes, with_digests):
+        return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
 
 
 class EngineFleet:
@@ -147,13 +149,14 @@ class EngineFleet:
             spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(engines) * tp, f"orz-weights-{self._syncs}")
             for k, e in enumerate(engines):
                 e.init_weight_group.remote(spec.backend, ip, port, 1 + k * tp, spec.world_size, spec.group_name)
-            received = [e.receive_broadcast.remote(version) for e in engines]
-            sent = source.send(spec, self.cfg.bucket_bytes)
+            received = [e.receive_broadcast.remote(version, self.cfg.check == "received") for e in engines]
+            sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.check != "off")
             received = ray.get(received)
             ray.get([e.close_weight_group.remote() for e in engines])
         elif self.cfg.transport == "object_store":
-            refs, sent = source.put(self.cfg.bucket_bytes)
-            received = ray.get([e.receive_object_store.remote(refs, version) for e in engines])
+            refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.check != "off")
+            received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.check == "received")
+                                for e in engines])
         else:
             raise ValueError(f"transport must be 'collective' or 'object_store', got {self.cfg.transport!r}")
         seconds = time.perf_counter() - start
@@ -162,10 +165,12 @@ class EngineFleet:
         if self.cfg.check != "off":
             self._compare(ids, sent, received, self.cfg.check)
         self.source, self.weight_version, self.sent_digests = source, version, sent
-        return {"rollout/sync_seconds": seconds, "rollout/sync_tensors": len(sent), "rollout/weight_version": version}
+        return {"rollout/sync_seconds": seconds, "rollout/weight_version": version}
 
     def verify(self) -> None:
         """Reads back what every engine holds and compares it with the last sync's digests."""
+        if not self.sent_digests:
+            raise WeightSyncError("no digests of the last sync to verify against: sync with check != 'off'")
         ids = list(range(len(self.engines)))
         self._compare(ids, self.sent_digests, ray.get([e.held_digests.remote() for e in self.engines]), "held")
 

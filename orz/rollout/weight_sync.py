@@ -73,26 +73,26 @@ def _unpack(metas: list[TensorMeta], data: torch.Tensor) -> Iterator[tuple[str, 
         yield m.name, data[m.offset : m.offset + m.nbytes].view(m.dtype).reshape(m.shape).clone()
 
 
-class BroadcastSender:
-    """Trainer rank 0's side of the collective transport (group rank 0)."""
+def new_staging() -> torch.Tensor:
+    """A bucket buffer; keep it across syncs (fresh large buffers cost page faults every time)."""
+    return torch.empty(0, dtype=torch.uint8)
 
-    def __init__(self, group, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.group = group
-        self.bucket_bytes = bucket_bytes
-        self.staging = torch.empty(bucket_bytes, dtype=torch.uint8)  # reused: no page faults per sync
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-        """Broadcasts every tensor; returns the digests of what was sent, by name."""
-        sent = {}
-        for bucket in buckets(named, self.bucket_bytes):
-            metas, data = _pack(bucket, self.staging)
-            meta_bytes = torch.frombuffer(bytearray(pickle.dumps(metas)), dtype=torch.uint8)
-            broadcast(self.group, torch.tensor([meta_bytes.numel(), data.numel(), 0]))
-            broadcast(self.group, meta_bytes)
-            broadcast(self.group, data)
+def send_broadcast(group, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, staging: torch.Tensor,
+                   with_digests: bool = True) -> dict[str, str]:
+    """Trainer rank 0's side (group rank 0): broadcasts every tensor, bucket by bucket; returns
+    the digests of what was sent, by name (empty unless `with_digests`)."""
+    sent = {}
+    for bucket in buckets(named, bucket_bytes):
+        metas, data = _pack(bucket, staging)
+        meta_bytes = torch.frombuffer(bytearray(pickle.dumps(metas)), dtype=torch.uint8)
+        broadcast(group, torch.tensor([meta_bytes.numel(), data.numel(), 0]))
+        broadcast(group, meta_bytes)
+        broadcast(group, data)
+        if with_digests:
             sent.update((name, digest(t)) for name, t in bucket)
-        broadcast(self.group, torch.tensor([0, 0, 1]))
-        return sent
+    broadcast(group, torch.tensor([0, 0, 1]))
+    return sent
 
 
 def receive_broadcast(group, staging: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -112,16 +112,18 @@ def receive_broadcast(group, staging: torch.Tensor) -> Iterator[tuple[str, torch
         yield from _unpack(pickle.loads(meta_bytes.numpy().tobytes()), data)
 
 
-def to_object_store_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+def to_object_store_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            with_digests: bool = True):
     """The fallback transport: one Ray object per bucket, as numpy bytes (zero-copy in Ray;
     bfloat16 has no numpy dtype, so bytes it is). Returns (object refs, digests)."""
     import ray
 
-    refs, sent = [], {}
+    refs, sent, staging = [], {}, new_staging()
     for bucket in buckets(named, bucket_bytes):
-        metas, data = _pack(bucket, torch.empty(0, dtype=torch.uint8))
-        refs.append(ray.put((metas, data.numpy())))
-        sent.update((name, digest(t)) for name, t in bucket)
+        metas, data = _pack(bucket, staging)
+        refs.append(ray.put((metas, data.numpy())))  # ray.put copies: the staging buffer is reused
+        if with_digests:
+            sent.update((name, digest(t)) for name, t in bucket)
     return refs, sent
 
 

@@ -5,7 +5,7 @@ each of an engine's TP workers is its own process and member of the weight-sync 
 import torch
 
 from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
-from orz.rollout.weight_sync import digest, receive_broadcast, receive_object_store
+from orz.rollout.weight_sync import digest, new_staging, receive_broadcast, receive_object_store
 
 # vLLM fuses these HF projections into one parameter (rows in this order).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -15,7 +15,8 @@ class WorkerExtension:
     def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
         rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine
         self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name)
-        self._orz_staging = torch.empty(0, dtype=torch.uint8)
+        if not hasattr(self, "_orz_staging"):
+            self._orz_staging = new_staging()  # kept across syncs
 
     def orz_close_weight_group(self):
         group = getattr(self, "_orz_group", None)
@@ -23,23 +24,24 @@ class WorkerExtension:
             destroy(group)
             self._orz_group = None
 
-    def _orz_reload(self, named) -> dict[str, str]:
+    def _orz_reload(self, named, with_digests: bool) -> dict[str, str]:
         received = {}
 
         def tap():
             for name, tensor in named:
-                received[name] = digest(tensor)
+                if with_digests:
+                    received[name] = digest(tensor)
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=tap())
         return received
 
-    def orz_receive_broadcast(self) -> dict[str, str]:
+    def orz_receive_broadcast(self, with_digests: bool = True) -> dict[str, str]:
         """Loads one sync from the group; returns digests of the tensors as received."""
-        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_staging))
+        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_staging), with_digests)
 
-    def orz_receive_object_store(self, refs) -> dict[str, str]:
-        return self._orz_reload(receive_object_store(refs))
+    def orz_receive_object_store(self, refs, with_digests: bool = True) -> dict[str, str]:
+        return self._orz_reload(receive_object_store(refs), with_digests)
 
     def orz_held_weights(self) -> dict[str, torch.Tensor]:
         """What this worker's model holds, un-fused back to HF names (TP=1 engines).
@@ -70,7 +72,3 @@ class WorkerExtension:
 
     def orz_held_digests(self) -> dict[str, str]:
         return {name: digest(t) for name, t in self.orz_held_weights().items()}
-
-    def orz_apply(self, fn):
-        """Runs fn(model) in the worker (debugging and fault-injection tests)."""
-        return fn(self.model_runner.get_model())
