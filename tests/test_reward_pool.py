@@ -1,6 +1,7 @@
 """KillablePool: hard per-item timeouts, crash retry, use from threads, clean shutdown."""
 import ctypes
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -66,6 +67,19 @@ def test_a_crashing_item_is_retried_once_then_reported(pool, kind):
     results = pool.map([("double", 1), (kind, None), ("double", 3)])
     assert [r.status for r in results] == ["ok", "crash", "ok"]
     assert pool.restarts == restarts + 2  # the first crash and the retry's
+
+
+def test_mixed_batch_of_crashes_and_hangs_loses_nothing():
+    """Crashes and hangs scattered through chunks that are queued ahead: every item comes back,
+    with the status its kind deserves."""
+    rng = random.Random(0)
+    kinds = rng.choices(["double", "exit", "segfault", "hang"], weights=[90, 5, 3, 2], k=200)
+    items = [(kind, i) for i, kind in enumerate(kinds)]
+    expected = {"double": "ok", "exit": "crash", "segfault": "crash", "hang": "timeout"}
+    with KillablePool(_behave, num_workers=2, item_timeout_s=0.5, chunk_size=8) as pool:
+        results = pool.map(items)
+    assert [r.status for r in results] == [expected[k] for k in kinds]
+    assert [r.value for r, k in zip(results, kinds) if k == "double"] == [2 * i for i, k in enumerate(kinds) if k == "double"]
 
 
 def test_a_crash_that_does_not_repeat_succeeds_on_retry(pool, tmp_path):

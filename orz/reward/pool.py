@@ -42,6 +42,11 @@ from typing import Any, Literal
 Status = Literal["ok", "error", "timeout", "crash"]
 _PR_SET_PDEATHSIG = 1
 _STARTUP_FAILURES_ALLOWED = 3  # consecutive worker deaths before "ready" that mean a broken setup
+_STARTUP_TIMEOUT_S = 120.0  # a worker that has not said "ready" by then is killed and replaced
+# A chunk queued behind a running one must fit the socket's buffer (set to _SOCKET_BUFFER_BYTES),
+# or sending it would block the parent until the worker finishes its current chunk.
+_QUEUE_AHEAD_BYTES = 256 * 1024
+_SOCKET_BUFFER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -132,24 +137,32 @@ class KillablePool:
             for slot, worker in enumerate(self._workers):
                 if not self._collect(worker, run, signalled):
                     self._after_death(slot, run)
+                elif not worker.ready and time.monotonic() > worker.started + _STARTUP_TIMEOUT_S:
+                    self._after_death(slot, run)  # a hung initializer counts as a failed start
                 elif worker.in_flight and time.monotonic() >= worker.deadline:
-                    current, *rest = worker.in_flight
+                    current, *rest = worker.forget_all()
                     run.finish(current, ItemResult("timeout", None, self.item_timeout_s))
                     run.requeue(rest)
                     self._replace(slot)
         return run.results  # type: ignore[return-value]
 
     def _dispatch(self, run: _MapRun) -> None:
-        """Hands chunks to idle workers; chunks shrink near the end so that workers finish together."""
+        """Hands chunks to workers: one to an idle worker, and a small second one to a busy worker
+        with a single chunk left, so that it never waits for the parent between chunks. Chunks
+        shrink near the end so that workers finish together."""
         for worker in self._workers:
-            if worker.ready and not worker.in_flight and run.pending:
+            while run.pending and worker.ready and len(worker.chunks) < 2:
                 size = max(1, min(self.chunk_size, len(run.pending) // (2 * self.num_workers)))
                 chunk = [run.pending.popleft() for _ in range(min(size, len(run.pending)))]
-                try:
-                    worker.send(chunk, [run.items[i] for i in chunk])
-                except OSError:  # it died while idle; its pidfd tells the loop, the chunk waits
-                    worker.in_flight = []
+                message = pickle.dumps([(i, run.items[i]) for i in chunk])
+                if worker.chunks and len(message) > _QUEUE_AHEAD_BYTES:  # might block: wait until idle
                     run.requeue(chunk)
+                    break
+                try:
+                    worker.send(chunk, message)
+                except OSError:  # it has died; its pidfd tells the loop, which handles what it held
+                    run.requeue(chunk)
+                    break
 
     def _collect(self, worker: _Worker, run: _MapRun, signalled: set) -> bool:
         """Reads the worker's messages; False when it has died."""
@@ -169,7 +182,7 @@ class KillablePool:
         return not (worker.pidfd in signalled and not worker.conn.poll())
 
     def _after_death(self, slot: int, run: _MapRun) -> None:
-        """Retries the item a dead worker was running once, requeues the rest of its chunk."""
+        """Retries the item a dead worker was running once, requeues the rest of what it held."""
         worker = self._workers[slot]
         if not worker.ready:
             run.startup_failures += 1
@@ -178,7 +191,7 @@ class KillablePool:
                     "pool workers die before they are ready; does the initializer fail? (see stderr)"
                 )
         if worker.in_flight:
-            current, *rest = worker.in_flight
+            current, *rest = worker.forget_all()
             run.crashes[current] = run.crashes.get(current, 0) + 1
             if run.crashes[current] > 1:
                 run.finish(current, ItemResult("crash", "the worker died"))
@@ -209,7 +222,7 @@ class _MapRun:
 
 class _Worker:
     """The parent's view of one worker: its pid (and pidfd, to wait on and kill it without pid
-    reuse races), its socket, and the items it holds, in order."""
+    reuse races), its socket, and the items it holds, in order (the first one is running)."""
 
     def __init__(self, pid: int, conn: mp_connection.Connection, timeout_s: float):
         self.pid = pid
@@ -217,17 +230,31 @@ class _Worker:
         self.conn = conn
         self.timeout_s = timeout_s
         self.ready = False
-        self.in_flight: list[int] = []
+        self.started = time.monotonic()
+        self.in_flight: deque[int] = deque()
+        self.chunks: deque[int] = deque()  # items still unanswered in each chunk sent
         self.deadline = float("inf")  # when the item it is running overruns
 
-    def send(self, indices: list[int], chunk_items: list[Any]) -> None:
-        self.in_flight = list(indices)
-        self.deadline = time.monotonic() + self.timeout_s
-        self.conn.send(list(zip(indices, chunk_items)))
+    def send(self, indices: list[int], message: bytes) -> None:
+        self.conn.send_bytes(message)
+        if not self.in_flight:
+            self.deadline = time.monotonic() + self.timeout_s
+        self.in_flight.extend(indices)
+        self.chunks.append(len(indices))
 
     def finish_one(self) -> None:
-        self.in_flight.pop(0)
+        self.in_flight.popleft()
+        self.chunks[0] -= 1
+        if not self.chunks[0]:
+            self.chunks.popleft()
         self.deadline = time.monotonic() + self.timeout_s if self.in_flight else float("inf")
+
+    def forget_all(self) -> list[int]:
+        """Gives up the items it holds (it is being replaced); returns them in order."""
+        items = list(self.in_flight)
+        self.in_flight.clear()
+        self.chunks.clear()
+        return items
 
     def stop(self, kill: bool = False) -> None:
         """Asks the worker to exit (or kills it), waits until it has, and frees its handles."""
@@ -267,7 +294,9 @@ class _Zygote:
         message, fds, _, _ = socket.recv_fds(self.socket, 8, 1)
         if not fds:
             raise RuntimeError(f"the pool's zygote died (exit code {self.process.wait()}); see stderr")
-        return struct.unpack("!q", message)[0], mp_connection.Connection(fds[0])
+        channel = socket.socket(fileno=fds[0])
+        channel.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
+        return struct.unpack("!q", message)[0], mp_connection.Connection(channel.detach())
 
     def close(self) -> None:
         self.socket.close()  # the zygote exits on end of file
@@ -324,7 +353,7 @@ def _worker_main(
     if initializer is not None:
         initializer()
     conn.send("ready")
-    while (chunk := _recv_or_none(conn)) is not None:
+    while chunk := _recv_or_none(conn):
         for index, item in chunk:
             start = time.monotonic()
             try:
@@ -335,6 +364,7 @@ def _worker_main(
 
 
 def _recv_or_none(conn: mp_connection.Connection) -> Any:
+    """The next chunk; None when told to stop or when the pool's process is gone."""
     try:
         return conn.recv()
     except EOFError:
