@@ -2,13 +2,17 @@
 
     make demo            # = python -m orz.demo [key=value overrides of the RL config]
 
-1. Data: seeded arithmetic problems (+ and −, 1 to 5 digits) with column-by-column worked
+1. Data: seeded addition problems (1- and 2-digit operands) with column-by-column worked
    solutions; train and held-out problems never overlap. A character tokenizer over them.
-2. Base model (cached in runs/demo/base, keyed by its settings): a ~1M-parameter Llama
-   pre-trained briefly with Megatron on the worked solutions, so that it knows the format and
-   gets some answers right.
+2. Base model (cached in runs/demo/base-*, keyed by its settings): a ~1M-parameter Llama
+   pre-trained briefly with Megatron on the worked solutions. Like a base model pre-trained on
+   web text, it mostly states its final answer in free form: only `tagged_share` of its
+   pre-training solutions put it in the `<answer>` tags that the verifier reads, so it scores
+   low although it can often add.
 3. RL: the full stack — Ray, the Megatron actor, a vLLM engine, the math-verify reward pool —
-   runs GRPO on the training problems; held-out accuracy is measured before and after.
+   runs GRPO on the training problems. The reward teaches the verifiable format (the jump ORZ
+   reports early in training) and sharpens the arithmetic; held-out greedy accuracy is measured
+   before and after.
 It ends by printing one JSON line (accuracy before/after, wall time) and leaves metrics,
 TensorBoard logs and curves.png in runs/demo/grpo.
 """
@@ -27,7 +31,7 @@ import torch
 
 from orz.config import ExperimentConfig, load_config
 from orz.data.synthetic import arithmetic_rows
-from orz.data.templates import ThinkAnswerTemplate
+from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, ThinkAnswerTemplate
 
 INSTRUCTION = "Compute."
 
@@ -36,9 +40,10 @@ INSTRUCTION = "Compute."
 class BaseModelSpec:
     """Everything the cached base model depends on."""
 
-    digits: tuple[int, int] = (1, 5)
-    ops: str = "+-"
+    digits: tuple[int, int] = (1, 2)
+    ops: str = "+"
     train_problems: int = 20000
+    tagged_share: float = 0.3  # pre-training solutions that end in <answer>...</answer>
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4  # head_dim 32: the smallest vLLM's CPU attention serves
@@ -54,9 +59,17 @@ class BaseModelSpec:
 
 
 def _corpus(spec: BaseModelSpec) -> list[tuple[str, str]]:
+    """(prompt, solution) pairs; all but `tagged_share` of the solutions give the answer untagged."""
     template = ThinkAnswerTemplate(INSTRUCTION)
     rows = arithmetic_rows(spec.train_problems, seed=spec.seed, split="train", digits=spec.digits, ops=spec.ops)
-    return [(template.prompt(r["prompt"]), r["solution"]) for r in rows]
+    rng = random.Random(spec.seed)
+    pairs = []
+    for r in rows:
+        solution = r["solution"]
+        if rng.random() >= spec.tagged_share:
+            solution = solution.replace(f"{ANSWER_OPEN}{r['answer']}{ANSWER_CLOSE}", r["answer"])
+        pairs.append((template.prompt(r["prompt"]), solution))
+    return pairs
 
 
 def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: str):
