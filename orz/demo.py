@@ -153,10 +153,10 @@ def rl_config(base: Path, spec: BaseModelSpec, root: Path, overrides: list[str])
         f"data.instruction={INSTRUCTION}", f"data.synthetic_digits=[{spec.digits[0]}, {spec.digits[1]}]",
         f"data.synthetic_ops='{spec.ops}'", "data.synthetic_eval_size=200", "data.prompt_max_tokens=64",
         "algorithm.advantage=grpo", "algorithm.whiten_advantages=false",
-        "actor.lr=2e-4", "actor.steps_per_iteration=2", "actor.micro_batch_size=64", "actor.warmup_steps=4",
-        "rollout.n_samples=8", "rollout.temperature=1.0", "rollout.max_new_tokens=200", "rollout.kv_cache_gib=2",
+        "actor.lr=1e-4", "actor.steps_per_iteration=2", "actor.micro_batch_size=64",
+        "rollout.n_samples=8", "rollout.temperature=1.0", "rollout.max_new_tokens=128", "rollout.kv_cache_gib=2",
         "rollout.stop=['</answer>']",
-        "trainer.iterations=20", "trainer.prompts_per_iteration=32", "trainer.eval_every=5", "trainer.eval_n=4",
+        "trainer.iterations=15", "trainer.prompts_per_iteration=32", "trainer.eval_every=5", "trainer.eval_n=4",
         f"trainer.output_dir={root / 'grpo'}", "trainer.resume=false", "trainer.ray_num_cpus=8",
         "trainer.dump_samples_every=5",
     ])
