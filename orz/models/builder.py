@@ -87,19 +87,23 @@ def _stage_flags() -> dict:
     )
 
 
-def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
-    """This rank's stage of the policy: a GPTModel with vocab-parallel logits (B, S, V/TP)."""
+def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int, tied: bool) -> GPTModel:
     return GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(),
         vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
         **_stage_flags(),
     )
+
+
+def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
+    """This rank's stage of the policy: a GPTModel with vocab-parallel logits (B, S, V/TP)."""
+    return _gpt(arch, cfg, make_vocab_size_divisible_by, tied=arch.tie_word_embeddings)
 
 
 class ValueHead(torch.nn.Module):
@@ -120,16 +124,7 @@ def build_critic(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisi
 
     The head is never tied to the embeddings, whatever the checkpoint says.
     """
-    critic = GPTModel(
-        config=cfg,
-        transformer_layer_spec=layer_spec(),
-        vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
-        max_sequence_length=arch.max_position_embeddings,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        **_stage_flags(),
-    )
+    critic = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=False)
     if critic.post_process:
         critic.output_layer = ValueHead(arch.hidden_size, cfg.params_dtype)
     return critic
