@@ -1,0 +1,325 @@
+"""orz.launch_slurm and scripts/slurm/orz.sbatch without Slurm or Ray: exact commands for a fake
+4-node allocation, the wait step against an injected cluster, refusals before any command runs,
+and the sbatch script itself under fake srun/scontrol (SIGUSR1 → checkpoint → requeue).
+
+    .venv/bin/python -m pytest -q tests/test_slurm.py
+"""
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from orz import launch_slurm
+from orz.config import RoleConfig, StageConfig
+from orz.launch_slurm import (Allocation, LaunchError, LaunchOptions, allocation_from_env, launch_commands,
+                              load_recipe, main, pick_ip, preflight, resolve_run, wait_for_nodes)
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH = REPO / "scripts" / "slurm" / "orz.sbatch"
+RECIPE = "playground/orz_7b_ppo.py"
+NODES = ["gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04"]
+ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[01-04]", "SLURM_GPUS_ON_NODE": "8",
+       "SLURM_CPUS_ON_NODE": "96", "SLURMD_NODENAME": "gpu-a01", "SLURM_RESTART_COUNT": "0"}
+PY = "/shared/orz/.venv/bin/python"
+RAY = "/shared/orz/.venv/bin/ray"
+OUT = "/shared/runs/orz_7b"  # resolve_run only computes paths; nothing is written there
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "Qwen2.5-7B"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Recipes are given relative to the submit directory, the repository root."""
+    monkeypatch.chdir(REPO)
+    # The registry lookup imports torch (seconds); the 7B recipe's GAE needs a critic, GRPO does not.
+    monkeypatch.setattr(launch_slurm, "needs_critic", lambda cfg: cfg.algorithm.advantage == "gae")
+
+
+def user_overrides(model):
+    return [f"model.path={model}", "data.train=[/shared/data/orz_math_57k.json]", f"trainer.output_dir={OUT}"]
+
+
+def ray_start(node, *args):
+    return ["srun", "--nodes=1", "--ntasks=1", "-w", node, "--cpus-per-task=96", "--gres=gpu:8", RAY, "start",
+            *args, "--num-cpus=96", "--num-gpus=8", f'--resources={{"slurm_node:{node}": 1}}',
+            "--disable-usage-stats", "--block"]
+
+
+def test_commands_for_a_four_node_allocation(in_repo, model):
+    alloc = allocation_from_env(ENV, NODES)
+    cfg, overrides = resolve_run(RECIPE, user_overrides(model), REPO, alloc.restart_count)
+    assert preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, with_critic=True) == []
+    cmds = launch_commands(alloc, pick_ip("10.0.0.11 172.17.0.1 fe80::1"), LaunchOptions(recipe=RECIPE, python=PY),
+                           overrides)
+
+    assert cmds.head_node == "gpu-a01" and cmds.address == "10.0.0.11:6379"
+    assert cmds.head == ray_start("gpu-a01", "--head", "--node-ip-address=10.0.0.11", "--port=6379",
+                                  "--include-dashboard=false")
+    assert cmds.workers == {node: ray_start(node, "--address=10.0.0.11:6379") for node in NODES[1:]}
+    wait = [PY, "-m", "orz.launch_slurm", "wait", "--address=10.0.0.11:6379", "--gpus-per-node=8", "--timeout=300"]
+    assert cmds.wait_head == [*wait, "gpu-a01"]
+    assert cmds.wait_all == [*wait, *NODES]
+    waited = launch_slurm.parse_args(cmds.wait_all[3:])
+    assert len(waited.nodes) * waited.gpus_per_node == 32
+    assert cmds.train == ["env", "RAY_ADDRESS=10.0.0.11:6379", PY, RECIPE, f"model.path={model}",
+                          "data.train=[/shared/data/orz_math_57k.json]", f"trainer.output_dir={OUT}",
+                          "trainer.ray_address=auto"]
+    assert cmds.requeue_after_s == 1800 - 60
+
+
+def test_shell_functions_run_exactly_those_commands(in_repo, model, tmp_path):
+    """What orz.sbatch evals: `exec` replaced by a function printing its argv, one word a line."""
+    alloc = allocation_from_env(ENV, NODES)
+    _, overrides = resolve_run(RECIPE, [*user_overrides(model), "data.instruction=it's \"quoted\" $HOME"], REPO)
+    cmds = launch_commands(alloc, "10.0.0.11", LaunchOptions(recipe=RECIPE, python=PY), overrides)
+    script = tmp_path / "launch.sh"
+    script.write_text(cmds.shell())
+    probe = ('exec() { printf "%s\\n" "$@"; }; eval "$(cat "$1")"; orz_start_head; echo --; '
+             'orz_start_worker gpu-a03; echo --; orz_train; echo --; echo "${orz_worker_nodes[*]}"; '
+             'echo "$orz_requeue_after_s"; orz_start_worker gpu-a09; echo "rc=$?"')
+    out = subprocess.run(["bash", "-c", probe, "probe", str(script)], capture_output=True, text=True, check=True)
+    head, worker, train, rest = out.stdout.split("--\n")
+    assert head.splitlines() == cmds.head
+    assert worker.splitlines() == cmds.workers["gpu-a03"]
+    assert train.splitlines() == cmds.train
+    assert rest.splitlines() == ["gpu-a02 gpu-a03 gpu-a04", "1740", "rc=2"]
+    assert "gpu-a09 is not a worker node" in out.stderr
+    assert shlex.split(cmds.shell().split("orz_wait_all() { ")[1].split(";")[0]) == cmds.wait_all
+
+
+def test_allocation_from_slurm_variables():
+    alloc = allocation_from_env(ENV | {"SLURMD_NODENAME": "gpu-a03", "SLURM_RESTART_COUNT": "2"}, NODES)
+    assert alloc == Allocation(job_id="4242", nodes=("gpu-a03", "gpu-a01", "gpu-a02", "gpu-a04"), gpus_per_node=8,
+                               cpus_per_node=96, restart_count=2)
+    assert allocation_from_env({k: v for k, v in ENV.items() if k != "SLURM_GPUS_ON_NODE"}, NODES,
+                               gpus_per_node=4).gpus_per_node == 4
+    with pytest.raises(LaunchError, match="SLURM_GPUS_ON_NODE is not set"):
+        allocation_from_env({k: v for k, v in ENV.items() if k != "SLURM_GPUS_ON_NODE"}, NODES)
+    with pytest.raises(LaunchError, match="not in the job's nodes"):
+        allocation_from_env(ENV | {"SLURMD_NODENAME": "login1"}, NODES)
+    assert pick_ip("127.0.0.1 169.254.3.4 fe80::1 10.0.0.11") == "10.0.0.11"
+    assert pick_ip("fd00::5") == "fd00::5"
+
+
+def test_wait_names_the_node_that_never_joins():
+    clock, logs = [0.0], []
+    joined = {"gpu-a01": 8.0, "gpu-a02": 8.0, "gpu-a04": 8.0}  # gpu-a03's `ray start` never reached the head
+    with pytest.raises(LaunchError) as err:
+        wait_for_nodes({n: 8 for n in NODES}, lambda: joined, timeout_s=300, poll_s=5, clock=lambda: clock[0],
+                       sleep=lambda s: clock.__setitem__(0, clock[0] + s), log=logs.append)
+    message = str(err.value)
+    assert "after 300 s: gpu-a03 did not join" in message and "expected 4 nodes, 32 GPUs" in message
+    assert not any(n in message for n in ("gpu-a01", "gpu-a02", "gpu-a04"))
+    assert logs[0] == "orz: waiting for Ray (0/300 s): 3/4 nodes, 24/32 GPUs; missing gpu-a03"
+    assert 2 <= len(logs) <= 12  # on changes and every 30 s, not every poll
+
+
+def test_wait_until_ready_and_nodes_short_of_gpus():
+    states = iter([ConnectionError("GCS not up"), {"gpu-a01": 8.0}, {"gpu-a01": 8.0, "gpu-a02": 8.0}])
+    clock, logs = [0.0], []
+
+    def joined():
+        state = next(states)
+        if isinstance(state, Exception):
+            raise state
+        return state
+
+    wait_for_nodes({"gpu-a01": 8, "gpu-a02": 8}, joined, timeout_s=60, clock=lambda: clock[0],
+                   sleep=lambda s: clock.__setitem__(0, clock[0] + s), log=logs.append)
+    assert "ConnectionError: GCS not up" in logs[0]
+    assert logs[-1] == "orz: Ray cluster ready after 10 s: 2 nodes, 16 GPUs"
+    with pytest.raises(LaunchError, match=r"gpu-a02 joined with 4 of 8 GPUs"):
+        wait_for_nodes({"gpu-a01": 8, "gpu-a02": 8}, lambda: {"gpu-a01": 8.0, "gpu-a02": 4.0}, timeout_s=0,
+                       log=logs.append)
+
+
+def write_layout(path, gpu_mem_gib, colocate=False):
+    """The 7B recipe's own sizes (actor and critic TP2 DP4, 16 engines, no reference) as a planner layout."""
+    role = {"tp": 2, "pp": 1, "dp": 4, "micro_batch_tokens": 16384, "recompute": True, "distributed_optimizer": True}
+    path.write_text(json.dumps({
+        "model": "Qwen2.5-7B",
+        "cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "H100", "gpu_mem_gib": gpu_mem_gib},
+        "layout": {"colocate": colocate, "offload": False, "actor": role, "critic": role, "reference": None,
+                   "rollout": {"engines": 16, "tp": 1, "gpu_memory_utilization": 0.85, "max_num_seqs": 64}},
+    }))  # JSON is YAML
+    return str(path)
+
+
+def run_main(argv, capsys):
+    rc = main(argv, env=ENV)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_layout_that_does_not_fit_is_refused_before_any_command(in_repo, model, tmp_path, capsys):
+    layout = write_layout(tmp_path / "small_gpus.yaml", gpu_mem_gib=24.0)
+    from orz import plan as planner
+
+    assert planner.main(["--layout", layout, "--nodes", "4", "--gpus-per-node", "8", "--json"]) == 1
+    planned = json.loads(capsys.readouterr().out)["problems"]
+    assert planned and any(p.startswith("actor does not fit") for p in planned)
+
+    rc, out, err = run_main(["script", "--node-list", " ".join(NODES), "--head-ips", "10.0.0.11", "--python", PY,
+                             "--layout", layout, RECIPE, *user_overrides(model)], capsys)
+    assert rc == 1 and out == ""  # nothing for orz.sbatch to eval: no srun, no ray start
+    assert "refusing to start" in err
+    for problem in planned:
+        assert f"{layout} on 4 nodes × 8 GPUs: {problem}" in err
+
+    fits = write_layout(tmp_path / "h100.yaml", gpu_mem_gib=79.6)
+    rc, out, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--layout", fits, RECIPE,
+                             *user_overrides(model)], capsys)
+    assert rc == 0 and f"{fits} fits" in err
+
+
+def test_layout_for_another_run_or_allocation_is_refused(in_repo, model, capsys):
+    layout = "configs/layouts/orz_7b.yaml"  # colocated, DP16: not the 7B recipe's separate TP2 DP4 roles
+    rc, _, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--layout", layout, RECIPE,
+                           *user_overrides(model)], capsys)
+    assert rc == 1
+    assert "does not describe this run (actor TP2 PP1 DP16 in the layout, TP2 PP1 DP4 in the recipe;" in err
+    rc, _, err = run_main(["check", "--nodes", "2", "--gpus-per-node", "8", "--layout", layout, RECIPE,
+                           *user_overrides(model)], capsys)
+    assert rc == 1 and f"{layout} on 2 nodes × 8 GPUs cannot run: layout.actor: TP·PP·DP = 2·1·16 = 32 ≠ 16" in err
+
+
+def test_recipe_sizes_against_the_allocation(in_repo):
+    cfg = load_recipe(RECIPE)
+    [problem] = preflight(cfg, nodes=2, gpus_per_node=8, with_critic=True)
+    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × 1 GPU)"
+                              " + rollout 16 (16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
+    assert preflight(cfg, nodes=3, gpus_per_node=8, with_critic=False) == []  # GRPO: no critic
+    # Colocated roles share GPUs: 16 actor and 16 critic workers at a quarter GPU each + 8 engines.
+    shared = RoleConfig(tp=2, dp=8, gpus_per_worker=0.25)
+    colocated = replace(cfg, actor=shared, critic=shared, rollout=replace(cfg.rollout, num_engines=8))
+    assert preflight(colocated, nodes=2, gpus_per_node=8, with_critic=True) == []
+    assert preflight(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01)), 4, 8, True)[0].startswith(
+        "the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × 1 GPU) + ref 1")
+    problems = preflight(replace(cfg, rollout=replace(cfg.rollout, num_engines=2, engine_tp=8), actor=RoleConfig(tp=3)),
+                         nodes=8, gpus_per_node=4, with_critic=False)
+    assert problems == ["rollout.engine_tp=8 > 4 GPUs per node: an engine's GPUs must be on one node",
+                        "actor.tp=3 does not divide 4 GPUs per node (a TP group must stay inside one node)"]
+    staged = replace(cfg, stages=[StageConfig(iterations=1),
+                                  StageConfig(iterations=1, overrides={"rollout.num_engines": 32})])
+    [problem] = preflight(staged, nodes=4, gpus_per_node=8, with_critic=True)
+    assert problem.startswith("stage 1: the recipe needs") and "= 48 GPUs > 32" in problem
+
+
+def test_resolve_run_paths_and_refusals(in_repo, model):
+    cfg, overrides = resolve_run(RECIPE, [f"model.path={model}", "trainer.output_dir=runs/x"], REPO)
+    assert overrides == [f"model.path={model}", f"trainer.output_dir={REPO}/runs/x", "trainer.ray_address=auto"]
+    assert cfg.trainer.output_dir == f"{REPO}/runs/x" and cfg.trainer.ray_address == "auto"
+    cases = {
+        "trainer.output_dir=/tmp/run": "trainer.output_dir=/tmp/run is node-local",
+        "trainer.ray_address=10.0.0.1:6379": "the launcher starts the cluster",
+        "actor.nope=1": "unknown key 'actor.nope'",
+    }
+    for override, message in cases.items():
+        with pytest.raises(LaunchError, match=message):
+            resolve_run(RECIPE, [f"model.path={model}", override], REPO)
+    with pytest.raises(LaunchError, match="model.path=/nonexistent/m: no such directory"):
+        resolve_run(RECIPE, ["model.path=/nonexistent/m"], REPO)
+    with pytest.raises(LaunchError, match=r"requeued job \(restart 1\) with trainer.resume=false"):
+        resolve_run(RECIPE, [f"model.path={model}", "trainer.resume=false"], REPO, restart_count=1)
+
+
+def test_sbatch_syntax():
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_sbatch_shellcheck():
+    result = subprocess.run(["shellcheck", str(SBATCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+# ---------------------------------------------------------------- orz.sbatch under fake Slurm
+
+
+FAKE_RECIPE = '''
+import os, signal, sys, time
+from orz.config import ExperimentConfig, RoleConfig, RolloutConfig, TrainerConfig
+RECIPE = ExperimentConfig(actor=RoleConfig(tp=2, dp=8), rollout=RolloutConfig(num_engines=16),
+                          trainer=TrainerConfig(output_dir="/shared/runs/fake"))
+if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75
+    log = os.path.join(os.environ["ORZ_TEST_LOG"], "trainer.log")
+    def checkpoint(*_):
+        open(log, "a").write("SIGUSR1: checkpoint saved\\n")
+        sys.exit(75)
+    signal.signal(signal.SIGUSR1, checkpoint)
+    open(log, "w").write(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} " + " ".join(sys.argv[1:]) + "\\n")
+    time.sleep(20)
+'''
+
+
+def fake_slurm(tmp_path):
+    """bin/ with srun, scontrol and hostname that log their calls, and a python wrapper whose
+    `wait` succeeds at once (no Ray) and whose registry lookup skips the torch import."""
+    bin_, log = tmp_path / "bin", tmp_path / "log"
+    bin_.mkdir()
+    log.mkdir()
+    scripts = {
+        "srun": 'echo "srun $*" >> "$ORZ_TEST_LOG/srun.log"; exec sleep 30',
+        "scontrol": ('echo "scontrol $*" >> "$ORZ_TEST_LOG/scontrol.log"\n'
+                     'if [[ $1 == show ]]; then printf "%s\\n" ' + " ".join(NODES) + "; fi"),
+        "hostname": 'echo "10.0.0.11 172.17.0.1"',
+        "python": ('echo "python $*" >> "$ORZ_TEST_LOG/python.log"\n'
+                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm wait" ]]; then exit 0; fi\n'
+                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm script" ]]; then shift 2; exec ' + sys.executable
+                   + ' -c "import sys, orz.launch_slurm as l; l.needs_critic = lambda cfg: False; '
+                   'sys.exit(l.main(sys.argv[1:]))" "$@"; fi\n'
+                   'exec ' + sys.executable + ' "$@"'),
+    }
+    for name, body in scripts.items():
+        (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_ / name).chmod(0o755)
+    (tmp_path / "fake_recipe.py").write_text(FAKE_RECIPE)
+    env = os.environ | {k: v for k, v in ENV.items()} | {
+        "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "ORZ_PYTHON": str(bin_ / "python"),
+        "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
+    return env, log
+
+
+def test_sbatch_forwards_usr1_and_requeues_after_the_checkpoint(tmp_path, model):
+    env, log = fake_slurm(tmp_path)
+    job = subprocess.Popen(["bash", str(SBATCH), "--signal-lead", "600", "fake_recipe.py", f"model.path={model}"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer_log = log / "trainer.log"
+    deadline = time.monotonic() + 60
+    while not trainer_log.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert trainer_log.exists(), job.communicate(timeout=30)[0]
+    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` does near the time limit
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == 75, output
+    assert trainer_log.read_text().splitlines() == [
+        f"RAY_ADDRESS=10.0.0.11:6379 model.path={model} trainer.ray_address=auto "
+        "trainer.output_dir=/shared/runs/fake", "SIGUSR1: checkpoint saved"]
+    sruns = (log / "srun.log").read_text().splitlines()
+    assert sruns[0].split()[4] == "gpu-a01" and "--head" in sruns[0].split()  # the head first, then the workers
+    assert sorted(line.split()[4] for line in sruns[1:]) == NODES[1:]
+    assert (log / "scontrol.log").read_text().splitlines() == ["scontrol show hostnames gpu-a[01-04]",
+                                                               "scontrol requeue 4242"]
+    assert "requeueing job 4242: the trainer saved a checkpoint and stopped (exit 75)" in output
+
+
+def test_sbatch_refuses_before_any_srun(tmp_path, model):
+    env, log = fake_slurm(tmp_path)
+    job = subprocess.run(["bash", str(SBATCH), "fake_recipe.py", f"model.path={model}", "rollout.num_engines=32"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert job.returncode == 1
+    assert "= 48 GPUs > 32 GPUs in this job (4 nodes × 8)" in job.stderr
+    assert not (log / "srun.log").exists()
