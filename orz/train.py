@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
         return 2
     from orz.ppo.trainer import main as train
 
-    print(json.dumps(train(cfg), default=str))
-    return 0
+    result = train(cfg)
+    print(json.dumps(result, default=str))
+    # 75 (EX_TEMPFAIL): stopped by SIGUSR1 with a checkpoint; scripts/slurm requeues the job.
+    return 75 if result.get("preempted") else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -177,8 +179,13 @@ class RayPPOTrainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Trains to the last iteration, or until SIGUSR1 (Slurm's warning before a time limit):
+        then the current iteration ends with a checkpoint and fit returns with `preempted`."""
         cfg = self.base_cfg.trainer
         start = time.time()
+        preempted = []
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda *_: preempted.append(True))
         if self.iteration == 0:
             self.logger.log(0, self.evaluate())
         with Progress(TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -194,9 +201,12 @@ class RayPPOTrainer:
                     metrics |= self.evaluate()
                 self.logger.log(self.iteration, metrics)
                 progress.update(task, advance=1, description=_summary(metrics))
-                if (cfg.save_every and self.iteration % cfg.save_every == 0) or last:
+                if (cfg.save_every and self.iteration % cfg.save_every == 0) or last or preempted:
                     progress.update(task, description="checkpoint")
                     self.save_checkpoint()
+                if preempted:
+                    console.print(f"SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
+                    return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         if cfg.export_hf:
             ray.get(self.actor.run_async("export_hf", str(self.out / "hf")))
         plot = self.logger.close()
