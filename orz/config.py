@@ -144,6 +144,7 @@ class TrainerConfig:
     tensorboard: bool = True
     dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
+    offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
     ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
 
 

@@ -19,6 +19,10 @@ say which Slurm node is missing rather than how many GPUs are. The checks run be
 a layout the planner rejects, or a recipe that needs more GPUs than the job has, never costs an
 allocation's worth of waiting for Ray placement groups that cannot be satisfied.
 
+Ray's token authentication is the sbatch script's: it exports RAY_AUTH_MODE=token and a token of
+its own to every step (`ray start --head` enables tokens by itself when ~/.ray/auth_token exists,
+and worker nodes and drivers given an address do not follow, so it must be explicit).
+
 Subcommands: `check` (login node, before sbatch), `script` (inside the job: prints bash function
 definitions for the sbatch script to eval; everything for people goes to stderr) and `wait`.
 """
@@ -397,7 +401,7 @@ def wait_for_nodes(expected: Mapping[str, int], joined: Callable[[], Mapping[str
     LaunchError naming the nodes still missing after timeout_s. `joined()` maps the Slurm nodes in
     the cluster to their GPUs (ray_joined_nodes); an exception from it counts as nothing joined yet
     (the head's GCS may not be listening)."""
-    want = sum(expected.values())
+    want, nodes = sum(expected.values()), f"{len(expected)} node{'s' * (len(expected) > 1)}"
     start, last, last_report = clock(), None, float("-inf")
     while True:
         try:
@@ -408,19 +412,19 @@ def wait_for_nodes(expected: Mapping[str, int], joined: Callable[[], Mapping[str
         elapsed = clock() - start
         state = (tuple(sorted(have.items())), error)
         if not short:
-            log(f"orz: Ray cluster ready after {elapsed:.0f} s: {len(expected)} nodes, {want} GPUs")
+            log(f"orz: Ray cluster ready after {elapsed:.0f} s: {nodes}, {want} GPUs")
             return
         if state != last or elapsed - last_report >= 30:
             got = sum(min(have.get(n, 0.0), g) for n, g in expected.items())
             log(f"orz: waiting for Ray ({elapsed:.0f}/{timeout_s:.0f} s): {len(expected) - len(short)}/{len(expected)} "
-                f"nodes, {got:g}/{want} GPUs; missing {', '.join(short)}" + (f" ({error})" if error else ""))
+                f"nodes ready, {got:g}/{want} GPUs; missing {', '.join(short)}" + (f" ({error})" if error else ""))
             last, last_report = state, elapsed
         if elapsed >= timeout_s:
             absent = [n for n, (h, _) in short.items() if n not in have]
             partial = [f"{n} joined with {h:g} of {g} GPUs" for n, (h, g) in short.items() if n in have]
             reasons = ([f"{', '.join(absent)} did not join"] if absent else []) + partial
             raise LaunchError(f"Ray cluster not ready after {timeout_s:.0f} s: {'; '.join(reasons)} "
-                              f"(expected {len(expected)} nodes, {want} GPUs); a node's `ray start` output is in "
+                              f"(expected {nodes}, {want} GPUs); a node's `ray start` output is in "
                               "this job's log" + (f"; last error: {error}" if error else ""))
         sleep(poll_s)
 
@@ -493,8 +497,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         if args.command == "wait":
             expected = {node: args.gpus_per_node for node in args.nodes}
-            wait_for_nodes(expected, ray_joined_nodes(args.address), args.timeout,
-                           log=lambda line: print(line, file=sys.stderr, flush=True))
+            try:
+                wait_for_nodes(expected, ray_joined_nodes(args.address), args.timeout,
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+            except LaunchError as err:
+                print(f"orz.launch_slurm wait: {err}", file=sys.stderr)
+                return 1
             return 0
         if args.command == "check":
             nodes, gpus, restarts = args.nodes, args.gpus_per_node, 0

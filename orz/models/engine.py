@@ -165,6 +165,19 @@ class ModelEngine:
                 if my_stage == 0 and tp_rank == 0:
                     yield from zip(rule.hf, hf)
 
+    # ---- GPU memory between phases (untested here: no GPU) ----------------------------------
+    def offload(self) -> None:
+        """Frees the gradient buffers and moves the optimizer states to CPU, so that colocated
+        roles and vLLM fit beside an idle trainer (Megatron's own offload calls). No-op on CPU."""
+        if torch.cuda.is_available() and self.optimizer is not None:
+            self.model.offload_grad_buffers()
+            self.optimizer.offload_to_cpu()
+
+    def onload(self) -> None:
+        if torch.cuda.is_available() and self.optimizer is not None:
+            self.optimizer.restore_from_cpu()
+            self.model.restore_grad_buffers()
+
     # ---- compute -------------------------------------------------------------------------
     def run(
         self,

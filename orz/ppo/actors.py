@@ -251,6 +251,12 @@ class MegatronWorker:
 
         return self._train(minibatches, loss_fn)
 
+    def offload(self) -> None:
+        self.engine.offload()
+
+    def onload(self) -> None:
+        self.engine.onload()
+
     # ---- weights out -------------------------------------------------------------------------
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""

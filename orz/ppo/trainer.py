@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import threading
@@ -349,6 +348,8 @@ class RayPPOTrainer:
         buffer.append(experience)
         seed = self.cfg.trainer.seed * 7919 + self.iteration
         norm_len = self.cfg.rollout.max_new_tokens
+        if self.base_cfg.trainer.offload_idle_roles:
+            ray.get([ref for group in self._trained_groups() for ref in group.run_async("onload")])
         critic_refs = None
         if self.critic:
             steps = self.cfg.critic.steps_per_iteration
@@ -365,9 +366,14 @@ class RayPPOTrainer:
             critic = self.critic.merge_metrics(critic_refs)
             critic.pop("tokens", None)
             metrics |= critic
+        if self.base_cfg.trainer.offload_idle_roles:  # untested here: a no-op without a GPU
+            ray.get([ref for group in self._trained_groups() for ref in group.run_async("offload")])
         if self.entropy_ctl is not None and "actor/entropy" in metrics:
             self.entropy_ctl.update(metrics["actor/entropy"])
         return metrics
+
+    def _trained_groups(self) -> list[WorkerGroup]:
+        return [group for group in (self.actor, self.critic) if group is not None]
 
     def _dump(self, experience: Experience) -> None:
         buffer = ReplayBuffer()
@@ -424,7 +430,7 @@ class RayPPOTrainer:
                 "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
                 "kl_ctl": self.kl_ctl.state_dict(),
                 "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
-                "python_rng": repr(random.getstate()), "config": to_dict(self.base_cfg),
+                "config": to_dict(self.base_cfg),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
             if final.exists():

@@ -301,6 +301,7 @@ class MathReward:
             "reward/errors": float(sum(o.status == "error" for o in outcomes)),
             **{f"reward/verify_s_{name}": _quantile([o.seconds for o in outcomes], q)
                for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
+            "reward/verify_cpu_s": sum(o.cpu_seconds for o in outcomes),
         }
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ main script (with torch and Megatron behind it). Workers die with the zygote (PR
 the zygote exits when the pool's process goes, so nothing outlives the trainer.
 
 Protocol: the parent sends a worker a chunk `[(index, item), ...]`; the worker answers one message
-per item, `(index, status, value, seconds)`, so the parent knows which item is running and restarts
+per item, `(index, status, value, seconds, cpu_seconds)`, so the parent knows which item is running and restarts
 its clock after every answer. An item whose worker dies (segfault, `os._exit`) is retried once on a
 fresh worker, then reported as "crash"; the rest of that chunk is requeued without penalty.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import multiprocessing.connection as mp_connection
 import os
 import pickle
@@ -56,6 +57,7 @@ class ItemResult:
     status: Status
     value: Any = None
     seconds: float = 0.0  # wall time the item ran (the limit itself for a timeout)
+    cpu_seconds: float = 0.0  # CPU time the worker spent on it (0 for a timeout or a crash)
 
 
 class KillablePool:
@@ -174,8 +176,8 @@ class KillablePool:
                         worker.ready = True
                         run.startup_failures = 0
                         continue
-                    index, status, value, seconds = message
-                    run.finish(index, ItemResult(status, value, seconds))
+                    index, *outcome = message
+                    run.finish(index, ItemResult(*outcome))
                     worker.finish_one()
             except (EOFError, OSError):
                 return False
@@ -310,6 +312,7 @@ def _zygote_main(fd: int) -> None:
     control = socket.socket(fileno=fd)
     (size,) = struct.unpack("!Q", _recv_exactly(control, 8))
     fn, initializer, memory_limit_mb = pickle.loads(_recv_exactly(control, size))
+    gc.freeze()  # the imported modules: never scanned by the workers' collections, never copied by them
     zygote_pid = os.getpid()
     while control.recv(1) == b"F":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -355,12 +358,12 @@ def _worker_main(
     conn.send("ready")
     while chunk := _recv_or_none(conn):
         for index, item in chunk:
-            start = time.monotonic()
+            start, start_cpu = time.monotonic(), time.process_time()
             try:
                 status, value = "ok", fn(item)
             except BaseException as error:  # MemoryError and RecursionError included
                 status, value = "error", f"{type(error).__name__}: {error}"[:500]
-            conn.send((index, status, value, time.monotonic() - start))
+            conn.send((index, status, value, time.monotonic() - start, time.process_time() - start_cpu))
 
 
 def _recv_or_none(conn: mp_connection.Connection) -> Any:
