@@ -123,7 +123,7 @@ def test_wait_names_the_node_that_never_joins():
     message = str(err.value)
     assert "after 300 s: gpu-a03 did not join" in message and "expected 4 nodes, 32 GPUs" in message
     assert not any(n in message for n in ("gpu-a01", "gpu-a02", "gpu-a04"))
-    assert logs[0] == "orz: waiting for Ray (0/300 s): 3/4 nodes, 24/32 GPUs; missing gpu-a03"
+    assert logs[0] == "orz: waiting for Ray (0/300 s): 3/4 nodes ready, 24/32 GPUs; missing gpu-a03"
     assert 2 <= len(logs) <= 12  # on changes and every 30 s, not every poll
 
 
@@ -254,13 +254,15 @@ import os, signal, sys, time
 from orz.config import ExperimentConfig, RoleConfig, RolloutConfig, TrainerConfig
 RECIPE = ExperimentConfig(actor=RoleConfig(tp=2, dp=8), rollout=RolloutConfig(num_engines=16),
                           trainer=TrainerConfig(output_dir="/shared/runs/fake"))
-if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75
+if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75, or has no handler
     log = os.path.join(os.environ["ORZ_TEST_LOG"], "trainer.log")
     def checkpoint(*_):
         open(log, "a").write("SIGUSR1: checkpoint saved\\n")
         sys.exit(75)
-    signal.signal(signal.SIGUSR1, checkpoint)
-    open(log, "w").write(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} " + " ".join(sys.argv[1:]) + "\\n")
+    if os.environ["ORZ_TEST_TRAINER"] == "checkpoints":
+        signal.signal(signal.SIGUSR1, checkpoint)
+    auth = f"{os.environ['RAY_AUTH_MODE']} {len(os.environ['RAY_AUTH_TOKEN'])}"
+    open(log, "w").write(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} auth={auth} " + " ".join(sys.argv[1:]) + "\\n")
     time.sleep(20)
 '''
 
@@ -272,7 +274,9 @@ def fake_slurm(tmp_path):
     bin_.mkdir()
     log.mkdir()
     scripts = {
-        "srun": 'echo "srun $*" >> "$ORZ_TEST_LOG/srun.log"; exec sleep 30',
+        "srun": ('echo "srun $*" >> "$ORZ_TEST_LOG/srun.log"\n'
+                 'echo "$RAY_AUTH_MODE ${#RAY_AUTH_TOKEN}" >> "$ORZ_TEST_LOG/srun_auth.log"\n'
+                 'exec sleep 30'),
         "scontrol": ('echo "scontrol $*" >> "$ORZ_TEST_LOG/scontrol.log"\n'
                      'if [[ $1 == show ]]; then printf "%s\\n" ' + " ".join(NODES) + "; fi"),
         "hostname": 'echo "10.0.0.11 172.17.0.1"',
@@ -287,14 +291,19 @@ def fake_slurm(tmp_path):
         (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
         (bin_ / name).chmod(0o755)
     (tmp_path / "fake_recipe.py").write_text(FAKE_RECIPE)
-    env = os.environ | {k: v for k, v in ENV.items()} | {
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | ENV | {
         "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "ORZ_PYTHON": str(bin_ / "python"),
         "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
     return env, log
 
 
-def test_sbatch_forwards_usr1_and_requeues_after_the_checkpoint(tmp_path, model):
+@pytest.mark.parametrize("trainer, rc, why", [
+    ("checkpoints", 75, "the trainer saved a checkpoint and stopped (exit 75)"),
+    ("dies", 128 + signal.SIGUSR1, "the trainer died of SIGUSR1 without a checkpoint"),
+])
+def test_sbatch_forwards_usr1_and_requeues(tmp_path, model, trainer, rc, why):
     env, log = fake_slurm(tmp_path)
+    env["ORZ_TEST_TRAINER"] = trainer
     job = subprocess.Popen(["bash", str(SBATCH), "--signal-lead", "600", "fake_recipe.py", f"model.path={model}"],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainer_log = log / "trainer.log"
@@ -304,16 +313,17 @@ def test_sbatch_forwards_usr1_and_requeues_after_the_checkpoint(tmp_path, model)
     assert trainer_log.exists(), job.communicate(timeout=30)[0]
     job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` does near the time limit
     output = job.communicate(timeout=60)[0]
-    assert job.returncode == 75, output
+    assert job.returncode == rc, output
     assert trainer_log.read_text().splitlines() == [
-        f"RAY_ADDRESS=10.0.0.11:6379 model.path={model} trainer.ray_address=auto "
-        "trainer.output_dir=/shared/runs/fake", "SIGUSR1: checkpoint saved"]
+        f"RAY_ADDRESS=10.0.0.11:6379 auth=token 64 model.path={model} trainer.ray_address=auto "
+        "trainer.output_dir=/shared/runs/fake"] + ["SIGUSR1: checkpoint saved"] * (trainer == "checkpoints")
     sruns = (log / "srun.log").read_text().splitlines()
     assert sruns[0].split()[4] == "gpu-a01" and "--head" in sruns[0].split()  # the head first, then the workers
     assert sorted(line.split()[4] for line in sruns[1:]) == NODES[1:]
     assert (log / "scontrol.log").read_text().splitlines() == ["scontrol show hostnames gpu-a[01-04]",
                                                                "scontrol requeue 4242"]
-    assert "requeueing job 4242: the trainer saved a checkpoint and stopped (exit 75)" in output
+    assert set((log / "srun_auth.log").read_text().splitlines()) == {"token 64"}  # one token for every step
+    assert f"requeueing job 4242: {why}" in output
 
 
 def test_sbatch_refuses_before_any_srun(tmp_path, model):
