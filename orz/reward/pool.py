@@ -117,9 +117,12 @@ class KillablePool:
         self.close()
 
     def _start_worker(self) -> _Worker:
-        if not self._zygote.alive():  # killed from outside; workers need a parent
+        try:
+            pid, conn = self._zygote.fork_worker()
+        except (OSError, RuntimeError):  # the zygote was killed from outside: start another
+            self._zygote.close()
             self._zygote = _Zygote(self.fn, self.initializer, self.memory_limit_mb)
-        pid, conn = self._zygote.fork_worker()
+            pid, conn = self._zygote.fork_worker()
         return _Worker(pid, conn, self.item_timeout_s)
 
     def _replace(self, slot: int) -> None:
@@ -287,9 +290,6 @@ class _Zygote:
         self.socket = ours
         config = pickle.dumps((fn, initializer, memory_limit_mb))
         ours.sendall(struct.pack("!Q", len(config)) + config)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
 
     def fork_worker(self) -> tuple[int, mp_connection.Connection]:
         self.socket.sendall(b"F")
