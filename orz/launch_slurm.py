@@ -173,7 +173,7 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
         raise LaunchError(f"{recipe}: {err}") from None
     if cfg.trainer.ray_address not in ("", "auto"):
         raise LaunchError(f"trainer.ray_address={cfg.trainer.ray_address}: under Slurm the launcher starts the "
-                          "cluster and the trainer joins it (auto); drop the override")
+                          "cluster and the trainer joins it (auto); drop this setting")
     out = list(overrides)
     if not cfg.model.path:
         raise LaunchError("model.path is not set: pass model.path=/shared/path/to/hf_model")
@@ -182,13 +182,13 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
         value = getattr(getattr(cfg, section), name)
         if not value:
             continue
-        path = (submit_dir / value).resolve()
+        path = Path(os.path.abspath(submit_dir / value))  # abspath: normalised, symlinks kept
         if not path.is_dir():
             raise LaunchError(f"{key}={value}: no such directory on the head node; every node reads it, so it "
                               "must be on shared storage")
         if str(path) != value:
             out = _set(out, key, str(path))
-    output_dir = (submit_dir / cfg.trainer.output_dir).resolve()
+    output_dir = Path(os.path.abspath(submit_dir / cfg.trainer.output_dir))
     if any(output_dir == Path(d) or Path(d) in output_dir.parents for d in NODE_LOCAL_DIRS):
         raise LaunchError(f"trainer.output_dir={output_dir} is node-local; checkpoints must be on storage "
                           "every node and a requeued job can see")
@@ -227,7 +227,8 @@ def _roles(cfg: ExperimentConfig, with_critic: bool) -> dict[str, RoleConfig]:
 def gpu_demand(cfg: ExperimentConfig, with_critic: bool) -> dict[str, float]:
     """GPUs each role asks Ray for: TP·PP·DP workers × gpus_per_worker (< 1 when roles are colocated
     and share GPUs), and engines × engine_tp for the vLLM fleet (whole GPUs, one bundle per engine)."""
-    demand = {name: role.tp * role.pp * role.dp * role.gpus_per_worker for name, role in _roles(cfg, with_critic).items()}
+    roles = _roles(cfg, with_critic)
+    demand = {name: role.tp * role.pp * role.dp * role.gpus_per_worker for name, role in roles.items()}
     demand["rollout"] = float(cfg.rollout.num_engines * cfg.rollout.engine_tp)
     return demand
 
@@ -251,8 +252,8 @@ def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_
     for label, stage in _stage_configs(cfg):
         demand, roles, r = gpu_demand(stage, with_critic), _roles(stage, with_critic), stage.rollout
         if sum(demand.values()) > total + 1e-9:
-            parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers × {role.gpus_per_worker:g} GPU)"
-                     for name, role in roles.items()]
+            parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers × "
+                     f"{role.gpus_per_worker:g} GPU)" for name, role in roles.items()]
             parts.append(f"rollout {demand['rollout']:g} ({r.num_engines} engines × TP{r.engine_tp})")
             problems.append(f"{label}the recipe needs {' + '.join(parts)} = {sum(demand.values()):g} GPUs > {total} "
                             f"GPUs in this job ({nodes} nodes × {gpus_per_node}); add nodes, shrink DP or engines, "
@@ -280,7 +281,8 @@ def layout_problems(layout: str | Path, cfg: ExperimentConfig, nodes: int, gpus_
 
     where = f"{layout} on {nodes} nodes × {gpus_per_node} GPUs"
     try:
-        args = planner.parse_args(["--layout", str(layout), "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node)])
+        args = planner.parse_args(["--layout", str(layout), "--nodes", str(nodes),
+                                   "--gpus-per-node", str(gpus_per_node)])
         tree, tree_where = planner.tree_from_args(args)
         name, arch, cluster, parsed, workload = planner.inputs_from_tree(tree, tree_where)
         p = planner.plan(arch, cluster, parsed, workload, name)
@@ -372,7 +374,8 @@ def _ray_start(alloc: Allocation, node: str, ray: str, role_args: list[str]) -> 
             f"--resources={json.dumps({NODE_RESOURCE + node: 1})}", "--disable-usage-stats", "--block"]
 
 
-def launch_commands(alloc: Allocation, head_ip: str, options: LaunchOptions, overrides: Sequence[str]) -> LaunchCommands:
+def launch_commands(alloc: Allocation, head_ip: str, options: LaunchOptions,
+                    overrides: Sequence[str]) -> LaunchCommands:
     """The exact commands of the job; `overrides` are resolve_run's (ray_address, absolute paths)."""
     if options.signal_lead_s <= 2 * REQUEUE_MARGIN_S:
         raise LaunchError(f"signal lead {options.signal_lead_s} s is too short: the trainer needs an iteration and "

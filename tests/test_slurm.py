@@ -193,14 +193,15 @@ def test_layout_for_another_run_or_allocation_is_refused(in_repo, model, capsys)
     assert "does not describe this run (actor TP2 PP1 DP16 in the layout, TP2 PP1 DP4 in the recipe;" in err
     rc, _, err = run_main(["check", "--nodes", "2", "--gpus-per-node", "8", "--layout", layout, RECIPE,
                            *user_overrides(model)], capsys)
-    assert rc == 1 and f"{layout} on 2 nodes × 8 GPUs cannot run: layout.actor: TP·PP·DP = 2·1·16 = 32 ≠ 16" in err
+    assert rc == 1
+    assert f"{layout} on 2 nodes × 8 GPUs cannot run: layout.actor: TP·PP·DP = 2·1·16 = 32 ≠ 16" in err
 
 
 def test_recipe_sizes_against_the_allocation(in_repo):
     cfg = load_recipe(RECIPE)
     [problem] = preflight(cfg, nodes=2, gpus_per_node=8, with_critic=True)
-    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × 1 GPU)"
-                              " + rollout 16 (16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
+    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × "
+                              "1 GPU) + rollout 16 (16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
     assert preflight(cfg, nodes=3, gpus_per_node=8, with_critic=False) == []  # GRPO: no critic
     # Colocated roles share GPUs: 16 actor and 16 critic workers at a quarter GPU each + 8 engines.
     shared = RoleConfig(tp=2, dp=8, gpus_per_worker=0.25)
