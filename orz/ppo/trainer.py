@@ -218,7 +218,7 @@ class RayPPOTrainer:
         with timer("step"):
             show("rollout")
             with timer("rollout"):
-                experience, metrics = self._rollout_and_reward(timer)
+                experience, metrics = self._rollout_and_reward()
             show("log-probs and values")
             with timer("forward"):
                 experience = self._forward(experience)
@@ -259,7 +259,7 @@ class RayPPOTrainer:
                 out.append((row, ids))
         return out
 
-    def _rollout_and_reward(self, timer: Timer) -> tuple[Experience, dict]:
+    def _rollout_and_reward(self) -> tuple[Experience, dict]:
         algo = self.cfg.algorithm
         kept, metrics, dropped, first_group = [], {}, 0, 0
         target = self.cfg.trainer.prompts_per_iteration * self.cfg.rollout.n_samples
