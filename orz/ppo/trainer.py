@@ -203,7 +203,7 @@ class RayPPOTrainer:
                 if (cfg.save_every and self.iteration % cfg.save_every == 0) or last or preempted:
                     progress.update(task, description="checkpoint")
                     self.save_checkpoint()
-                if preempted:
+                if preempted and not last:
                     console.print(f"SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         if cfg.export_hf:
