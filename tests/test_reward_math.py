@@ -104,8 +104,8 @@ def test_real_benchmark_answers(patient, shared_data):
 
 
 @pytest.mark.slow
-def test_inside_a_ray_actor():
-    ray = pytest.importorskip("ray")
+def test_inside_a_ray_actor(ray_cluster):
+    ray = ray_cluster
 
     @ray.remote(num_cpus=0)
     class Scorer:
@@ -115,10 +115,7 @@ def test_inside_a_ray_actor():
         def score(self, responses, truths):
             return self.reward(responses, truths)
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        scorer = Scorer.remote()
-        responses = [r"\boxed{\frac12}", r"\boxed{2^{2^{2^{100}}}}", r"\boxed{3}"]
-        assert ray.get(scorer.score.remote(responses, ["0.5", "1", "3"])) == [1.0, 0.0, 1.0]
-    finally:
-        ray.shutdown()
+    scorer = Scorer.remote()
+    responses = [r"\boxed{\frac12}", r"\boxed{2^{2^{2^{100}}}}", r"\boxed{3}"]
+    assert ray.get(scorer.score.remote(responses, ["0.5", "1", "3"])) == [1.0, 0.0, 1.0]
+    ray.kill(scorer)

@@ -220,9 +220,12 @@ def test_recipe_sizes_against_the_allocation(in_repo):
 
 
 def test_resolve_run_paths_and_refusals(in_repo, model):
-    cfg, overrides = resolve_run(RECIPE, [f"model.path={model}", "trainer.output_dir=runs/x"], REPO)
-    assert overrides == [f"model.path={model}", f"trainer.output_dir={REPO}/runs/x", "trainer.ray_address=auto"]
-    assert cfg.trainer.output_dir == f"{REPO}/runs/x" and cfg.trainer.ray_address == "auto"
+    # A relative output_dir is taken from the submit directory (here a shared one: the clone
+    # running the tests may itself live under /tmp, which the launcher refuses as node-local).
+    submit = Path("/shared/orz")
+    cfg, overrides = resolve_run(RECIPE, [f"model.path={model}", "trainer.output_dir=runs/x"], submit)
+    assert overrides == [f"model.path={model}", f"trainer.output_dir={submit}/runs/x", "trainer.ray_address=auto"]
+    assert cfg.trainer.output_dir == f"{submit}/runs/x" and cfg.trainer.ray_address == "auto"
     cases = {
         "trainer.output_dir=/tmp/run": "trainer.output_dir=/tmp/run is node-local",
         "trainer.ray_address=10.0.0.1:6379": "the launcher starts the cluster",
