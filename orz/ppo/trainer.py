@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +214,7 @@ class RayPPOTrainer:
                 "first": history[0] if history else {}, "last": history[-1] if history else {}}
 
     def step(self, show=lambda phase: None) -> dict:
-        cfg, algo, timer = self.cfg, self.cfg.algorithm, Timer()
+        timer = Timer()
         with timer("step"):
             show("rollout")
             with timer("rollout"):
