@@ -69,7 +69,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     transport: str = "collective"  # weight sync: "collective" | "object_store"
     check: str = "received"  # digest check after each sync: "off" | "received" | "held"
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
 
 
 @dataclass

@@ -40,7 +40,7 @@ class FleetConfig:
     transport: str = "collective"  # "collective" (gloo/NCCL broadcast) | "object_store"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
-    request_timeout_s: float = 600.0  # an engine silent this long is declared hung and restarted
+    request_timeout_s: float = 1800.0  # no batch back from any engine for this long: declared hung, restarted
     max_restarts: int = 3  # per generate call
 
 
