@@ -15,7 +15,6 @@ model tensors: the roles are Ray worker groups (actors.py), the math is core_alg
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import threading
@@ -38,6 +37,7 @@ from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.models.checkpoint import atomic_dir
 from orz.ppo.actors import RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS,
@@ -83,6 +83,10 @@ def load_rows(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list[d
         d = cfg.data
         return arithmetic_rows(size, seed=cfg.trainer.seed, split=split, digits=d.synthetic_digits, ops=d.synthetic_ops)
     return load_prompts(spec)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (disk full, unwritable directory); nothing was lost."""
 
 
 class Timer:
@@ -412,36 +416,31 @@ class RayPPOTrainer:
         return self.out / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Writes iter_N atomically: into a temporary directory, renamed when every role and the
-        trainer state are on disk; `latest` is replaced last. A crash never leaves a checkpoint
-        that looks complete, and the previous one stays intact."""
+        """Writes iter_N atomically (orz.models.checkpoint.atomic_dir: a temporary directory renamed
+        when every role and the trainer state are on disk), then replaces `latest`. A crash or a
+        full disk never leaves a checkpoint that looks complete, and the previous one stays."""
         root = self._ckpt_root
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"iter_{self.iteration:06d}"
-        tmp = root / f".iter_{self.iteration:06d}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir()
-            refs = self.actor.run_async("save", str(tmp / "actor"))
-            if self.critic:
-                refs += self.critic.run_async("save", str(tmp / "critic"))
-            ray.get(refs)
-            state = {
-                "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
-                "kl_ctl": self.kl_ctl.state_dict(),
-                "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
-                "config": to_dict(self.base_cfg),
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        pointer = root / "latest.tmp"
-        pointer.write_text(final.name)
-        pointer.replace(root / "latest")
+            with atomic_dir(final) as tmp:
+                refs = self.actor.run_async("save", str(tmp / "actor"))
+                if self.critic:
+                    refs += self.critic.run_async("save", str(tmp / "critic"))
+                ray.get(refs)
+                state = {
+                    "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
+                    "kl_ctl": self.kl_ctl.state_dict(),
+                    "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
+                    "config": to_dict(self.base_cfg),
+                }
+                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+            pointer = root / "latest.tmp"
+            pointer.write_text(final.name)
+            pointer.replace(root / "latest")
+        except (OSError, ray.exceptions.RayTaskError) as err:
+            previous = (root / "latest").read_text() if (root / "latest").is_file() else "none"
+            raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
+                                  f"({previous}) is intact") from err
         for old in sorted(root.glob("iter_*"))[: -self.base_cfg.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
