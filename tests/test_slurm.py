@@ -233,11 +233,11 @@ def test_resolve_run_paths_and_refusals(in_repo, model):
     }
     for override, message in cases.items():
         with pytest.raises(LaunchError, match=message):
-            resolve_run(RECIPE, [f"model.path={model}", override], REPO)
+            resolve_run(RECIPE, [f"model.path={model}", override], submit)
     with pytest.raises(LaunchError, match="model.path=/nonexistent/m: no such directory"):
-        resolve_run(RECIPE, ["model.path=/nonexistent/m"], REPO)
+        resolve_run(RECIPE, ["model.path=/nonexistent/m"], submit)
     with pytest.raises(LaunchError, match=r"requeued job \(restart 1\) with trainer.resume=false"):
-        resolve_run(RECIPE, [f"model.path={model}", "trainer.resume=false"], REPO, restart_count=1)
+        resolve_run(RECIPE, [f"model.path={model}", "trainer.resume=false"], submit, restart_count=1)
 
 
 def test_sbatch_syntax():
