@@ -8,7 +8,7 @@ STAMP := $(VENV)/.orz-installed
 EXTRA ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-trl clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ test-fast: install
 
 bench: install
 	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+# The TRL peer lives in the `bench` extra, never in the core install.
+bench-trl: install
+	$(BIN)/pip install -q -e '.[$(EXTRA),bench]'
+	$(BIN)/python bench/vs_trl.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
