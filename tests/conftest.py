@@ -29,28 +29,18 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _char_tokenizer(out_dir):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list("0123456789+-*=()., abcdefghijklmnopqrstuvwxyz<>/\n")
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(out_dir)
-    return len(vocab)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny Llama with a character tokenizer that vLLM's CPU backend can serve (head_dim 32)."""
+    from orz.data.tokenizers import char_tokenizer
     from orz.models.tiny import make_tiny_hf
 
     path = tmp_path_factory.mktemp("tiny_llama")
-    vocab = _char_tokenizer(path)
-    make_tiny_hf(path, vocab_size=vocab + 4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                 num_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tokenizer = char_tokenizer(["0123456789+-*=()., abcdefghijklmnopqrstuvwxyz<>/\n?"])
+    tokenizer.save_pretrained(path)
+    make_tiny_hf(path, vocab_size=len(tokenizer) + 4, hidden_size=128, intermediate_size=256, num_heads=4,
+                 num_kv_heads=2, num_layers=2, bos_token_id=tokenizer.bos_token_id,
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return str(path)
 
 
