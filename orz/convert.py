@@ -63,8 +63,6 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
 
 
 def _verify_rank(rank, world, hf_dir, tp, pp, tokens):
-    from megatron.core import parallel_state as ps
-
     from orz.models.engine import ModelEngine
     from orz.models.parallel import init_model_parallel
 
@@ -72,15 +70,7 @@ def _verify_rank(rank, world, hf_dir, tp, pp, tokens):
     ckpt = HFCheckpoint(hf_dir)
     engine = ModelEngine(ckpt.arch)
     engine.load_hf(ckpt)
-
-    def gather(output, batch):
-        shards = [torch.empty_like(output) for _ in range(tp)]
-        torch.distributed.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
-        return torch.cat(shards, dim=-1)[..., : ckpt.arch.vocab_size]
-
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    out = engine.run([{"input_ids": tokens, "position_ids": positions}], collect=gather)
-    return out[0] if out else None
+    return engine.full_logits(tokens)
 
 
 def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:

@@ -31,21 +31,6 @@ def checkpoints(tmp_path_factory):
     return tokens, out
 
 
-def _gathered_logits(engine, tokens):
-    """Full-vocabulary logits (B, S, V) on the last stage's TP rank 0, None elsewhere."""
-    from megatron.core import parallel_state as ps
-
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-
-    def gather(output, batch):
-        shards = [torch.empty_like(output) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        torch.distributed.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
-        return torch.cat(shards, dim=-1)[..., : engine.arch.vocab_size]
-
-    out = engine.run([{"input_ids": tokens, "position_ids": positions}], collect=gather)
-    return out[0] if out and ps.get_tensor_model_parallel_rank() == 0 else None
-
-
 def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.engine import ModelEngine
@@ -57,7 +42,7 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
         ckpt = HFCheckpoint(path)
         engine = ModelEngine(ckpt.arch)
         engine.load_hf(ckpt)
-        logits = _gathered_logits(engine, tokens)
+        logits = engine.full_logits(tokens)
         exported = dict(engine.hf_tensors())
         critic = ModelEngine(ckpt.arch, critic=True)
         critic.load_hf(ckpt)

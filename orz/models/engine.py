@@ -214,6 +214,18 @@ class ModelEngine:
             collect_non_loss_data=collect is not None,
         )
 
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole (unpadded) vocabulary, (B, S, V), gathered over TP, on the last
+        stage's TP rank 0; None on every other rank. For checks, not training (V on one rank)."""
+        def gather(output, batch):
+            shards = [torch.empty_like(output) for _ in range(self.layout.tp)]
+            dist.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
+            return torch.cat(shards, dim=-1)[..., : self.arch.vocab_size]
+
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        out = self.run([{"input_ids": input_ids, "position_ids": positions}], collect=gather)
+        return out[0] if out and self.layout.tp_rank == 0 else None
+
     def train_step(self, microbatches: list[dict], loss_fn: LossFn) -> dict:
         """One optimizer step over a mini-batch given as micro-batches (gradient accumulation)."""
         self.model.zero_grad_buffer()

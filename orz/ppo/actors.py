@@ -258,40 +258,36 @@ class MegatronWorker:
         self.engine.onload()
 
     # ---- weights out -------------------------------------------------------------------------
+    def _with_hf_tensors(self, use):
+        """use(stream of HF tensors) on rank 0; the other ranks only take part in the gather."""
+        tensors = self.engine.hf_tensors()
+        if self.rank == 0:
+            return use(tensors)
+        for _ in tensors:
+            pass
+        return None
+
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
         from orz.rollout.fleet import broadcast_weights
         from orz.rollout.weight_sync import new_staging
 
-        tensors = self.engine.hf_tensors()
-        if self.rank == 0:
-            if not hasattr(self, "_staging"):
-                self._staging = new_staging()  # kept across syncs
-            return broadcast_weights(spec, tensors, bucket_bytes, self._staging, with_digests)
-        for _ in tensors:
-            pass
-        return None
+        if self.rank == 0 and not hasattr(self, "_staging"):
+            self._staging = new_staging()  # kept across syncs
+        return self._with_hf_tensors(
+            lambda tensors: broadcast_weights(spec, tensors, bucket_bytes, self._staging, with_digests))
 
     def put_weights(self, bucket_bytes: int, with_digests: bool):
         from orz.rollout.weight_sync import to_object_store_buckets
 
-        tensors = self.engine.hf_tensors()
-        if self.rank == 0:
-            return to_object_store_buckets(tensors, bucket_bytes, with_digests)
-        for _ in tensors:
-            pass
-        return None
+        return self._with_hf_tensors(lambda tensors: to_object_store_buckets(tensors, bucket_bytes, with_digests))
 
     def export_hf(self, out_dir: str) -> str | None:
         from orz.models.checkpoint import HFCheckpoint, save_hf
 
-        tensors = self.engine.hf_tensors()
-        if self.rank != 0:
-            for _ in tensors:
-                pass
-            return None
-        source = HFCheckpoint(self.spec.model_path)
-        return str(save_hf(out_dir, tensors, source.config, extra_files_from=self.spec.model_path))
+        config = HFCheckpoint(self.spec.model_path).config
+        return self._with_hf_tensors(
+            lambda tensors: str(save_hf(out_dir, tensors, config, extra_files_from=self.spec.model_path)))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _shard_dir(self, root: str) -> Path:
