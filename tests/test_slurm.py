@@ -258,22 +258,25 @@ import os, signal, sys, time
 from orz.config import ExperimentConfig, RoleConfig, RolloutConfig, TrainerConfig
 RECIPE = ExperimentConfig(actor=RoleConfig(tp=2, dp=8), rollout=RolloutConfig(num_engines=16),
                           trainer=TrainerConfig(output_dir="/shared/runs/fake"))
-if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75, or has no handler
+if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75, has no handler, or ignores it
     log = os.path.join(os.environ["ORZ_TEST_LOG"], "trainer.log")
     def checkpoint(*_):
         open(log, "a").write("SIGUSR1: checkpoint saved\\n")
         sys.exit(75)
     if os.environ["ORZ_TEST_TRAINER"] == "checkpoints":
         signal.signal(signal.SIGUSR1, checkpoint)
+    elif os.environ["ORZ_TEST_TRAINER"] == "ignores":
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     auth = f"{os.environ['RAY_AUTH_MODE']} {len(os.environ['RAY_AUTH_TOKEN'])}"
     open(log, "w").write(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} auth={auth} " + " ".join(sys.argv[1:]) + "\\n")
-    time.sleep(20)
+    time.sleep(float(os.environ.get("ORZ_TEST_TRAINER_S", 20)))
 '''
 
 
 def fake_slurm(tmp_path):
     """bin/ with srun, scontrol and hostname that log their calls, and a python wrapper whose
-    `wait` succeeds at once (no Ray) and whose registry lookup skips the torch import."""
+    `wait` succeeds once each node's srun has started (no Ray) and whose registry lookup skips the
+    torch import."""
     bin_, log = tmp_path / "bin", tmp_path / "log"
     bin_.mkdir()
     log.mkdir()
@@ -285,10 +288,13 @@ def fake_slurm(tmp_path):
                      'if [[ $1 == show ]]; then printf "%s\\n" ' + " ".join(NODES) + "; fi"),
         "hostname": 'echo "10.0.0.11 172.17.0.1"',
         "python": ('echo "python $*" >> "$ORZ_TEST_LOG/python.log"\n'
-                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm wait" ]]; then exit 0; fi\n'
-                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm script" ]]; then shift 2; exec ' + sys.executable
+                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm wait" ]]; then for arg in "${@:4}"; do '  # each node started
+                   '[[ $arg == --* ]] || until grep -q -- "-w $arg " "$ORZ_TEST_LOG/srun.log" 2>/dev/null; '
+                   'do sleep 0.05; done; done; exit 0; fi\n'
+                   'if [[ "$1 $2 $3" == "-m orz.launch_slurm script" ]]; then shift 2; set -o pipefail; ' + sys.executable
                    + ' -c "import sys, orz.launch_slurm as l; l.needs_critic = lambda cfg: False; '
-                   'sys.exit(l.main(sys.argv[1:]))" "$@"; fi\n'
+                   'sys.exit(l.main(sys.argv[1:]))" "$@" '  # the launcher's shortest requeue delay is 61 s
+                   '| sed "${ORZ_TEST_REQUEUE_AFTER_S:+s/^orz_requeue_after_s=.*/orz_requeue_after_s=$ORZ_TEST_REQUEUE_AFTER_S/}"; exit; fi\n'
                    'exec ' + sys.executable + ' "$@"'),
     }
     for name, body in scripts.items():
@@ -304,10 +310,15 @@ def fake_slurm(tmp_path):
 @pytest.mark.parametrize("trainer, rc, why", [
     ("checkpoints", 75, "the trainer saved a checkpoint and stopped (exit 75)"),
     ("dies", 128 + signal.SIGUSR1, "the trainer died of SIGUSR1 without a checkpoint"),
+    # Still running 1 s after SIGUSR1 (the watchdog's delay, shortened): requeued anyway. A real
+    # `scontrol requeue` ends the job; the fake one does not, so the trainer finishes.
+    ("ignores", 0, "the trainer did not stop in time"),
 ])
 def test_sbatch_forwards_usr1_and_requeues(tmp_path, model, trainer, rc, why):
     env, log = fake_slurm(tmp_path)
     env["ORZ_TEST_TRAINER"] = trainer
+    if trainer == "ignores":
+        env |= {"ORZ_TEST_REQUEUE_AFTER_S": "1", "ORZ_TEST_TRAINER_S": "6"}
     job = subprocess.Popen(["bash", str(SBATCH), "--signal-lead", "600", "fake_recipe.py", f"model.path={model}"],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainer_log = log / "trainer.log"
