@@ -140,6 +140,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     output_dir: str = "runs/orz"
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
+    max_restarts: int = 3  # a Megatron worker died: rebuild the roles, resume from the last checkpoint
     export_hf: bool = True  # write the final actor as an HF directory
     tensorboard: bool = True
     dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations

@@ -1,11 +1,13 @@
 """End to end: the whole stack (Ray, Megatron actor/critic, vLLM engine, reward pool) for a few
-iterations of GRPO and of PPO with a TP=2 actor, and a kill-and-resume that continues identically."""
+iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continues identically, and
+a run that loses an actor worker and resumes from its last checkpoint by itself."""
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,3 +117,33 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     train(load_config(None, _overrides(arith_model, killed, "grpo")))  # resumes from iteration 2
     resumed = _check_run(killed, arith_model, 3)
     assert _deterministic(resumed[-1]) == _deterministic(reference[-1])
+
+
+def _kill_an_actor_worker_once(latest, checkpoint, born_after, killed):
+    """SIGKILLs one of the actor's worker processes as soon as `checkpoint` is the latest."""
+    deadline = time.time() + 600
+    while not (latest.exists() and latest.read_text() >= checkpoint):
+        if time.time() > deadline:
+            return
+        time.sleep(0.05)
+    workers = [proc for proc in psutil.process_iter(["cmdline", "create_time"])
+               if "ray::MegatronWorker" in " ".join(proc.info["cmdline"] or []) and proc.info["create_time"] >= born_after]
+    victim = max(workers, key=lambda proc: proc.pid)
+    victim.kill()
+    killed.append(victim.pid)
+
+
+def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tmp_path):
+    """One of a TP=2 actor's two workers is SIGKILLed once iteration 1's checkpoint exists: the
+    iteration in flight fails, leaving no trace; every role and the fleet are rebuilt (the surviving
+    rank too, which may hang in a collective with its dead peer), and the run resumes from that
+    checkpoint to the end."""
+    out, killed = tmp_path / "lost", []
+    killer = threading.Thread(target=_kill_an_actor_worker_once,
+                              args=(out / "checkpoints/latest", "iter_000001", time.time(), killed))
+    killer.start()
+    result = train(load_config(None, _overrides(arith_model, out, "grpo", actor_tp=2)))
+    killer.join()
+    assert len(killed) == 1 and result["restarts"] == 1
+    history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
+    assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]

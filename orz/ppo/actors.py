@@ -360,6 +360,20 @@ class WorkerGroup:
     def merge_metrics(self, refs: list) -> dict[str, float]:
         return combine_metrics([m for m in ray.get(refs) if m is not None])
 
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks whose process is gone. A rank still busy (or hung in a collective with a dead
+        peer) after timeout_s counts as alive."""
+        pings = [w.__ray_ready__.remote() for w in self.workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        dead = []
+        for rank, ping in enumerate(pings):
+            try:
+                if ping in ready:
+                    ray.get(ping)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+        return dead
+
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)

@@ -18,12 +18,13 @@ PLOTTED = (  # (panel title, metric keys drawn in it)
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_from_step: int | None = None):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_from_step: int = -1):
+        """resume_from_step: a resumed run keeps the file's lines up to its checkpoint's step; the
+        later ones belong to iterations that will run again. A new run (-1) starts an empty file."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        if resume_from_step is not None and self.path.exists():
-            # Lines past the checkpoint belong to iterations that will run again.
+        if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_from_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
         self.writer = None
@@ -73,7 +74,8 @@ class MetricsLogger:
         plt.close(fig)
         return out
 
-    def close(self) -> Path | None:
+    def close(self, plot: bool = True) -> Path | None:
         if self.writer is not None:
             self.writer.close()
-        return self.plot()
+            self.writer = None
+        return self.plot() if plot else None

@@ -1,6 +1,6 @@
 """RayPPOTrainer: the single controller of a PPO/GRPO run.
 
-    trainer = RayPPOTrainer(cfg); trainer.fit()
+    main(cfg)   # = RayPPOTrainer(cfg, resume_from=latest_checkpoint(cfg)).fit(), restarted on a lost worker
 
 One iteration, each phase timed into `timing/*`:
   1 rollout     prompts -> vLLM fleet -> samples (n per prompt)
@@ -11,6 +11,11 @@ One iteration, each phase timed into `timing/*`:
   6 sync        the actor's new weights into every engine, as the next weight version
 then metrics, evaluation and checkpoints every k iterations. The trainer holds handles, not
 model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
+
+A Megatron worker that dies (its node lost, OOM-killed) fails the iteration it was in: nothing of
+that iteration is logged or checkpointed; `main` then rebuilds every role and the fleet and
+resumes from the last checkpoint (trainer.max_restarts times at most). A dead vLLM engine is
+the fleet's business: it restarts it and re-issues its requests.
 """
 from __future__ import annotations
 
@@ -100,22 +105,33 @@ class Timer:
         self.seconds[f"timing/{phase}"] = time.perf_counter() - start
 
 
+def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
+    """output_dir/checkpoints/latest's checkpoint, when trainer.resume and there is one."""
+    latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
+    return latest.parent / latest.read_text().strip() if cfg.trainer.resume and latest.is_file() else None
+
+
 class RayPPOTrainer:
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0):
+        """resume_from: a checkpoint directory to continue from; restarts: how many times the
+        run was rebuilt after a lost worker (the `fault/restarts` metric)."""
         self.base_cfg = cfg
         _, self.cfg = stage_at(cfg, 0)
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
-        self.iteration, self.version = 0, 0
+        self.iteration, self.version, self.restarts = 0, 0, restarts
+        self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self._setup_data()
         self._setup_ray()
         self._setup_roles()
         self._setup_controllers()
         self._setup_eval()
-        resumed = self._maybe_resume()
-        self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard, resume_from_step=self.iteration if resumed else 0)
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard,
+                                    resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
     def _setup_data(self):
@@ -240,6 +256,7 @@ class RayPPOTrainer:
         metrics["throughput/generated_tokens_per_s"] = generated / max(timer.seconds["timing/rollout"], 1e-9)
         metrics["throughput/trained_tokens_per_s"] = update_metrics.get("tokens", 0.0) / max(timer.seconds["timing/update"], 1e-9)
         metrics["algorithm/kl_coef"] = self.kl_ctl.value
+        metrics["fault/restarts"] = float(self.restarts)
         if self.entropy_ctl is not None:
             metrics["algorithm/entropy_coef"] = self.entropy_ctl.value
         every = self.base_cfg.trainer.dump_samples_every
@@ -437,6 +454,7 @@ class RayPPOTrainer:
             pointer = root / "latest.tmp"
             pointer.write_text(final.name)
             pointer.replace(root / "latest")
+            self.last_checkpoint = final
         except (OSError, ray.exceptions.RayTaskError) as err:
             previous = (root / "latest").read_text() if (root / "latest").is_file() else "none"
             raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
@@ -445,11 +463,7 @@ class RayPPOTrainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def _maybe_resume(self) -> bool:
-        latest = self._ckpt_root / "latest"
-        if not (self.base_cfg.trainer.resume and latest.is_file()):
-            return False
-        ckpt = self._ckpt_root / latest.read_text().strip()
+    def _resume(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         refs = self.actor.run_async("load", str(ckpt / "actor"))
         if self.critic:
@@ -462,16 +476,22 @@ class RayPPOTrainer:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
         self.fleet.sync(self.weights, self.version)
         console.print(f"resumed from {ckpt} at iteration {self.iteration}")
-        return True
+
+    def _groups(self) -> list[WorkerGroup]:
+        return [group for group in (self.actor, self.critic, self.ref) if group is not None]
+
+    def lost_workers(self) -> list[str]:
+        """The Megatron workers whose process is gone, as "actor rank 1"."""
+        return [f"{group.spec.name} rank {rank}" for group in self._groups() for rank in group.dead_ranks()]
 
     def shutdown(self) -> None:
+        self.logger.close(plot=False)
         self.reward.close()
         for evaluator in self.evaluators.values():
             evaluator.close()
         self.fleet.shutdown()
-        for group in (self.actor, self.critic, self.ref):
-            if group is not None:
-                group.shutdown()
+        for group in self._groups():
+            group.shutdown()
 
 
 def _summary(metrics: dict) -> str:
@@ -481,8 +501,20 @@ def _summary(metrics: dict) -> str:
 
 
 def main(cfg: ExperimentConfig) -> dict:
-    trainer = RayPPOTrainer(cfg)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.shutdown()
+    """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint."""
+    resume_from, restarts = latest_checkpoint(cfg), 0
+    while True:
+        trainer = RayPPOTrainer(cfg, resume_from, restarts)
+        try:
+            return trainer.fit() | {"restarts": restarts}
+        except Exception as err:
+            lost = trainer.lost_workers()
+            if not lost or restarts == cfg.trainer.max_restarts:
+                raise
+            restarts += 1
+            resume_from = trainer.last_checkpoint
+            console.print(f"[bold red]{', '.join(lost)} died[/] in iteration {trainer.iteration + 1} "
+                          f"({type(err).__name__}); restart {restarts} of at most {cfg.trainer.max_restarts}, "
+                          f"from {resume_from or 'the start'}")
+        finally:
+            trainer.shutdown()
