@@ -411,7 +411,7 @@ def wait_for_nodes(expected: Mapping[str, int], joined: Callable[[], Mapping[str
             have, error = dict(joined()), None
         except Exception as err:  # noqa: BLE001 - any failure to reach the cluster means "not yet"
             have, error = {}, f"{type(err).__name__}: {err}"
-        short = {n: (have.get(n, 0.0), g) for n, g in expected.items() if have.get(n, 0.0) < g}
+        short = {n: (have.get(n, 0.0), g) for n, g in expected.items() if n not in have or have[n] < g}
         elapsed = clock() - start
         state = (tuple(sorted(have.items())), error)
         if not short:

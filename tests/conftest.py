@@ -61,3 +61,29 @@ def arith_model(tmp_path_factory):
                  num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(arith_model):
+    """`tiny_run(out, advantage)`: overrides for a few iterations of the whole stack on arith_model,
+    seconds each (the end-to-end tests of the trainer and of the Slurm launcher)."""
+
+    def overrides(out, advantage="grpo", actor_tp=1, iterations=3):
+        return [
+            f"model.path={arith_model}", "data.train=[synthetic:arithmetic]",
+            "data.eval={arith: 'synthetic:arithmetic'}", "data.synthetic_digits=[1, 1]", "data.synthetic_ops='+'",
+            "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "data.instruction=Compute.",
+            # Random weights never write <answer>: a response stops at its first digit, which is read as
+            # the answer, so that lucky guesses give the advantages something to work with.
+            "reward.extraction=[answer_tag, last_number]", "reward.num_workers=1",
+            "rollout.stop=['0', '1', '2', '3', '4', '5', '6', '7', '8', '9']",
+            f"algorithm.advantage={advantage}", "algorithm.entropy_coef=0.001",
+            "actor.lr=1e-3", "critic.lr=1e-3", f"actor.tp={actor_tp}", "critic.steps_per_iteration=2",
+            "actor.micro_batch_size=4", "critic.micro_batch_size=4",
+            f"trainer.iterations={iterations}", "trainer.prompts_per_iteration=4", "rollout.n_samples=4",
+            "rollout.max_new_tokens=12", "rollout.kv_cache_gib=1", f"trainer.output_dir={out}",
+            "trainer.save_every=1", "trainer.ray_num_cpus=8", "trainer.dump_samples_every=1",
+            "trainer.tensorboard=false",
+        ]
+
+    return overrides

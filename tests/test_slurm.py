@@ -9,12 +9,14 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orz import launch_slurm
@@ -141,6 +143,8 @@ def test_wait_until_ready_and_nodes_short_of_gpus():
                    sleep=lambda s: clock.__setitem__(0, clock[0] + s), log=logs.append)
     assert "ConnectionError: GCS not up" in logs[0]
     assert logs[-1] == "orz: Ray cluster ready after 10 s: 2 nodes, 16 GPUs"
+    with pytest.raises(LaunchError, match="gpu-a02 did not join"):  # a CPU partition: nodes, no GPUs
+        wait_for_nodes({"gpu-a01": 0, "gpu-a02": 0}, lambda: {"gpu-a01": 0.0}, timeout_s=0, log=logs.append)
     with pytest.raises(LaunchError, match=r"gpu-a02 joined with 4 of 8 GPUs"):
         wait_for_nodes({"gpu-a01": 8, "gpu-a02": 8}, lambda: {"gpu-a01": 8.0, "gpu-a02": 4.0}, timeout_s=0,
                        log=logs.append)
@@ -348,3 +352,72 @@ def test_sbatch_refuses_before_any_srun(tmp_path, model):
     assert job.returncode == 1
     assert "= 48 GPUs > 32 GPUs in this job (4 nodes × 8)" in job.stderr
     assert not (log / "srun.log").exists()
+
+
+# ---------------------------------------------------------------- orz.sbatch on a real 2-node Ray cluster
+
+LOOPBACK_RECIPE = '''
+import sys
+from orz.config import load_config
+from orz.train import main
+RECIPE = load_config(None, {overrides!r})
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], base=RECIPE))
+'''
+
+
+def loopback_slurm(tmp_path):
+    """bin/ for a 2-node job whose nodes are both this machine: srun runs its command here, and the
+    launcher lets output_dir be under /tmp (both "nodes" see it)."""
+    bin_, log = tmp_path / "bin", tmp_path / "log"
+    bin_.mkdir()
+    log.mkdir()
+    scripts = {
+        "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\nexec "$@"',
+        "scontrol": 'echo "scontrol $*" >> "$ORZ_TEST_LOG/scontrol.log"\n[[ $1 == show ]] && printf "n1\\nn2\\n"',
+        "python": ('if [[ "$1 $2 $3" == "-m orz.launch_slurm script" ]]; then shift 2; exec ' + sys.executable
+                   + ' -c "import sys, orz.launch_slurm as l; l.NODE_LOCAL_DIRS = (); sys.exit(l.main(sys.argv[1:]))" '
+                   '"$@"; fi\nexec ' + sys.executable + ' "$@"'),
+        "ray": f'exec {Path(sys.executable).with_name("ray")} "$@"',
+    }
+    for name, body in scripts.items():
+        (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_ / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+        "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n1", "SLURM_GPUS_ON_NODE": "0",
+        "SLURM_CPUS_ON_NODE": "1", "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
+        "ORZ_PYTHON": str(bin_ / "python"), "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
+    return env, log
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_run):
+    """orz.sbatch, unfaked but for srun/scontrol: `ray start --head` and a worker `ray start` (two
+    Ray nodes on this machine, one CPU each), the wait for both nodes, then two GRPO iterations of
+    the whole stack. The actor worker and the vLLM engine take one CPU each, so they can only run
+    on different nodes; when the job ends, no Ray process of it is left."""
+    env, log = loopback_slurm(tmp_path)
+    out, port = tmp_path / "run", _free_port()
+    overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]
+    (tmp_path / "tiny_recipe.py").write_text(LOOPBACK_RECIPE.format(overrides=overrides))
+    job = subprocess.run(["bash", str(SBATCH), "--port", str(port), "--join-timeout", "120", "tiny_recipe.py"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=900)
+    assert job.returncode == 0, job.stdout[-5000:]
+    assert "orz: Ray cluster ready" in job.stdout and "2 nodes" in job.stdout
+    assert "orz: training finished" in job.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["rollout/weight_version"] for row in rows[1:]] == [1, 2]
+    assert (out / "checkpoints/latest").read_text() == "iter_000002"
+    assert (log / "scontrol.log").read_text().splitlines() == ["scontrol show hostnames n[1-2]"]  # no requeue
+    time.sleep(2)  # `ray start --block` stops its processes on SIGTERM
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if f":{port}" in " ".join(p.info["cmdline"] or [])
+            or f"--port={port}" in " ".join(p.info["cmdline"] or [])]
+    assert left == []

@@ -24,24 +24,6 @@ pytestmark = pytest.mark.slow
 NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "sync_seconds", "wall_s")
 
 
-def _overrides(model, out, advantage, actor_tp=1, iterations=3):
-    return [
-        f"model.path={model}", "data.train=[synthetic:arithmetic]", "data.eval={arith: 'synthetic:arithmetic'}",
-        "data.synthetic_digits=[1, 1]", "data.synthetic_ops='+'", "data.synthetic_train_size=64",
-        "data.synthetic_eval_size=8", "data.instruction=Compute.",
-        # Random weights never write <answer>: a response stops at its first digit, which is read as
-        # the answer, so that lucky guesses give the advantages something to work with.
-        "reward.extraction=[answer_tag, last_number]", "reward.num_workers=1",
-        "rollout.stop=['0', '1', '2', '3', '4', '5', '6', '7', '8', '9']",
-        f"algorithm.advantage={advantage}", "algorithm.entropy_coef=0.001",
-        "actor.lr=1e-3", "critic.lr=1e-3", f"actor.tp={actor_tp}", "critic.steps_per_iteration=2",
-        "actor.micro_batch_size=4", "critic.micro_batch_size=4",
-        f"trainer.iterations={iterations}", "trainer.prompts_per_iteration=4", "rollout.n_samples=4",
-        "rollout.max_new_tokens=12", "rollout.kv_cache_gib=1", f"trainer.output_dir={out}",
-        "trainer.save_every=1", "trainer.ray_num_cpus=8", "trainer.dump_samples_every=1", "trainer.tensorboard=false",
-    ]
-
-
 def _history(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
@@ -74,17 +56,17 @@ def _check_run(out, model, iterations):
     return history
 
 
-def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tmp_path):
+def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_path):
     out = tmp_path / "ppo"
-    train(load_config(None, _overrides(arith_model, out, "gae", actor_tp=2, iterations=2)))
+    train(load_config(None, tiny_run(out, "gae", actor_tp=2, iterations=2)))
     history = _check_run(out, arith_model, 2)
     assert all("critic/vf_loss" in row for row in history[1:])
     assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 
-def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tmp_path):
+def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path):
     whole = tmp_path / "whole"
-    train(load_config(None, _overrides(arith_model, whole, "grpo")))
+    train(load_config(None, tiny_run(whole, "grpo")))
     reference = _check_run(whole, arith_model, 3)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal
 
@@ -93,7 +75,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     # resumed and killed (SIGKILL) as soon as iteration 2's checkpoint exists, then resumed here.
     killed = tmp_path / "killed"
     latest = killed / "checkpoints/latest"
-    cmd = [sys.executable, "-m", "orz.train", *_overrides(arith_model, killed, "grpo")]
+    cmd = [sys.executable, "-m", "orz.train", *tiny_run(killed, "grpo")]
 
     def start_and_wait_for(checkpoint):
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -114,7 +96,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     proc.wait()
     _kill_ray_cluster_of(proc.pid)
 
-    train(load_config(None, _overrides(arith_model, killed, "grpo")))  # resumes from iteration 2
+    train(load_config(None, tiny_run(killed, "grpo")))  # resumes from iteration 2
     resumed = _check_run(killed, arith_model, 3)
     assert _deterministic(resumed[-1]) == _deterministic(reference[-1])
 
@@ -133,7 +115,7 @@ def _kill_an_actor_worker_once(latest, checkpoint, born_after, killed):
     killed.append(victim.pid)
 
 
-def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tmp_path):
+def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tiny_run, tmp_path):
     """One of a TP=2 actor's two workers is SIGKILLed once iteration 1's checkpoint exists: the
     iteration in flight fails, leaving no trace; every role and the fleet are rebuilt (the surviving
     rank too, which may hang in a collective with its dead peer), and the run resumes from that
@@ -142,7 +124,7 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     killer = threading.Thread(target=_kill_an_actor_worker_once,
                               args=(out / "checkpoints/latest", "iter_000001", time.time(), killed))
     killer.start()
-    result = train(load_config(None, _overrides(arith_model, out, "grpo", actor_tp=2)))
+    result = train(load_config(None, tiny_run(out, "grpo", actor_tp=2)))
     killer.join()
     assert len(killed) == 1 and result["restarts"] == 1
     history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
