@@ -113,7 +113,7 @@ def ray_session(num_cpus: int = 2) -> Iterator[None]:
     """A local Ray cluster for one benchmark, shut down on the way out (errors included)."""
     import ray
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:

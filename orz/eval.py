@@ -133,7 +133,8 @@ def run(cli: CliConfig, cfg) -> int:
                                          ("gpu_memory_utilization", cli.gpu_memory_utilization)) if v is not None}
         started_ray = not ray.is_initialized()
         if started_ray:
-            ray.init(address=cli.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(address=cli.ray_address or "local", include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
         fleet = None
         try:
             fleet_cfg = FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,

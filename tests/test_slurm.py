@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -403,6 +404,9 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     the whole stack. The actor worker and the vLLM engine take one CPU each, so they can only run
     on different nodes; when the job ends, no Ray process of it is left."""
     env, log = loopback_slurm(tmp_path)
+    # Ray's files (sockets: a short path) away from /tmp/ray, where `ray start` would leave its
+    # address for every later ray.init() on this machine.
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="orz-ray-")
     out, port = tmp_path / "run", _free_port()
     overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]
     (tmp_path / "tiny_recipe.py").write_text(LOOPBACK_RECIPE.format(overrides=overrides))
@@ -421,3 +425,4 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if f":{port}" in " ".join(p.info["cmdline"] or [])
             or f"--port={port}" in " ".join(p.info["cmdline"] or [])]
     assert left == []
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

@@ -154,8 +154,9 @@ class RayPPOTrainer:
     def _setup_ray(self):
         if not ray.is_initialized():
             t = self.cfg.trainer
+            # "local": a new cluster even where `ray start` left its address in /tmp/ray.
             local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-            ray.init(address=t.ray_address or None, include_dashboard=False, log_to_driver=True,
+            ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=True,
                      configure_logging=False, **local)
 
     def _role(self, name: str, **kwargs) -> RoleSpec:
