@@ -10,13 +10,16 @@ and then `--syncs` timed ones (median). Then the split of one collective sync, e
 its own with the same bytes, buckets and processes:
 - sender: packing tensors into the staging bucket (a copy) and digesting them (blake3), here;
 - wire: a bare gloo broadcast of the same number of bytes in the same bucket size, nothing else;
-- receiver, in the engine's worker: copying tensors out of the bucket (`_unpack`'s clone), digesting
-  them, and vLLM's `reload_weights` on tensors already in memory;
+- receiver, in the engine's worker: copying tensors out of the bucket (`_unpack`'s clone: the GPU
+  path only; on CPU each bucket has its own buffer and vLLM gets views), digesting them, and
+  vLLM's `reload_weights` on tensors already in memory;
 - group: building and closing the private gloo group (rendezvous and the Ray calls around it).
-The fleet always computes digests on both sides, even with check="off" (only the comparison is
-skipped), so they are part of every sync. Each sync also reports the CPU seconds of both processes
-and the memory it touched for the first time (minor page faults x 4 KiB): the copy baseline
-touches none, and on these VMs first touch costs several times the copy itself.
+Digests are computed only with check="received". On CPU the receiver takes the next buckets off
+the wire in a thread while vLLM loads the current one, so a sync costs about the larger of the
+two, not their sum. Each sync also reports the CPU seconds of both processes and the memory it
+touched for the first time (minor page faults x 4 KiB): the copy baseline touches none, and on
+these VMs first touch costs several times the copy itself; what remains is vLLM's (its reload
+allocates every layer afresh).
 
 Threads: this process runs `--threads` torch threads (1 by default, the copy baseline too); the
 engine runs one OMP thread (the fleet sets it). Prints ONE JSON line.

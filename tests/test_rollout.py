@@ -36,10 +36,12 @@ def _responses(samples):
     return [s.response_ids for s in samples]
 
 
-@pytest.mark.parametrize("transport", ["collective", "object_store"])
-def test_sync_changes_outputs_and_restores_them_exactly(fleet, weights, transport):
+@pytest.mark.parametrize("transport, bucket_bytes", [
+    ("collective", 64 << 20), ("collective", 64 << 10), ("object_store", 64 << 10),  # 1 bucket, ~30 buckets
+])
+def test_sync_changes_outputs_and_restores_them_exactly(fleet, weights, transport, bucket_bytes):
     original, perturbed = weights
-    fleet.cfg.transport = transport
+    fleet.cfg.transport, fleet.cfg.bucket_bytes = transport, bucket_bytes
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
     before = fleet.generate(PROMPTS, GREEDY)
     fleet.sync(TensorSource(perturbed), version=fleet.weight_version + 1)
@@ -48,7 +50,7 @@ def test_sync_changes_outputs_and_restores_them_exactly(fleet, weights, transpor
     assert _responses(changed) != _responses(before)
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
     assert _responses(fleet.generate(PROMPTS, GREEDY)) == _responses(before)
-    fleet.cfg.transport = "collective"
+    fleet.cfg.transport, fleet.cfg.bucket_bytes = "collective", FleetConfig.bucket_bytes
 
 
 def test_samples_carry_ids_logprobs_and_finish_reasons(fleet):

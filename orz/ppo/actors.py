@@ -273,7 +273,7 @@ class MegatronWorker:
         from orz.rollout.weight_sync import new_staging
 
         if self.rank == 0 and not hasattr(self, "_staging"):
-            self._staging = new_staging()  # kept across syncs
+            self._staging = new_staging("cuda" if torch.cuda.is_available() else "cpu")  # kept across syncs
         return self._with_hf_tensors(
             lambda tensors: broadcast_weights(spec, tensors, bucket_bytes, self._staging, with_digests))
 

@@ -5,13 +5,20 @@ layer (q/k/v, gate/up) arrives within one reload, as vLLM requires:
 
 - collective (default): a broadcast over a process group spanning trainer rank 0 and all
   engine workers (gloo on CPU, NCCL on GPU). Tensors are packed into size-bounded buckets in a
-  reused staging buffer; each bucket is preceded by a small header (names, dtypes, shapes).
+  reused staging buffer; each bucket is preceded by a small header (names, dtypes, shapes). An
+  engine worker on CPU receives each bucket of a sync into a buffer of its own, kept across
+  syncs, in a thread: the next buckets arrive while vLLM loads this one, and tensors reach vLLM
+  as views, never copied. On GPU (where a second copy of the model does not fit) one buffer is
+  reused and tensors are cloned out of it.
 - object store (fallback): the same buckets as Ray objects, fetched by each engine.
 
 Every sync carries a version. Digests (blake3 of the raw bytes) of what was sent can be
 compared with what each engine received and with what it holds afterwards.
 """
+import itertools
 import pickle
+import queue
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -67,49 +74,95 @@ def _pack(bucket: list[tuple[str, torch.Tensor]], staging: torch.Tensor) -> tupl
     return metas, staging[:total]
 
 
-def _unpack(metas: list[TensorMeta], data: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Copies out of the (reused) bucket: vLLM may keep a layer's tensors until the layer is complete."""
+def _unpack(metas: list[TensorMeta], data: torch.Tensor, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The bucket's tensors; copied (`copy`) when the bucket will be reused within the sync: vLLM
+    may keep a layer's tensors until the layer is complete."""
     for m in metas:
-        yield m.name, data[m.offset : m.offset + m.nbytes].view(m.dtype).reshape(m.shape).clone()
+        tensor = data[m.offset : m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
+        yield m.name, tensor.clone() if copy else tensor
 
 
-def new_staging() -> torch.Tensor:
+def new_staging(device: torch.device | str = "cpu") -> torch.Tensor:
     """A bucket buffer; keep it across syncs (fresh large buffers cost page faults every time)."""
-    return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _grown(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    if buffer.numel() < nbytes:
+        buffer.resize_(nbytes)
+    return buffer[:nbytes]
+
+
+class ReceiveBuffers:
+    """An engine worker's receive buffers, kept across syncs. per_bucket (CPU): one buffer per
+    bucket of a sync, so that received tensors stay valid until the sync ends; otherwise one."""
+
+    def __init__(self, device: torch.device | str = "cpu", per_bucket: bool = True):
+        self.device, self.per_bucket = torch.device(device), per_bucket
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        index = index if self.per_bucket else 0
+        while len(self.buffers) <= index:
+            self.buffers.append(new_staging(self.device))
+        return _grown(self.buffers[index], nbytes)
 
 
 def send_broadcast(group, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, staging: torch.Tensor,
                    with_digests: bool = True) -> dict[str, str]:
     """Trainer rank 0's side (group rank 0): broadcasts every tensor, bucket by bucket; returns
     the digests of what was sent, by name (empty unless `with_digests`)."""
-    sent = {}
+    sent, device = {}, staging.device
     for bucket in buckets(named, bucket_bytes):
         metas, data = _pack(bucket, staging)
-        meta_bytes = torch.frombuffer(bytearray(pickle.dumps(metas)), dtype=torch.uint8)
-        broadcast(group, torch.tensor([meta_bytes.numel(), data.numel(), 0]))
+        meta_bytes = torch.frombuffer(bytearray(pickle.dumps(metas)), dtype=torch.uint8).to(device)
+        broadcast(group, torch.tensor([meta_bytes.numel(), data.numel(), 0], device=device))
         broadcast(group, meta_bytes)
         broadcast(group, data)
         if with_digests:
             sent.update((name, digest(t)) for name, t in bucket)
-    broadcast(group, torch.tensor([0, 0, 1]))
+    broadcast(group, torch.tensor([0, 0, 1], device=device))
     return sent
 
 
-def receive_broadcast(group, staging: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """An engine worker's side: yields the tensors of one sync as they arrive."""
-    while True:
-        header = torch.empty(_HEADER, dtype=torch.int64)
+def _receive_buckets(group, buffers: ReceiveBuffers) -> Iterator[tuple[list[TensorMeta], torch.Tensor]]:
+    """(metas, data) of each bucket of one sync, data in the bucket's receive buffer."""
+    for index in itertools.count():
+        header = torch.empty(_HEADER, dtype=torch.int64, device=buffers.device)
         broadcast(group, header)
         meta_len, data_len, last = header.tolist()
         if last:
             return
-        meta_bytes = torch.empty(meta_len, dtype=torch.uint8)
+        meta_bytes = torch.empty(meta_len, dtype=torch.uint8, device=buffers.device)
         broadcast(group, meta_bytes)
-        if staging.numel() < data_len:
-            staging.resize_(data_len)
-        data = staging[:data_len]
+        data = buffers.get(index, data_len)
         broadcast(group, data)
-        yield from _unpack(pickle.loads(meta_bytes.numpy().tobytes()), data)
+        yield pickle.loads(meta_bytes.cpu().numpy().tobytes()), data
+
+
+def receive_broadcast(group, buffers: ReceiveBuffers) -> Iterator[tuple[str, torch.Tensor]]:
+    """An engine worker's side: yields the tensors of one sync as they arrive."""
+    if not buffers.per_bucket:
+        for metas, data in _receive_buckets(group, buffers):
+            yield from _unpack(metas, data, copy=True)
+        return
+    arrived = queue.SimpleQueue()  # (metas, data), then None; or the receiving thread's exception
+
+    def receive():
+        try:
+            for bucket in _receive_buckets(group, buffers):
+                arrived.put(bucket)
+            arrived.put(None)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer below
+            arrived.put(err)
+
+    thread = threading.Thread(target=receive, name="orz-weight-receive", daemon=True)
+    thread.start()
+    while (bucket := arrived.get()) is not None:
+        if isinstance(bucket, BaseException):
+            raise bucket
+        yield from _unpack(*bucket, copy=False)
+    thread.join()
 
 
 def to_object_store_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -118,10 +171,11 @@ def to_object_store_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_by
     bfloat16 has no numpy dtype, so bytes it is). Returns (object refs, digests)."""
     import ray
 
-    refs, sent, staging = [], {}, new_staging()
+    refs, sent = [], {}
     for bucket in buckets(named, bucket_bytes):
-        metas, data = _pack(bucket, staging)
-        refs.append(ray.put((metas, data.numpy())))  # ray.put copies: the staging buffer is reused
+        # A fresh buffer each time: .numpy() leaves a tensor's storage unable to grow.
+        metas, data = _pack(bucket, new_staging())
+        refs.append(ray.put((metas, data.numpy())))
         if with_digests:
             sent.update((name, digest(t)) for name, t in bucket)
     return refs, sent

@@ -5,7 +5,7 @@ each of an engine's TP workers is its own process and member of the weight-sync 
 import torch
 
 from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
-from orz.rollout.weight_sync import digest, new_staging, receive_broadcast, receive_object_store
+from orz.rollout.weight_sync import ReceiveBuffers, digest, receive_broadcast, receive_object_store
 
 # vLLM fuses these HF projections into one parameter (rows in this order).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -15,8 +15,8 @@ class WorkerExtension:
     def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
         rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine
         self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name)
-        if not hasattr(self, "_orz_staging"):
-            self._orz_staging = new_staging()  # kept across syncs
+        if not hasattr(self, "_orz_buffers"):  # kept across syncs; per bucket where memory allows (CPU)
+            self._orz_buffers = ReceiveBuffers(self.device, per_bucket=self.device.type == "cpu")
 
     def orz_close_weight_group(self):
         group = getattr(self, "_orz_group", None)
@@ -38,7 +38,7 @@ class WorkerExtension:
 
     def orz_receive_broadcast(self, with_digests: bool = True) -> dict[str, str]:
         """Loads one sync from the group; returns digests of the tensors as received."""
-        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_staging), with_digests)
+        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_buffers), with_digests)
 
     def orz_receive_object_store(self, refs, with_digests: bool = True) -> dict[str, str]:
         return self._orz_reload(receive_object_store(refs), with_digests)
