@@ -61,17 +61,22 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
+def _grown(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The first nbytes of buffer, grown in place to hold them."""
+    if buffer.numel() < nbytes:
+        buffer.resize_(nbytes)
+    return buffer[:nbytes]
+
+
 def _pack(bucket: list[tuple[str, torch.Tensor]], staging: torch.Tensor) -> tuple[list[TensorMeta], torch.Tensor]:
     metas, offset = [], 0
-    total = sum(t.numel() * t.element_size() for _, t in bucket)
-    if staging.numel() < total:
-        staging.resize_(total)
+    data = _grown(staging, sum(t.numel() * t.element_size() for _, t in bucket))
     for name, tensor in bucket:
         nbytes = tensor.numel() * tensor.element_size()
-        staging[offset : offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        data[offset : offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
         offset += nbytes
-    return metas, staging[:total]
+    return metas, data
 
 
 def _unpack(metas: list[TensorMeta], data: torch.Tensor, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,12 +90,6 @@ def _unpack(metas: list[TensorMeta], data: torch.Tensor, copy: bool = True) -> I
 def new_staging(device: torch.device | str = "cpu") -> torch.Tensor:
     """A bucket buffer; keep it across syncs (fresh large buffers cost page faults every time)."""
     return torch.empty(0, dtype=torch.uint8, device=device)
-
-
-def _grown(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
-    if buffer.numel() < nbytes:
-        buffer.resize_(nbytes)
-    return buffer[:nbytes]
 
 
 class ReceiveBuffers:
