@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
         [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 100] [--model DIR] [--skip-trl-defaults]
+        [--orz KEY=VALUE ...]
 
 (needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
 own process so that thread settings do not leak between them:
@@ -84,7 +85,7 @@ def side_orz(args, base: Path, out: Path) -> dict:
         f"trainer.prompts_per_iteration={args.prompts}", f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
         f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
-        "trainer.tensorboard=false", f"trainer.output_dir={out}/run",
+        "trainer.tensorboard=false", f"trainer.output_dir={out}/run", *args.orz,
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
@@ -286,6 +287,7 @@ def driver(args, argv: list[str]) -> dict:
                      "iterations_measured": args.iterations - 1,
                      "prompts_x_samples": f"{args.prompts}x{args.samples}", "max_new_tokens": args.max_new_tokens,
                      "optimizer_steps_per_iteration": args.steps_per_iteration, "lr": LR, "eval_n": args.eval_n,
+                     "orz_overrides": args.orz,
                      "eval": "greedy, transformers.generate, cut at </answer>, MathReward"},
         "heldout_accuracy_base": accuracy_base,
         "sides": sides, "ratios": ratios, "target": "trl_best_over_orz_s_per_iteration >= 3 at equal accuracy",
@@ -311,6 +313,8 @@ def main() -> None:
     parser.add_argument("--eval-n", type=int, default=100)
     parser.add_argument("--model", default=None, help="an HF model dir (with tokenizer) instead of the demo base")
     parser.add_argument("--skip-trl-defaults", action="store_true")
+    parser.add_argument("--orz", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more overrides for orz's side, e.g. algorithm.rollout_logprobs_as_old=true")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:]

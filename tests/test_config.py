@@ -55,3 +55,12 @@ def test_recipes_state_orz_settings():
     assert (PPO_32B.actor.tp, PPO_32B.actor.pp) == (8, 2)
     assert [stage_at(SKYWORK, i)[1].rollout.max_new_tokens for i in (0, 300, 600)] == [8192, 16384, 32768]
     assert SKYWORK.algorithm.entropy_target is not None
+
+
+def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tmp_path):
+    from orz.ppo.trainer import RayPPOTrainer
+
+    cfg = load_config(None, ["model.path=/nonexistent", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
+                             f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 \(got 1.0, 20\)"):
+        RayPPOTrainer(cfg)

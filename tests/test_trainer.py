@@ -58,9 +58,11 @@ def _check_run(out, model, iterations):
 
 def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_path):
     out = tmp_path / "ppo"
-    train(load_config(None, tiny_run(out, "gae", actor_tp=2, iterations=2)))
+    # π_old from the engine: no actor log-prob pass; fp32 engine and TP=2 actor agree (test_rollout).
+    train(load_config(None, [*tiny_run(out, "gae", actor_tp=2, iterations=2), "algorithm.rollout_logprobs_as_old=true"]))
     history = _check_run(out, arith_model, 2)
     assert all("critic/vf_loss" in row for row in history[1:])
+    assert all(row["rollout/logprob_mismatch_max"] == 0 for row in history[1:])  # π_old is the engine's
     assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 

@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orz.config import ExperimentConfig, save_config, stage_at, to_dict, total_iterations
+from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, to_dict, total_iterations
 from orz.data.datasets import load_prompts
 from orz.data.sampler import PromptLoader
 from orz.data.synthetic import arithmetic_rows
@@ -123,6 +123,7 @@ class RayPPOTrainer:
         self.iteration, self.version, self.restarts = 0, 0, restarts
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
+        self._check()
         self._setup_data()
         self._setup_ray()
         self._setup_roles()
@@ -134,6 +135,13 @@ class RayPPOTrainer:
                                     resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
+    def _check(self):
+        """What the config's types cannot say, before anything starts."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
+            raise ConfigError(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
+                              f"{r.top_k}): the engine reports log-probs of the truncated distribution")
+
     def _setup_data(self):
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -331,12 +339,12 @@ class RayPPOTrainer:
     def _forward(self, experience: Experience) -> Experience:
         ref = ray.put(experience)
         temperature = self.cfg.rollout.temperature
-        old = self.actor.run_async("logprobs", ref, temperature)
+        old = None if self.cfg.algorithm.rollout_logprobs_as_old else self.actor.run_async("logprobs", ref, temperature)
         refs = self.ref.run_async("logprobs", ref, temperature) if self.ref else None
         values = self.critic.run_async("values", ref) if self.critic else None
         return replace(
             experience,
-            old_logprobs=self.actor.gather_rows(old),
+            old_logprobs=self.actor.gather_rows(old) if old else experience.rollout_logprobs,
             ref_logprobs=self.ref.gather_rows(refs) if refs else None,
             values=self.critic.gather_rows(values) if values else None,
         )
