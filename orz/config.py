@@ -93,10 +93,10 @@ class AlgorithmConfig:
     entropy_step: float = 0.005
     entropy_max_coef: float = 0.01
     is_correction: bool = False  # truncated importance weights for engine/trainer log-prob mismatch
+    is_cap: float = 2.0
     # π_old = the engine's log-probs of its samples, skipping the actor's log-prob pass (slime's
     # --use-rollout-logprobs): right only where engine and trainer agree (fp32; no top-p/top-k).
     rollout_logprobs_as_old: bool = False
-    is_cap: float = 2.0
     dynamic_sampling: bool = False  # DAPO: drop groups whose scores are all equal, draw more prompts
     max_prompt_draws: int = 3  # rollout rounds per iteration when dynamic sampling
     overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty over the last this-many tokens

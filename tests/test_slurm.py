@@ -9,7 +9,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -278,13 +277,25 @@ if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75
 '''
 
 
+def _slurm_job(tmp_path, scripts: dict[str, str], slurm_env: dict[str, str]):
+    """(environment, log dir) of a batch job submitted from tmp_path, with `scripts` (name -> bash
+    body) in a bin/ ahead of PATH; its python wrapper is the job's interpreter."""
+    bin_, log = tmp_path / "bin", tmp_path / "log"
+    bin_.mkdir()
+    log.mkdir()
+    for name, body in scripts.items():
+        (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_ / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | slurm_env | {
+        "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "ORZ_PYTHON": str(bin_ / "python"),
+        "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
+    return env, log
+
+
 def fake_slurm(tmp_path):
     """bin/ with srun, scontrol and hostname that log their calls, and a python wrapper whose
     `wait` succeeds once each node's srun has started (no Ray) and whose registry lookup skips the
     torch import."""
-    bin_, log = tmp_path / "bin", tmp_path / "log"
-    bin_.mkdir()
-    log.mkdir()
     scripts = {
         "srun": ('echo "srun $*" >> "$ORZ_TEST_LOG/srun.log"\n'
                  'echo "$RAY_AUTH_MODE ${#RAY_AUTH_TOKEN}" >> "$ORZ_TEST_LOG/srun_auth.log"\n'
@@ -302,14 +313,8 @@ def fake_slurm(tmp_path):
                    '| sed "${ORZ_TEST_REQUEUE_AFTER_S:+s/^orz_requeue_after_s=.*/orz_requeue_after_s=$ORZ_TEST_REQUEUE_AFTER_S/}"; exit; fi\n'
                    'exec ' + sys.executable + ' "$@"'),
     }
-    for name, body in scripts.items():
-        (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_ / name).chmod(0o755)
     (tmp_path / "fake_recipe.py").write_text(FAKE_RECIPE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | ENV | {
-        "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "ORZ_PYTHON": str(bin_ / "python"),
-        "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
-    return env, log
+    return _slurm_job(tmp_path, scripts, ENV)
 
 
 @pytest.mark.parametrize("trainer, rc, why", [
@@ -370,9 +375,6 @@ if __name__ == "__main__":
 def loopback_slurm(tmp_path):
     """bin/ for a 2-node job whose nodes are both this machine: srun runs its command here, and the
     launcher lets output_dir be under /tmp (both "nodes" see it)."""
-    bin_, log = tmp_path / "bin", tmp_path / "log"
-    bin_.mkdir()
-    log.mkdir()
     scripts = {
         "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\nexec "$@"',
         "scontrol": 'echo "scontrol $*" >> "$ORZ_TEST_LOG/scontrol.log"\n[[ $1 == show ]] && printf "n1\\nn2\\n"',
@@ -381,20 +383,9 @@ def loopback_slurm(tmp_path):
                    '"$@"; fi\nexec ' + sys.executable + ' "$@"'),
         "ray": f'exec {Path(sys.executable).with_name("ray")} "$@"',
     }
-    for name, body in scripts.items():
-        (bin_ / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_ / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
-        "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n1", "SLURM_GPUS_ON_NODE": "0",
-        "SLURM_CPUS_ON_NODE": "1", "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
-        "ORZ_PYTHON": str(bin_ / "python"), "ORZ_TEST_LOG": str(log), "PYTHONPATH": str(REPO)}
-    return env, log
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    slurm_env = {"SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n1",
+                 "SLURM_GPUS_ON_NODE": "0", "SLURM_CPUS_ON_NODE": "1"}
+    return _slurm_job(tmp_path, scripts, slurm_env)
 
 
 @pytest.mark.slow
@@ -407,7 +398,9 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     # Ray's files (sockets: a short path) away from /tmp/ray, where `ray start` would leave its
     # address for every later ray.init() on this machine.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="orz-ray-")
-    out, port = tmp_path / "run", _free_port()
+    from orz.rollout.fleet import free_address
+
+    out, (_, port) = tmp_path / "run", free_address()
     overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]
     (tmp_path / "tiny_recipe.py").write_text(LOOPBACK_RECIPE.format(overrides=overrides))
     job = subprocess.run(["bash", str(SBATCH), "--port", str(port), "--join-timeout", "120", "tiny_recipe.py"],
