@@ -4,6 +4,7 @@ The hostile solutions run as one parallel batch (a module fixture), so their tim
 each test then checks one of them.
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ UIDS = (3_800_000, 3_804_096)  # Sandbox's default range
 ADD = CodeTests(inputs=["1 2\n", "30 4\n"], outputs=["3\n", "34"])
 ADD_SOURCE = "a, b = map(int, input().split())\nprint(a + b)\n"
 ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parent.parent
 
 
 def fenced(source: str) -> str:
@@ -250,9 +253,9 @@ def test_output_comparison():
 @pytest.mark.skipif(not ROOT or not os.path.exists("/usr/bin/python3"), reason="needs root to become another user")
 def test_unprivileged_fallback_records_why():
     """As an ordinary user nothing but limits and a session can be enforced; it must say so."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import sys
-        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+        sys.path.insert(0, ".")
         from orz.reward.sandbox import Sandbox, SandboxLimits
         sandbox = Sandbox(SandboxLimits(wall_s=5), python_candidates=[sys.executable])
         print(sandbox.isolation["user"])
@@ -263,6 +266,8 @@ def test_unprivileged_fallback_records_why():
     """)
     with tempfile.TemporaryDirectory() as home:
         os.chmod(home, 0o777)
+        # A copy of the package where that user can read it: the checkout may be private (mktemp -d).
+        shutil.copytree(REPO / "orz", Path(home) / "orz", ignore=shutil.ignore_patterns("__pycache__"))
         result = subprocess.run(
             ["/usr/bin/python3", "-I", "-c", script], user=65534, group=65534, extra_groups=[],
             capture_output=True, text=True, timeout=60, cwd=home, env={"TMPDIR": home},
