@@ -183,6 +183,27 @@ def tied_embedding_init():
     LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
+@_patch
+def variable_pipeline_shapes():
+    """With `variable_seq_lengths` (micro-batches of different shapes under PP) the stages first
+    exchange shapes, then call `torch.cuda.synchronize()`: gloo's requests were already waited on."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    cls = p2p_communication.P2PCommunicator
+    exchange = cls._communicate_shapes
+
+    @functools.wraps(exchange)
+    def exchange_on_cpu(self, *args, **kwargs):
+        synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None
+        try:
+            return exchange(self, *args, **kwargs)
+        finally:
+            torch.cuda.synchronize = synchronize
+
+    cls._communicate_shapes = exchange_on_cpu
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
     """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
     out for the rest of the process."""

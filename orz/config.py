@@ -9,6 +9,7 @@ Recipes in playground/ build on `ExperimentConfig` with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -77,7 +78,9 @@ class AlgorithmConfig:
     advantage: str = "gae"  # gae | grpo | dr_grpo | orz_grpo | rloo | reinforce_pp (core_algos registry)
     gamma: float = 1.0
     lam: float = 1.0
-    whiten_advantages: bool = True  # over the whole buffer, as ORZ does
+    # Whitening over the whole buffer (ORZ's PPO). None: the estimator's published form — on for
+    # gae and reinforce_pp, off for grpo, dr_grpo and rloo (orz_grpo whitens inside).
+    whiten_advantages: bool | None = None
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
     dual_clip: float | None = None
@@ -85,7 +88,9 @@ class AlgorithmConfig:
     value_clip: float | None = 0.2
     kl_coef: float = 0.0  # 0: no reference model at all (ORZ)
     kl_kind: str = "k1"  # k1 | k2 | k3 | k3+
-    kl_in_reward: bool = True  # True: −β·KL per token in the reward (PPO); False: β·KL in the actor loss (GRPO)
+    # True: −β·KL in the reward — per token for gae/reinforce_pp, −β·ΣₜKL on the score for group
+    # estimators (verl's choice); False: β·KL in the actor loss (DeepSeekMath's GRPO)
+    kl_in_reward: bool = True
     kl_target: float | None = None  # set: adaptive KL coefficient towards this KL
     kl_horizon: float = 10000.0
     entropy_coef: float = 0.0
@@ -216,7 +221,7 @@ def from_dict(cls, data: Any, where: str = "config"):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; valid: {sorted(names)}")
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}{_did_you_mean(unknown[0], names)}; valid: {sorted(names)}")
     return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
 
 
@@ -234,12 +239,20 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
         target = data
         for i, part in enumerate(parents):
             if not isinstance(target, dict) or part not in target:
-                raise ConfigError(f"override {key!r}: unknown key {'.'.join(key.split('.')[: i + 1])!r}")
+                prefix = ".".join(parents[:i])
+                raise ConfigError(f"override {key!r}: unknown key {'.'.join(key.split('.')[: i + 1])!r}"
+                                  f"{_did_you_mean(part, target if isinstance(target, dict) else {}, prefix)}")
             target = target[part]
         if not isinstance(target, dict) or last not in target:
-            raise ConfigError(f"override {key!r}: unknown key {key!r}")
+            raise ConfigError(f"override {key!r}: unknown key {key!r}"
+                              f"{_did_you_mean(last, target if isinstance(target, dict) else {}, '.'.join(parents))}")
         target[last] = value
     return from_dict(ExperimentConfig, data)
+
+
+def _did_you_mean(name: str, valid, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
 
 
 def _split(override: str) -> tuple[str, Any]:

@@ -70,6 +70,9 @@ class ModelEngine:
         self.arch = arch
         self.config = transformer_config(arch, tp, pp, dtype, recompute)
         self.config.calculate_per_token_loss = True
+        # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
+        # stages exchange each activation's shape before sending it (cheap: 3 integers).
+        self.config.variable_seq_lengths = pp > 1
         build = build_critic if critic else build_actor
         module = build(arch, self.config, make_vocab_size_divisible_by)
         self.padded_vocab = arch.padded_vocab_size(tp, make_vocab_size_divisible_by)
@@ -200,9 +203,7 @@ class ModelEngine:
                 return output, lambda out, non_loss_data=False: collect(out, batch)
             return output, partial(_loss_with_count, loss_fn, batch)
 
-        seq_length = microbatches[0]["input_ids"].shape[1]
-        if any(mb["input_ids"].shape[1] != seq_length for mb in microbatches) and ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("with pipeline parallelism all micro-batches must share one sequence length")
+        seq_length = microbatches[0]["input_ids"].shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -51,7 +51,8 @@ class RoleSpec:
 
 def combine_metrics(parts: list[dict]) -> dict[str, float]:
     """Merges per-micro-batch (or per-replica) metrics: losses, which are already normalised by
-    the whole mini-batch, add up; everything else is a mean weighted by `tokens`."""
+    the whole mini-batch, add up; `_min`/`_max` extremes stay extremes; everything else is a mean
+    weighted by `tokens`. So the result does not depend on how the batch was split."""
     parts = [p for p in parts if p]
     total = sum(float(p["tokens"]) for p in parts) or 1.0
     out = {"tokens": total}
@@ -59,6 +60,8 @@ def combine_metrics(parts: list[dict]) -> dict[str, float]:
         values = [(float(p[key]), float(p["tokens"])) for p in parts if key in p]
         if key.endswith("loss"):
             out[key] = sum(v for v, _ in values)
+        elif key.endswith(("_min", "_max")):
+            out[key] = (min if key.endswith("_min") else max)(v for v, _ in values)
         else:
             out[key] = sum(v * w for v, w in values) / max(sum(w for _, w in values), 1e-9)
     return out
@@ -111,13 +114,32 @@ class MegatronWorker:
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
-            steps = max(self.spec.total_steps, cfg.warmup_steps + 1)
-            self.scheduler = OptimizerParamScheduler(
-                self.engine.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,
-                min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=steps,
-                lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-                wd_incr_steps=steps, wd_incr_style="constant",
-            )
+            self.configure(cfg)
+
+    def configure(self, cfg: RoleConfig) -> None:
+        """A stage's settings for this role: micro-batching, and LR, schedule and optimizer
+        hyper-parameters from the next step on. The schedule keeps its step count and spans the
+        whole run (a stage's lr is the schedule's peak from then on). Layouts cannot change."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        old = self.spec.cfg
+        if (cfg.tp, cfg.pp, cfg.dp, cfg.use_distributed_optimizer) != (old.tp, old.pp, old.dp, old.use_distributed_optimizer):
+            raise ValueError(f"{self.spec.name}: a stage cannot change the parallel layout")
+        self.spec = replace(self.spec, cfg=cfg)
+        if not self.spec.train:
+            return
+        steps_done = self.scheduler.num_steps if self.scheduler is not None else 0
+        total = max(self.spec.total_steps, cfg.warmup_steps + 1)
+        for group in self.engine.optimizer.param_groups:
+            group["betas"] = tuple(cfg.adam_betas)
+        self.engine.optimizer.config.clip_grad = cfg.clip_grad
+        self.scheduler = OptimizerParamScheduler(
+            self.engine.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,
+            min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=total,
+            lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+            wd_incr_steps=total, wd_incr_style="constant",
+        )
+        self.scheduler.step(increment=steps_done)
 
     # ---- where this rank sits ----------------------------------------------------------------
     @property
@@ -130,6 +152,7 @@ class MegatronWorker:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
 
     def _micro_batches(self, minibatch: MiniBatch) -> list:
+        """This DP rank's share, by the role's token budget or row count."""
         shard = minibatch.shard(*self._dp)
         cfg = self.spec.cfg
         if cfg.micro_batch_tokens > 0:
@@ -137,18 +160,9 @@ class MegatronWorker:
         return shard.micro_batches(size=cfg.micro_batch_size)
 
     def _inputs(self, micro_batches: list) -> list[dict]:
-        """Megatron inputs; with PP every micro-batch is padded to one width (p2p shapes are fixed)."""
-        width = max(mb.experience.sequences.shape[1] for mb in micro_batches)
-        out = []
-        for mb in micro_batches:
-            exp = mb.experience
-            if self.engine.layout.pp > 1:
-                ids = F.pad(exp.sequences, (0, width - exp.sequences.shape[1]))
-            else:
-                ids = exp.sequences
-            positions = torch.arange(ids.shape[1]).expand_as(ids)
-            out.append({"input_ids": ids, "position_ids": positions, "micro": mb})
-        return out
+        """Megatron inputs, each micro-batch at its own width (PP exchanges shapes)."""
+        return [{"input_ids": mb.experience.sequences, "position_ids": mb.experience.position_ids(), "micro": mb}
+                for mb in micro_batches]
 
     def _token_logprobs(self, logits: torch.Tensor, batch: dict, temperature: float, with_entropy: bool):
         from orz.models.logprobs import logprobs_and_entropy
@@ -167,8 +181,7 @@ class MegatronWorker:
 
     # ---- forward passes ----------------------------------------------------------------------
     def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
-        minibatch = MiniBatch.of(experience)
-        micro = minibatch.shard(*self._dp).micro_batches(size=self.spec.cfg.micro_batch_size)
+        micro = self._micro_batches(MiniBatch.of(experience))
         self.engine.model.eval()
         with torch.no_grad():
             outputs = self.engine.run(self._inputs(micro), collect=per_micro_batch)
@@ -294,32 +307,86 @@ class MegatronWorker:
         layout = self.engine.layout
         return Path(root) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}"
 
+    def _distributed_optimizers(self) -> list:
+        """The DistributedOptimizer(s) inside the engine's optimizer ([] without ZeRO-1)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        optimizer = self.engine.optimizer
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])
+        return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
     def save(self, root: str) -> None:
         """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
-        state; DP replicas hold identical copies, so only DP rank 0 writes."""
+        state, written by DP rank 0 (replicas hold identical copies). With the distributed
+        optimizer each DP rank also writes its own shard of the fp32 masters and Adam moments
+        (`optim_dp_NN.pt`), which Megatron's `state_dict` leaves out."""
         from safetensors.torch import save_file
 
+        shard = self._shard_dir(root)
+        for i, optimizer in enumerate(self._distributed_optimizers()):
+            shard.mkdir(parents=True, exist_ok=True)
+            torch.save(_shard_states(optimizer), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
         if self._dp[0] != 0:
             return
-        shard = self._shard_dir(root)
         shard.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.engine.local_state().items()}, shard / "model.safetensors")
-        state = {"rng": torch.get_rng_state()}
-        if self.spec.train:
-            state |= {"optimizer": self.engine.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"rng": torch.get_rng_state(), "dp": self._dp[1]}
+        if self.spec.train:  # the schedule's settings come from the stage's config (configure)
+            state |= {"optimizer": self.engine.optimizer.state_dict(), "scheduler_steps": self.scheduler.num_steps}
         torch.save(state, shard / "optim.pt")
 
     def load(self, root: str) -> None:
+        """The inverse of `save`, exactly: fp32 masters of a bf16 model come from the optimizer's
+        state, never from the bf16 weights."""
         from safetensors.torch import load_file
 
         shard = self._shard_dir(root)
+        if not (shard / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{root}: no shard {shard.name} for {self.spec.name} at TP{self.engine.layout.tp} "
+                                    f"PP{self.engine.layout.pp}; was the checkpoint written with another layout?")
         self.engine.load_local_state(load_file(shard / "model.safetensors"))
         state = torch.load(shard / "optim.pt", weights_only=False)
         torch.set_rng_state(state["rng"])
-        if self.spec.train:
-            self.engine.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.engine.optimizer.reload_model_params()
+        if not self.spec.train:
+            return
+        distributed = self._distributed_optimizers()
+        if distributed and state.get("dp", self._dp[1]) != self._dp[1]:
+            raise ValueError(f"{root}: {self.spec.name}'s distributed optimizer was saved at DP={state.get('dp')}, "
+                             f"this run has DP={self._dp[1]}; resume at the saved DP size")
+        self.engine.optimizer.load_state_dict(state["optimizer"])
+        for i, optimizer in enumerate(distributed):
+            _load_shard_states(optimizer, torch.load(shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"))
+        self.scheduler.num_steps = 0
+        # Checkpoints before stages kept the scheduler's whole state dict.
+        self.scheduler.step(increment=state.get("scheduler_steps") or state["scheduler"]["num_steps"])
+
+
+def _shard_params(optimizer) -> list:
+    """A DistributedOptimizer's model parameters in its buffers' order (fixed by the layout)."""
+    return [param for buffer in optimizer.gbuf_ranges for by_dtype in buffer.values()
+            for bucket in by_dtype for param in bucket["param_map"]]
+
+
+def _shard_states(optimizer) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's fp32 master shard and Adam moments, parameter by parameter. Megatron's own
+    `get_parameter_state_dp_reshardable` output cannot be fed back to its loader (it has no
+    `padding` entries), so the per-parameter accessors both use are called directly."""
+    return [{k: v.detach().clone() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}
+            for p in _shard_params(optimizer)]
+
+
+@torch.no_grad()  # the masters are leaves that require grad
+def _load_shard_states(optimizer, states: list[dict[str, torch.Tensor]]) -> None:
+    params = _shard_params(optimizer)
+    if len(states) != len(params):
+        raise ValueError(f"optimizer shard holds {len(states)} parameters, this layout has {len(params)}")
+    # Without TE/Apex, Megatron's load_state_dict gives every parameter the same `step` tensor,
+    # which torch's Adam then increments once per parameter per step: give each its own.
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+    for param, tensors in zip(params, states):
+        optimizer._set_main_param_and_optimizer_states(param, tensors)
 
 
 class WorkerGroup:

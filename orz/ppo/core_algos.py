@@ -36,7 +36,7 @@ __all__ = [
     "Registry", "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "AGGREGATIONS", "KL_PENALTIES",
     "compute_gae", "compute_grpo_advantages", "compute_orz_grpo_advantages", "compute_rloo_advantages",
     "compute_reinforce_pp_advantages", "whiten", "AdvantageInputs", "AdvantageEstimator",
-    "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_penalty",
+    "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
     "aggregate", "aggregate_denominator", "policy_loss", "truncated_is_weights", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
     "AdaptiveKLController", "AdaptiveEntropyController",
@@ -327,11 +327,19 @@ class AdvantageInputs:
 class AdvantageEstimator:
     compute: Callable[[AdvantageInputs], tuple[Tensor, Tensor]]  # inputs → (advantages, returns), (B, T) each
     needs_critic: bool  # whether the trainer must run a critic to fill ``values``
+    # Whether it reads per-token rewards; if not (group estimators read one score per sample), a
+    # KL penalty "in the reward" must enter the score instead (``kl_in_score``).
+    reads_token_rewards: bool
+    # Batch whitening on top, in the estimator's published form: PPO's GAE and REINFORCE++ whiten;
+    # GRPO, Dr.GRPO and RLOO do not (it would undo Dr.GRPO's "no std"); ORZ's GRPO whitens inside.
+    whitens: bool
 
 
-def register_advantage_estimator(name: str, needs_critic: bool = False):
+def register_advantage_estimator(name: str, needs_critic: bool = False, reads_token_rewards: bool = False,
+                                 whitens: bool = False):
     """Decorator: register ``compute(inputs) -> (advantages, returns)`` under ``name``."""
-    return lambda compute: ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(compute, needs_critic))
+    return lambda compute: ADVANTAGE_ESTIMATORS.add(
+        name, AdvantageEstimator(compute, needs_critic, reads_token_rewards, whitens))
 
 
 def estimate_advantages(name: str, *, mask: Tensor, token_rewards: Tensor | None = None,
@@ -360,13 +368,13 @@ def _group_estimator(name: str, per_sample: Callable[[Tensor, Tensor], Tensor]) 
     register_advantage_estimator(name)(compute)
 
 
-@register_advantage_estimator("gae", needs_critic=True)
+@register_advantage_estimator("gae", needs_critic=True, reads_token_rewards=True, whitens=True)
 def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return compute_gae(inputs.require("token_rewards", "gae"), inputs.require("values", "gae"),
                        inputs.mask, inputs.gamma, inputs.lam)
 
 
-@register_advantage_estimator("reinforce_pp")
+@register_advantage_estimator("reinforce_pp", reads_token_rewards=True, whitens=True)
 def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     returns_to_go = _returns_to_go(inputs.require("token_rewards", "reinforce_pp"), inputs.mask, inputs.gamma)
     return whiten(returns_to_go, inputs.mask), returns_to_go
@@ -408,6 +416,19 @@ def reward_on_last_token(scores: Tensor, mask: Tensor, kl: Tensor | None = None,
     if kl is not None:
         rewards = rewards - kl_coef * _real_values("kl", kl, real)
     return rewards
+
+
+def kl_in_score(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """The KL penalty of a group estimator, which reads one score per sample (verl's choice):
+
+        s'ᵢ = sᵢ − β·Σₜ klᵢₜ      over the real tokens of response i
+
+    Summed, not averaged, so that it is exactly the return Σₜ rₜ that ``reward_on_last_token``
+    gives a per-token estimator. scores: (B,); kl, mask: (B, T). Returns (B,).
+    """
+    scores = _sample_values("scores", scores)
+    real = _real_mask(mask, kl, "kl")
+    return scores - kl_coef * _real_values("kl", kl, real).sum(dim=1)
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> Tensor:

@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, to_dict, total_iterations
+from orz.config import ExperimentConfig, save_config, stage_at, to_dict, total_iterations
 from orz.data.datasets import load_prompts
 from orz.data.sampler import PromptLoader
 from orz.data.synthetic import arithmetic_rows
@@ -42,15 +42,16 @@ from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
-from orz.models.checkpoint import atomic_dir
+from orz.models.checkpoint import HFCheckpoint, atomic_dir
+from orz.ppo import run_rules
 from orz.ppo.actors import RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
-    ADVANTAGE_ESTIMATORS,
     AdaptiveEntropyController,
     AdaptiveKLController,
     FixedKLController,
     dynamic_sampling_filter,
     estimate_advantages,
+    kl_in_score,
     kl_penalty,
     overlong_penalty,
     reward_on_last_token,
@@ -58,7 +59,7 @@ from orz.ppo.core_algos import (
 )
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
-from orz.reward.math import MathReward, MathRewardConfig
+from orz.reward.math import MathReward, MathRewardConfig, merge_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
@@ -112,81 +113,65 @@ def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
 
 
 class RayPPOTrainer:
+    """`run_cfg` is the whole run as configured; `stage_cfg` the current stage's view of it (the
+    run's config with that stage's overrides). A method reads `stage_cfg` for what a stage may
+    change (run_rules.STAGE_KEYS: LR, micro-batching, sampling, data, reward, algorithm switches)
+    and `run_cfg` for everything else (layouts, output, seeds, checkpoint cadence)."""
+
     def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric)."""
-        self.base_cfg = cfg
-        _, self.cfg = stage_at(cfg, 0)
+        run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch.max_position_embeddings if cfg.model.path else None)
+        self.run_cfg = cfg
+        self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
         self.iteration, self.version, self.restarts = 0, 0, restarts
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
-        self._check()
-        self._setup_data()
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.reward, self.evaluators, self.loader = None, {}, None
         self._setup_ray()
         self._setup_roles()
         self._setup_controllers()
-        self._setup_eval()
+        state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None else None
+        self._enter_stage(stage_at(cfg, state["iteration"])[0] if state else 0, loader_state=state and state["loader"])
         if resume_from is not None:
-            self._resume(resume_from)
+            self._resume(resume_from, state)
         self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard,
                                     resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _check(self):
-        """What the config's types cannot say, before anything starts."""
-        a, r = self.cfg.algorithm, self.cfg.rollout
-        if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
-            raise ConfigError(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
-                              f"{r.top_k}): the engine reports log-probs of the truncated distribution")
-
-    def _setup_data(self):
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        if cfg.data.template == "think_answer" and cfg.data.instruction:
-            self.template = ThinkAnswerTemplate(cfg.data.instruction)
-        else:
-            self.template = make_template(cfg.data.template, self.tokenizer)
-        train = [row for spec in cfg.data.train for row in load_rows(spec, cfg, "train", cfg.data.synthetic_train_size)]
-        if not train:
-            raise ValueError("data.train is empty: give data files or 'synthetic:arithmetic'")
-        self.eval_sets = {name: load_rows(spec, cfg, "test", cfg.data.synthetic_eval_size)
-                          for name, spec in cfg.data.eval.items()}
-        self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, cfg.trainer.seed)
-        self.reward = MathReward(MathRewardConfig(extraction=tuple(cfg.reward.extraction),
-                                                  format_reward=cfg.reward.format_reward,
-                                                  num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
-
     def _setup_ray(self):
         if not ray.is_initialized():
-            t = self.cfg.trainer
+            t = self.run_cfg.trainer
             # "local": a new cluster even where `ray start` left its address in /tmp/ray.
             local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
             ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=True,
                      configure_logging=False, **local)
 
     def _role(self, name: str, **kwargs) -> RoleSpec:
-        cfg = self.cfg
-        role_cfg = getattr(cfg, name)
+        cfg = self.run_cfg
+        role_cfg = getattr(self.stage_cfg, name)
         kwargs.setdefault("model_path", cfg.model.path)
         return RoleSpec(
             name=name, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
-            total_steps=self.total * role_cfg.steps_per_iteration, **kwargs,
+            total_steps=run_rules.optimizer_steps(cfg, name) if name != "ref" else 1, **kwargs,
         )
 
     def _setup_roles(self):
-        cfg = self.cfg
+        cfg = self.run_cfg
         console.print(f"[bold]orz[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
-        self.needs_critic = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).needs_critic
+        roles = run_rules.roles(cfg)
         self.actor = WorkerGroup(self._role("actor"))
         self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path)) \
-            if self.needs_critic else None
-        self.ref = WorkerGroup(self._role("ref", train=False)) if cfg.algorithm.kl_coef > 0 else None
+            if "critic" in roles else None
+        self.ref = WorkerGroup(self._role("ref", train=False)) if "ref" in roles else None
         r = cfg.rollout
-        max_len = r.max_model_len or cfg.data.prompt_max_tokens + max(self._max_new_tokens_over_stages())
+        max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
+                                          for staged in run_rules.stage_configs(cfg))
         engine_args = {"max_model_len": max_len}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
@@ -197,20 +182,44 @@ class RayPPOTrainer:
         ), seed=cfg.trainer.seed)
         self.weights = ActorWeightSource(self.actor)
 
-    def _max_new_tokens_over_stages(self) -> list[int]:
-        return [stage_at(self.base_cfg, i)[1].rollout.max_new_tokens for i in range(self.total)] or [0]
-
     def _setup_controllers(self):
-        a = self.cfg.algorithm
+        a = self.run_cfg.algorithm  # controller settings are run-wide (run_rules._RUN_ONLY)
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target else FixedKLController(a.kl_coef)
         self.entropy_ctl = AdaptiveEntropyController(a.entropy_target, a.entropy_step, a.entropy_max_coef, a.entropy_coef) \
             if a.entropy_target is not None else None
+
+    def _enter_stage(self, index: int, loader_state: dict | None = None) -> None:
+        """Applies stage `index` from its first iteration (or, resuming, from where it stopped):
+        data, template, reward and evaluation are rebuilt from its config, the roles take its LR,
+        schedule and micro-batching. The loop is synchronous, so nothing is in flight here."""
+        previous = self.stage_cfg if self.loader is not None else None
+        self.stage_index = index
+        self.stage_cfg = cfg = run_rules.stage_configs(self.run_cfg)[index]
+        d = cfg.data
+        self.template = ThinkAnswerTemplate(d.instruction) if d.template == "think_answer" and d.instruction \
+            else make_template(d.template, self.tokenizer)
+        if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
+            train = [row for spec in d.train for row in load_rows(spec, cfg, "train", d.synthetic_train_size)]
+            if not train:
+                raise ValueError("data.train is empty: give data files or 'synthetic:arithmetic'")
+            self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
+        if loader_state is not None:
+            self.loader.load_state_dict(loader_state)
+        if self.reward is not None:
+            self.reward.close()
+        self.reward = MathReward(MathRewardConfig(extraction=tuple(cfg.reward.extraction),
+                                                  format_reward=cfg.reward.format_reward,
+                                                  num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
+        self._setup_eval()
+        ray.get([ref for name, group in self._named_groups() for ref in group.run_async("configure", getattr(cfg, name))])
+        if self.run_cfg.stages:
+            console.print(f"stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict:
         """Trains to the last iteration, or until SIGUSR1 (Slurm's warning before a time limit):
         then the current iteration ends with a checkpoint and fit returns with `preempted`."""
-        cfg = self.base_cfg.trainer
+        cfg = self.run_cfg.trainer
         start = time.time()
         preempted = []
         if threading.current_thread() is threading.main_thread():
@@ -221,7 +230,9 @@ class RayPPOTrainer:
                       TextColumn("{task.description}"), console=console) as progress:
             task = progress.add_task("", total=self.total, completed=self.iteration)
             while self.iteration < self.total:
-                _, self.cfg = stage_at(self.base_cfg, self.iteration)
+                stage = stage_at(self.run_cfg, self.iteration)[0]
+                if stage != self.stage_index:
+                    self._enter_stage(stage)
                 metrics = self.step(lambda phase: progress.update(task, description=phase))
                 self.iteration += 1
                 last = self.iteration == self.total
@@ -269,16 +280,16 @@ class RayPPOTrainer:
         metrics["fault/restarts"] = float(self.restarts)
         if self.entropy_ctl is not None:
             metrics["algorithm/entropy_coef"] = self.entropy_ctl.value
-        every = self.base_cfg.trainer.dump_samples_every
+        every = self.run_cfg.trainer.dump_samples_every
         if every and (self.iteration + 1) % every == 0:
             self._dump(experience)
         return metrics
 
     # ---- phases ------------------------------------------------------------------------------
     def _sampling(self, draw: int) -> SamplingConfig:
-        r = self.cfg.rollout
+        r = self.stage_cfg.rollout
         # Seeds depend on the iteration, so a resumed run samples what the uninterrupted one did.
-        seed = (self.cfg.trainer.seed * 1_000_003 + self.iteration * 1009 + draw * 100_003) % 2**31
+        seed = (self.run_cfg.trainer.seed * 1_000_003 + self.iteration * 1009 + draw * 100_003) % 2**31
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop=list(r.stop), n=r.n_samples, seed=seed)
 
@@ -286,22 +297,23 @@ class RayPPOTrainer:
         out = []
         for row in rows:
             ids = encode_prompt(self.tokenizer, self.template, row["prompt"])
-            if len(ids) <= self.cfg.data.prompt_max_tokens:
+            if len(ids) <= self.stage_cfg.data.prompt_max_tokens:
                 out.append((row, ids))
         return out
 
     def _rollout_and_reward(self) -> tuple[Experience, dict]:
-        algo = self.cfg.algorithm
-        kept, metrics, dropped, first_group = [], {}, 0, 0
-        target = self.cfg.trainer.prompts_per_iteration * self.cfg.rollout.n_samples
+        """One draw of prompts; with dynamic sampling, more draws until the kept groups fill the
+        batch, which is then cut, by whole groups, to prompts_per_iteration × n_samples."""
+        algo, n = self.stage_cfg.algorithm, self.stage_cfg.rollout.n_samples
+        target = self.stage_cfg.trainer.prompts_per_iteration * n
+        kept, draws, dropped, first_group = [], [], 0, 0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
             samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(draw), min_version=self.version)
             answers = [prompts[s.index][0]["answer"] for s in samples]
             scores, reward_metrics = self.reward.score([s.text for s in samples], answers,
                                                        [s.finish_reason for s in samples])
-            if draw == 0:
-                metrics |= reward_metrics
+            draws.append((len(samples), reward_metrics))
             scores = torch.tensor(scores)
             group = torch.tensor([first_group + s.index for s in samples])
             first_group += len(prompts)
@@ -309,23 +321,24 @@ class RayPPOTrainer:
                 keep, n_dropped = dynamic_sampling_filter(scores, group)
                 dropped += n_dropped
                 samples, scores, group = [s for s, k in zip(samples, keep.tolist()) if k], scores[keep], group[keep]
-            kept.append((samples, scores, group))
-            if sum(len(part[0]) for part in kept) >= target:
+            kept += zip(samples, scores.tolist(), group.tolist())
+            if len(kept) >= target:
                 break
-        samples = [s for part in kept for s in part[0]]
-        if not samples:
+        kept = kept[:target]  # groups are whole and in order, and target is a multiple of n
+        if not kept:
             raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
-        scores = torch.cat([part[1] for part in kept]).float()
+        samples = [sample for sample, _, _ in kept]
+        scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                               [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0)
         lengths = experience.response_mask.sum(1)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
         if algo.overlong_buffer:
-            scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer,
+            scores = scores + overlong_penalty(lengths, self.stage_cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                algo.overlong_factor)
-        experience = replace(experience, scores=scores, group_index=torch.cat([part[2] for part in kept]),
+        experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
                              info={"response_length": lengths, "truncated": truncated})
-        metrics |= {
+        metrics = merge_metrics(draws) | {  # reward/*: over every draw, kept or not
             "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
             "rollout/samples": float(len(samples)),
@@ -333,13 +346,14 @@ class RayPPOTrainer:
             "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
         }
         if algo.dynamic_sampling:
-            metrics["rollout/groups_dropped"] = float(dropped)
+            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(len(draws)),
+                        "rollout/short_batch": float(len(samples) < target)}
         return experience, metrics
 
     def _forward(self, experience: Experience) -> Experience:
         ref = ray.put(experience)
-        temperature = self.cfg.rollout.temperature
-        old = None if self.cfg.algorithm.rollout_logprobs_as_old else self.actor.run_async("logprobs", ref, temperature)
+        temperature = self.stage_cfg.rollout.temperature
+        old = None if self.stage_cfg.algorithm.rollout_logprobs_as_old else self.actor.run_async("logprobs", ref, temperature)
         refs = self.ref.run_async("logprobs", ref, temperature) if self.ref else None
         values = self.critic.run_async("values", ref) if self.critic else None
         return replace(
@@ -350,24 +364,30 @@ class RayPPOTrainer:
         )
 
     def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
-        algo, mask = self.cfg.algorithm, experience.response_mask
-        metrics = {}
-        kl = None
+        """The KL penalty enters the per-token rewards of gae/reinforce_pp, the score of group
+        estimators (s − β·ΣKL), or, with kl_in_reward off, the actor's loss (_update)."""
+        algo, mask = self.stage_cfg.algorithm, experience.response_mask
+        estimator = run_rules.estimator(algo)
+        metrics, kl, scores = {}, None, experience.scores
         if experience.ref_logprobs is not None:
             kl = kl_penalty(experience.old_logprobs, experience.ref_logprobs, algo.kl_kind, mask)
             metrics["actor/kl_ref"] = float((kl * mask).sum() / mask.sum().clamp_min(1))
             self.kl_ctl.update(metrics["actor/kl_ref"], experience.batch_size)
         in_reward = kl if algo.kl_in_reward else None
-        rewards = reward_on_last_token(experience.scores, mask, in_reward, self.kl_ctl.value if in_reward is not None else 0.0)
+        if in_reward is not None and not estimator.reads_token_rewards:
+            scores, in_reward = kl_in_score(scores, in_reward, mask, self.kl_ctl.value), None
+            metrics["algorithm/score_mean"] = float(scores.mean())
+        rewards = reward_on_last_token(scores, mask, in_reward, self.kl_ctl.value if in_reward is not None else 0.0)
         advantages, returns = estimate_advantages(
-            algo.advantage, mask=mask, token_rewards=rewards, scores=experience.scores, values=experience.values,
+            algo.advantage, mask=mask, token_rewards=rewards, scores=scores, values=experience.values,
             group_index=experience.group_index, gamma=algo.gamma, lam=algo.lam,
         )
-        if algo.whiten_advantages:
+        if run_rules.whitens(algo):
             advantages = whiten(advantages, mask)
         mismatch = (experience.old_logprobs - experience.rollout_logprobs).abs() * mask
         metrics |= {
             "algorithm/advantage_mean": float((advantages * mask).sum() / mask.sum()),
+            "algorithm/advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum()),
             "algorithm/return_mean": float((returns * mask).sum() / mask.sum()),
             "rollout/logprob_mismatch_mean": float(mismatch.sum() / mask.sum()),
             "rollout/logprob_mismatch_max": float(mismatch.max()),
@@ -375,29 +395,29 @@ class RayPPOTrainer:
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
 
     def _update(self, experience: Experience) -> dict:
-        algo, buffer = self.cfg.algorithm, ReplayBuffer()
+        algo, buffer = self.stage_cfg.algorithm, ReplayBuffer()
         buffer.append(experience)
-        seed = self.cfg.trainer.seed * 7919 + self.iteration
-        norm_len = self.cfg.rollout.max_new_tokens
-        if self.base_cfg.trainer.offload_idle_roles:
+        seed = self.run_cfg.trainer.seed * 7919 + self.iteration
+        norm_len = self.stage_cfg.rollout.max_new_tokens
+        if self.run_cfg.trainer.offload_idle_roles:
             ray.get([ref for group in self._trained_groups() for ref in group.run_async("onload")])
         critic_refs = None
         if self.critic:
-            steps = self.cfg.critic.steps_per_iteration
+            steps = self.stage_cfg.critic.steps_per_iteration
             minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed, norm_len=norm_len)
             critic_refs = self.critic.run_async("train_critic", minibatches, algo)
-        steps = self.cfg.actor.steps_per_iteration
+        steps = self.stage_cfg.actor.steps_per_iteration
         minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        actor_refs = self.actor.run_async("train_actor", minibatches, algo, self.cfg.rollout.temperature,
+        actor_refs = self.actor.run_async("train_actor", minibatches, algo, self.stage_cfg.rollout.temperature,
                                           entropy_coef, kl_coef)
         metrics = self.actor.merge_metrics(actor_refs)
         if critic_refs:
             critic = self.critic.merge_metrics(critic_refs)
             critic.pop("tokens", None)
             metrics |= critic
-        if self.base_cfg.trainer.offload_idle_roles:  # untested here: a no-op without a GPU
+        if self.run_cfg.trainer.offload_idle_roles:  # untested here: a no-op without a GPU
             ray.get([ref for group in self._trained_groups() for ref in group.run_async("offload")])
         if self.entropy_ctl is not None and "actor/entropy" in metrics:
             self.entropy_ctl.update(metrics["actor/entropy"])
@@ -415,11 +435,15 @@ class RayPPOTrainer:
     # ---- evaluation --------------------------------------------------------------------------
     def _setup_eval(self):
         """The same Evaluator as `python -m orz.eval`: greedy (avg@1 at temperature 0) and, with
-        eval_n > 1, sampled avg@k / pass@k / maj@k at the rollout's sampling settings."""
-        t, r = self.base_cfg.trainer, self.cfg.rollout
-        benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.eval_sets.items()]
-        common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=t.seed,
-                      math=MathRewardConfig(extraction=tuple(self.cfg.reward.extraction), num_workers=1))
+        eval_n > 1, sampled avg@k / pass@k / maj@k at the stage's sampling settings and length."""
+        cfg = self.stage_cfg
+        t, r = cfg.trainer, cfg.rollout
+        for evaluator in self.evaluators.values():
+            evaluator.close()
+        benchmarks = [benchmark_from_rows(name, load_rows(spec, cfg, "test", cfg.data.synthetic_eval_size))
+                      for name, spec in cfg.data.eval.items()]
+        common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=self.run_cfg.trainer.seed,
+                      math=MathRewardConfig(extraction=tuple(cfg.reward.extraction), num_workers=1))
         settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
         if t.eval_n > 1:
             settings["eval"] = EvalConfig(n=t.eval_n, temperature=r.temperature, top_p=r.top_p, **common)
@@ -458,7 +482,7 @@ class RayPPOTrainer:
                     "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
                     "kl_ctl": self.kl_ctl.state_dict(),
                     "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
-                    "config": to_dict(self.base_cfg),
+                    "config": to_dict(self.run_cfg),
                 }
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
             pointer = root / "latest.tmp"
@@ -469,26 +493,30 @@ class RayPPOTrainer:
             previous = (root / "latest").read_text() if (root / "latest").is_file() else "none"
             raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
                                   f"({previous}) is intact") from err
-        for old in sorted(root.glob("iter_*"))[: -self.base_cfg.trainer.keep_checkpoints]:
+        for old in sorted(root.glob("iter_*"))[: -self.run_cfg.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def _resume(self, ckpt: Path) -> None:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
+    def _resume(self, ckpt: Path, state: dict) -> None:
+        """Roles, weight version and controllers from `ckpt`; the stage and its loader position
+        were restored by _enter_stage."""
         refs = self.actor.run_async("load", str(ckpt / "actor"))
         if self.critic:
             refs += self.critic.run_async("load", str(ckpt / "critic"))
         ray.get(refs)
         self.iteration, self.version = state["iteration"], state["version"]
-        self.loader.load_state_dict(state["loader"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
         self.fleet.sync(self.weights, self.version)
         console.print(f"resumed from {ckpt} at iteration {self.iteration}")
 
+    def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
+        return [(name, group) for name, group in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref))
+                if group is not None]
+
     def _groups(self) -> list[WorkerGroup]:
-        return [group for group in (self.actor, self.critic, self.ref) if group is not None]
+        return [group for _, group in self._named_groups()]
 
     def lost_workers(self) -> list[str]:
         """The Megatron workers whose process is gone, as "actor rank 1"."""

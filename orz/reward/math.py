@@ -241,6 +241,26 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+_SUMMED = ("reward/timeouts", "reward/crashes", "reward/errors", "reward/verify_cpu_s")
+
+
+def merge_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The metrics of several `score` calls as one batch: (batch size, metrics) each. Counts and
+    CPU seconds add up, the slowest item stays the slowest, rates are weighted by batch size
+    (so are the p50/p99 latencies, an approximation)."""
+    total = max(sum(n for n, _ in parts), 1)
+    merged = {}
+    for key in parts[0][1] if parts else ():
+        values = [(n, m[key]) for n, m in parts]
+        if key in _SUMMED:
+            merged[key] = sum(v for _, v in values)
+        elif key == "reward/verify_s_max":
+            merged[key] = max(v for _, v in values)
+        else:
+            merged[key] = sum(n * v for n, v in values) / total
+    return merged
+
+
 class MathReward:
     """Scores batches of responses; holds a persistent verifier pool (call `close()` when done)."""
 

@@ -1,0 +1,117 @@
+"""What a run's config implies and forbids, decided once for the trainer and the Slurm check.
+
+    roles(cfg)                  # {"actor": RoleConfig, ...}: the Megatron roles the run starts
+    whitens(cfg.algorithm)      # batch whitening: the setting, else the estimator's published form
+    optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
+    check(cfg, max_positions)   # every refusal, as one ConfigError naming the keys, before any worker starts
+
+Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
+other workers (parallel sizes, a reference or critic appearing, the engines) is refused.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides
+from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS
+
+# Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
+_LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "steps_per_iteration",
+                   "micro_batch_size", "micro_batch_tokens")
+STAGE_KEYS = (
+    *(f"{role}.{key}" for role in ("actor", "critic") for key in _LIVE_ROLE_KEYS),
+    "ref.micro_batch_size", "ref.micro_batch_tokens",
+    "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.n_samples",
+    "rollout.stop",
+    "data.*", "reward.*",
+    "algorithm.*",
+    "trainer.prompts_per_iteration", "trainer.eval_every", "trainer.eval_n",
+)
+# algorithm.* keys that stay one value for the run: the KL and entropy controllers carry state
+# across stages, and kl_coef > 0 decides whether a reference model exists.
+_RUN_ONLY = ("algorithm.kl_coef", "algorithm.kl_target", "algorithm.kl_horizon", "algorithm.entropy_target",
+             "algorithm.entropy_step", "algorithm.entropy_max_coef")
+
+
+def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
+    """The actor always; the critic when the estimator needs one; the reference when there is a KL
+    term (its log-probs enter the reward, the score or the loss: never built for nothing)."""
+    out = {"actor": cfg.actor}
+    if estimator(cfg.algorithm).needs_critic:
+        out["critic"] = cfg.critic
+    if cfg.algorithm.kl_coef > 0:
+        out["ref"] = cfg.ref
+    return out
+
+
+def estimator(algo: AlgorithmConfig):
+    try:
+        return ADVANTAGE_ESTIMATORS.get(algo.advantage)
+    except ValueError as err:  # the message lists the valid names
+        raise ConfigError(f"algorithm.advantage: {err}") from None
+
+
+def whitens(algo: AlgorithmConfig) -> bool:
+    """algorithm.whiten_advantages when set, else what the estimator's paper does."""
+    return estimator(algo).whitens if algo.whiten_advantages is None else algo.whiten_advantages
+
+
+def stage_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
+    """The config of each stage (one for a run without stages)."""
+    return [apply_overrides(cfg, stage.overrides) for stage in cfg.stages] or [cfg]
+
+
+def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
+    """Optimizer steps of the whole run for `role`, over every stage's iterations × steps."""
+    if not cfg.stages:
+        return cfg.trainer.iterations * getattr(cfg, role).steps_per_iteration
+    return sum(stage.iterations * getattr(staged, role).steps_per_iteration
+               for stage, staged in zip(cfg.stages, stage_configs(cfg)))
+
+
+def check(cfg: ExperimentConfig, max_positions: int | None = None) -> None:
+    """Raises ConfigError listing every problem; max_positions: the model's context limit."""
+    problems = [f"stages[{i}].overrides: {p}" for i, stage in enumerate(cfg.stages) for p in _stage_problems(cfg, stage)]
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    for label, staged in zip([f"stage {i}: " for i in range(len(cfg.stages))] or [""], stage_configs(cfg)):
+        problems += [label + p for p in _run_problems(staged, max_positions)]
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+
+
+def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
+    problems = []
+    for key in stage.overrides:
+        if key in _RUN_ONLY or not any(fnmatch(key, pattern) for pattern in STAGE_KEYS):
+            problems.append(f"{key!r} cannot change between stages (it would need new workers or reset "
+                            f"state); set it for the whole run. A stage may change: {', '.join(STAGE_KEYS)}")
+    try:
+        staged = apply_overrides(cfg, stage.overrides)
+    except ConfigError as err:
+        return problems + [str(err)]
+    if not problems and roles(staged).keys() != roles(cfg).keys():
+        problems.append(f"algorithm.advantage={staged.algorithm.advantage!r} starts or stops a critic; "
+                        "the estimator's need for one cannot change between stages")
+    return problems
+
+
+def _run_problems(cfg: ExperimentConfig, max_positions: int | None) -> list[str]:
+    a, r, d = cfg.algorithm, cfg.rollout, cfg.data
+    problems = []
+    estimator(a)
+    if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
+        problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
+                        f"{r.top_k}): the engine reports log-probs of the truncated distribution")
+    if a.kl_target is not None and a.kl_coef <= 0:
+        problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
+                        "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
+    context = r.max_model_len or d.prompt_max_tokens + r.max_new_tokens
+    if max_positions is not None and context > max_positions:
+        problems.append(f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
+                        f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
+                        f"tokens exceed the model's max_position_embeddings={max_positions}; lower them")
+    for name, role in roles(cfg).items():
+        if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
+            problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
+    return problems
