@@ -204,24 +204,35 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
 
 
 def needs_critic(cfg: ExperimentConfig) -> bool:
-    """Whether the trainer starts a critic, by the advantage estimator's registry entry (imports torch)."""
-    from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS
+    """Whether the trainer starts a critic (orz.ppo.run_rules.roles; imports torch)."""
+    from orz.ppo import run_rules
 
     try:
-        return ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).needs_critic
-    except ValueError as err:  # an unknown name; the message lists the valid ones
-        raise LaunchError(f"algorithm.advantage: {err}") from None
+        return "critic" in run_rules.roles(cfg)
+    except ConfigError as err:  # an unknown estimator; the message lists the valid ones
+        raise LaunchError(str(err)) from None
 
 
 def _roles(cfg: ExperimentConfig, with_critic: bool) -> dict[str, RoleConfig]:
-    """The Megatron roles the trainer starts: the actor always, the critic when the estimator needs
-    one, the reference when there is a KL term (orz.ppo.trainer._setup_roles)."""
+    """The Megatron roles the trainer starts (orz.ppo.run_rules.roles), the critic's presence
+    given as `with_critic` = needs_critic(cfg), so that the rest needs no torch."""
     roles = {"actor": cfg.actor}
     if with_critic:
         roles["critic"] = cfg.critic
     if cfg.algorithm.kl_coef > 0:
         roles["ref"] = cfg.ref
     return roles
+
+
+def config_problems(cfg: ExperimentConfig) -> list[str]:
+    """The trainer's own refusals (orz.ppo.run_rules.check: stage keys, KL settings), one a line."""
+    from orz.ppo import run_rules
+
+    try:
+        run_rules.check(cfg)
+    except ConfigError as err:
+        return str(err).splitlines()
+    return []
 
 
 def gpu_demand(cfg: ExperimentConfig, with_critic: bool) -> dict[str, float]:
@@ -306,7 +317,7 @@ def layout_problems(layout: str | Path, cfg: ExperimentConfig, nodes: int, gpus_
 def preflight(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_critic: bool,
               layout: str | Path | None = None) -> list[str]:
     """Every reason not to start: the recipe against the allocation, then the layout's plan; [] to go on."""
-    problems = recipe_problems(cfg, nodes, gpus_per_node, with_critic)
+    problems = config_problems(cfg) + recipe_problems(cfg, nodes, gpus_per_node, with_critic)
     if layout:
         problems += layout_problems(layout, cfg, nodes, gpus_per_node, with_critic)
     return problems

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
 from orz.config import load_config
+from orz.ppo.actors import WorkerGroup
 from orz.ppo.trainer import main as train
 
 pytestmark = pytest.mark.slow
@@ -103,31 +105,41 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     assert _deterministic(resumed[-1]) == _deterministic(reference[-1])
 
 
-def _kill_an_actor_worker_once(latest, checkpoint, born_after, killed):
-    """SIGKILLs one of the actor's worker processes as soon as `checkpoint` is the latest."""
+def _kill_an_actor_worker_once(latest, checkpoint, actor_pids, killed):
+    """SIGKILLs the first actor group's last worker as soon as `checkpoint` is the latest."""
     deadline = time.time() + 600
     while not (latest.exists() and latest.read_text() >= checkpoint):
         if time.time() > deadline:
             return
         time.sleep(0.05)
-    workers = [proc for proc in psutil.process_iter(["cmdline", "create_time"])
-               if "ray::MegatronWorker" in " ".join(proc.info["cmdline"] or []) and proc.info["create_time"] >= born_after]
-    victim = max(workers, key=lambda proc: proc.pid)
-    victim.kill()
-    killed.append(victim.pid)
+    victim = actor_pids[0][-1]
+    os.kill(victim, signal.SIGKILL)
+    killed.append(victim)
 
 
-def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tiny_run, tmp_path):
+def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tiny_run, tmp_path,
+                                                                     monkeypatch):
     """One of a TP=2 actor's two workers is SIGKILLed once iteration 1's checkpoint exists: the
     iteration in flight fails, leaving no trace; every role and the fleet are rebuilt (the surviving
     rank too, which may hang in a collective with its dead peer), and the run resumes from that
-    checkpoint to the end."""
+    checkpoint to the end. The victim is named by the worker itself (its pid): Ray may place
+    actors in worker processes it started earlier, so no process age or name tells them apart."""
+    actor_pids = []
+    build = WorkerGroup.__init__
+
+    def build_and_record(group, spec):
+        build(group, spec)
+        if spec.name == "actor":
+            actor_pids.append(ray.get([w.__ray_call__.remote(lambda worker: os.getpid()) for w in group.workers]))
+
+    monkeypatch.setattr(WorkerGroup, "__init__", build_and_record)
     out, killed = tmp_path / "lost", []
     killer = threading.Thread(target=_kill_an_actor_worker_once,
-                              args=(out / "checkpoints/latest", "iter_000001", time.time(), killed))
+                              args=(out / "checkpoints/latest", "iter_000001", actor_pids, killed))
     killer.start()
     result = train(load_config(None, tiny_run(out, "grpo", actor_tp=2)))
     killer.join()
     assert len(killed) == 1 and result["restarts"] == 1
+    assert len(actor_pids) == 2 and killed[0] not in actor_pids[1]  # the rebuilt actor is new
     history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
