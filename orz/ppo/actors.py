@@ -130,8 +130,8 @@ class MegatronWorker:
             return
         steps_done = self.scheduler.num_steps if self.scheduler is not None else 0
         total = max(self.spec.total_steps, cfg.warmup_steps + 1)
-        for group in self.engine.optimizer.param_groups:
-            group["betas"] = tuple(cfg.adam_betas)
+        for group in self.engine.optimizer.param_groups:  # the groups' own max/min_lr win over the scheduler's
+            group.update(betas=tuple(cfg.adam_betas), max_lr=cfg.lr, min_lr=cfg.min_lr)
         self.engine.optimizer.config.clip_grad = cfg.clip_grad
         self.scheduler = OptimizerParamScheduler(
             self.engine.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,

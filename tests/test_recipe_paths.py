@@ -1,0 +1,150 @@
+"""End to end, the paths the shipped recipes take beyond the plain GRPO run of test_trainer.py:
+stages, PPO with an actor at DP=2 (distributed optimizer) and a critic at PP=2, KL in the reward
+and in the loss, the adaptive KL and entropy controllers, importance-weight correction, the
+overlong penalty and dynamic sampling. Runs resumed from an earlier checkpoint continue to the
+metrics of the uninterrupted run."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orz.config import ConfigError, load_config
+from orz.ppo.trainer import main as train
+
+pytestmark = pytest.mark.slow
+NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "sync_seconds", "wall_s")
+
+
+def _history(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(row):
+    return {k: v for k, v in row.items() if not any(part in k for part in NONDETERMINISTIC)}
+
+
+def _samples(out, iteration):
+    return [json.loads(line) for line in (Path(out) / f"samples/iter_{iteration:06d}.jsonl").read_text().splitlines()]
+
+
+def _resume_copy(whole: Path, copy: Path, checkpoint: int) -> None:
+    """`copy` as `whole` was when it had just written iter_`checkpoint` (the later ones never were)."""
+    shutil.copytree(whole, copy)
+    for later in (copy / "checkpoints").glob("iter_*"):
+        if int(later.name.split("_")[1]) > checkpoint:
+            shutil.rmtree(later)
+    (copy / "checkpoints/latest").write_text(f"iter_{checkpoint:06d}")
+
+
+def _resumed_matches(whole, overrides_for, checkpoint, tmp_path):
+    copy = tmp_path / "resumed"
+    _resume_copy(whole, copy, checkpoint)
+    train(load_config(None, overrides_for(copy)))
+    resumed, reference = _history(copy), _history(whole)
+    assert [row["step"] for row in resumed] == [row["step"] for row in reference]
+    for mine, ref in zip(resumed[checkpoint + 1:], reference[checkpoint + 1:]):
+        assert _deterministic(mine) == _deterministic(ref)
+
+
+def test_three_stages_apply_lr_length_and_data_and_resume_mid_stage(ray_cluster, tiny_run, tmp_path):
+    """Stage 1: lr 1e-3, 12 new tokens, '+' problems; stage 2 (two iterations): lr 5e-4 and 6
+    tokens; stage 3: '*' problems (a stage's overrides apply to the run's config, not to the
+    previous stage's: back to lr 1e-3 and 12 tokens). Checkpoints every 2 iterations; resumed from
+    iteration 2, in the middle of stage 2."""
+    stages = ("stages=[{iterations: 1, overrides: {}}, "
+              "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6}}, "
+              "{iterations: 1, overrides: {data.synthetic_ops: '*'}}]")
+
+    def overrides(out):
+        return [*tiny_run(out, "grpo"), stages, "trainer.save_every=2", "trainer.keep_checkpoints=5",
+                "rollout.stop=[]"]  # responses run to each stage's cap
+
+    whole = tmp_path / "whole"
+    train(load_config(None, overrides(whole)))
+    history = _history(whole)[1:]
+    assert [row["actor/lr"] for row in history] == [1e-3, 5e-4, 5e-4, 1e-3]
+    lengths = [row["response/length_max"] for row in history]
+    assert 6 < lengths[0] <= 12 and lengths[1] <= 6 and lengths[2] <= 6 and lengths[3] <= 12
+    for iteration, op, other in ((1, "+", "*"), (2, "+", "*"), (3, "+", "*"), (4, "*", "+")):
+        problems = {sample["prompt"].split("User:")[1] for sample in _samples(whole, iteration)}
+        assert all(op in p and other not in p for p in problems), problems
+    _resumed_matches(whole, overrides, 2, tmp_path)
+
+
+def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tiny_run, tmp_path):
+    def overrides(out):
+        return [*tiny_run(out, "gae", iterations=2), "actor.dp=2", "actor.use_distributed_optimizer=true",
+                "critic.pp=2", "actor.micro_batch_tokens=96", "trainer.keep_checkpoints=3"]
+
+    whole = tmp_path / "whole"
+    train(load_config(None, overrides(whole)))
+    history = _history(whole)[1:]
+    assert all("critic/vf_loss" in row and math.isfinite(row["actor/grad_norm"]) for row in history)
+    shards = sorted(p.name for p in (whole / "checkpoints/iter_000002/actor/mp_rank_00_000").iterdir())
+    assert shards == ["model.safetensors", "optim.pt", "optim_dp_00_0.pt", "optim_dp_01_0.pt"]
+    assert (whole / "checkpoints/iter_000002/critic/mp_rank_00_001/optim.pt").is_file()
+    _resumed_matches(whole, overrides, 1, tmp_path)
+
+
+def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_run, tmp_path):
+    """GRPO reads one score per sample: the KL enters it as s − β·ΣKL (k3 ≥ 0, so it can only
+    lower it once the actor has moved from the reference)."""
+    out = tmp_path / "run"
+    beta, target, step, max_new = 0.5, 10.0, 1e-3, 12
+    train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
+                             f"algorithm.entropy_target={target}", f"algorithm.entropy_step={step}",
+                             "algorithm.entropy_max_coef=0.01", "algorithm.entropy_coef=0.0",
+                             "algorithm.overlong_buffer=10", "rollout.stop=[]"]))
+    first, second = _history(out)[1:]
+    assert first["actor/kl_ref"] == 0  # iteration 1: the actor is the reference
+    assert first["algorithm/score_mean"] == pytest.approx(first["reward/mean"], abs=1e-6)
+    assert second["actor/kl_ref"] > 0 and second["algorithm/score_mean"] < second["reward/mean"] - 1e-6
+    # Entropy below the target raises the coefficient by one step per iteration (clamped).
+    coef = 0.0
+    for row in (first, second):
+        coef = min(max(coef + (step if row["actor/entropy"] < target else -step), 0.0), 0.01)
+        assert row["algorithm/entropy_coef"] == pytest.approx(coef)
+    # DAPO's overlong penalty: each score is 0/1 correctness plus min(−(L − 2)/10, 0).
+    for sample in _samples(out, 1) + _samples(out, 2):
+        penalty = min(-(sample["info/response_length"] - (max_new - 10)) / 10, 0.0)
+        assert sample["scores"] - penalty == pytest.approx(round(sample["scores"] - penalty), abs=1e-5)
+        assert round(sample["scores"] - penalty) in (0, 1)
+
+
+def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_cluster, tiny_run, tmp_path):
+    out = tmp_path / "run"
+    beta, target, horizon = 0.2, 0.05, 100.0
+    train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}",
+                             "algorithm.kl_in_reward=false", "algorithm.kl_kind=k3", f"algorithm.kl_target={target}",
+                             f"algorithm.kl_horizon={horizon}", "algorithm.is_correction=true", "algorithm.is_cap=2.0",
+                             "algorithm.dynamic_sampling=true", "algorithm.max_prompt_draws=2"]))
+    rows = _history(out)[1:]
+    coef = beta
+    for row in rows:
+        assert "actor/kl_loss" in row and "algorithm/score_mean" not in row  # in the loss, not the score
+        # Adaptive β: β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), n = samples of the iteration.
+        error = min(max(row["actor/kl_ref"] / target - 1, -0.2), 0.2)
+        coef *= 1 + error * row["rollout/samples"] / horizon
+        assert row["algorithm/kl_coef"] == pytest.approx(coef)
+        # fp32 engine and actor agree: truncated weights π_old/π_engine are ~1, never above the cap.
+        assert 0.99 < row["actor/is_weight_mean"] <= 2.0
+        # Dynamic sampling: whole groups of 4, at most the target of 4 prompts × 4 samples.
+        assert row["rollout/samples"] % 4 == 0 and row["rollout/samples"] <= 16
+        assert row["rollout/short_batch"] == float(row["rollout/samples"] < 16)
+        assert 1 <= row["rollout/draws"] <= 2
+    assert rows[1]["actor/kl_loss"] > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stages=[{iterations: 1, overrides: {actor.tp: 2}}]", "'actor.tp' cannot change between stages"),
+    ("stages=[{iterations: 1, overrides: {algorithm.kl_coef: 0.1}}]", "'algorithm.kl_coef' cannot change"),
+    ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
+    ("algorithm.kl_target=0.1", "kl_target=0.1 does nothing with kl_coef=0.0"),
+    ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),
+])
+def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        train(load_config(None, [*tiny_run(tmp_path, "grpo"), override]))
+    assert not (tmp_path / "config.yaml").exists()  # nothing started
