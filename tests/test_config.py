@@ -64,3 +64,25 @@ def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tmp_path):
                              f"trainer.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 \(got 1.0, 20\)"):
         RayPPOTrainer(cfg)
+
+
+def test_unknown_keys_suggest_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'actor.lrr' \(did you mean 'actor.lr'\?\)"):
+        load_config(None, ["actor.lrr=1e-6"])
+    with pytest.raises(ConfigError, match=r"unknown key 'rolout' \(did you mean 'rollout'\?\)"):
+        load_config(None, ["rolout.max_new_tokens=8"])
+
+
+def test_run_rules_roles_whitening_and_schedule_length():
+    from orz.ppo import run_rules
+
+    ppo = load_config(None, ["algorithm.advantage=gae"])
+    grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
+    assert list(run_rules.roles(ppo)) == ["actor", "critic"]
+    assert list(run_rules.roles(grpo_kl)) == ["actor", "ref"]
+    assert run_rules.whitens(ppo.algorithm) and not run_rules.whitens(grpo_kl.algorithm)
+    forced = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.whiten_advantages=true"])
+    assert run_rules.whitens(forced.algorithm)  # an explicit setting wins
+    staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
+                                "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
+    assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4

@@ -637,3 +637,21 @@ def test_adaptive_kl_moves_beta_towards_the_target(kl, target, n_steps):
 def test_bad_input_raises_value_error_naming_the_argument(call, argument):
     with pytest.raises(ValueError, match=argument):
         call()
+
+
+def test_kl_in_score_by_hand():
+    """s' = s − β·Σₜ klₜ over real tokens: 1 − 0.5·(0.2 + 0.4) = 0.7; 0 − 0.5·0.1 = −0.05."""
+    scores = torch.tensor([1.0, 0.0])
+    kl = torch.tensor([[0.2, 0.4, 9.0], [0.1, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert torch.allclose(ca.kl_in_score(scores, kl, mask, 0.5), torch.tensor([0.7, -0.05]))
+    # The same total as the per-token penalty a per-token estimator sums into its return.
+    rewards = ca.reward_on_last_token(scores, mask, kl * mask, 0.5)
+    assert torch.allclose(rewards.sum(1), ca.kl_in_score(scores, kl, mask, 0.5))
+
+
+def test_estimators_declare_what_they_read_and_their_published_whitening():
+    read = {name: ca.ADVANTAGE_ESTIMATORS.get(name) for name in ca.ADVANTAGE_ESTIMATORS.names()}
+    assert {n for n, e in read.items() if e.reads_token_rewards} == {"gae", "reinforce_pp"}
+    assert {n for n, e in read.items() if e.whitens} == {"gae", "reinforce_pp"}
+    assert {n for n, e in read.items() if e.needs_critic} == {"gae"}
