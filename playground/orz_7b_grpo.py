@@ -13,7 +13,9 @@ RECIPE = replace(
     PPO,
     actor=replace(PPO.actor, tp=2, dp=8),  # the critic's GPUs go to the actor
     critic=RoleConfig(),  # unused: GRPO has no critic
-    algorithm=replace(PPO.algorithm, advantage="grpo", whiten_advantages=False),
+    # GRPO's published form: group-normalised scores, no batch whitening on top (the estimator's
+    # default, None, rather than the PPO recipe's explicit True).
+    algorithm=replace(PPO.algorithm, advantage="grpo", whiten_advantages=None),
     trainer=replace(PPO.trainer, output_dir="runs/orz_7b_grpo"),
 )
 

@@ -21,7 +21,8 @@ RECIPE = ExperimentConfig(
                       micro_batch_tokens=16384, use_distributed_optimizer=True),
     rollout=RolloutConfig(num_engines=16, n_samples=64, temperature=1.0, top_p=1.0, max_new_tokens=8000,
                           stop=["</answer>"], gpu_memory_utilization=0.85),
-    # PPO with GAE γ = λ = 1, reward on the last token, no KL (ORZ's "minimalist" recipe).
+    # PPO with GAE γ = λ = 1, reward on the last token, no KL (ORZ's "minimalist" recipe);
+    # advantages whitened over the buffer, as ORZ does (also GAE's default here).
     algorithm=AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, kl_coef=0.0, whiten_advantages=True),
     data=DataConfig(template="think_answer", prompt_max_tokens=2048),
     trainer=TrainerConfig(iterations=1000, prompts_per_iteration=128, eval_every=10, eval_n=1, save_every=10,

@@ -84,8 +84,13 @@ LAYOUTS = {  # name: (workers, RoleConfig)
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory):
-    return run_world(_two_steps, 1, LAYOUTS["dp1"][1], "float32", model, str(tmp_path_factory.mktemp("ck")))[0]
+def reference_checkpoint(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ck"))
+
+
+@pytest.fixture(scope="module")
+def reference(model, reference_checkpoint):
+    return run_world(_two_steps, 1, LAYOUTS["dp1"][1], "float32", model, reference_checkpoint)[0]
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -122,3 +127,16 @@ def test_reference_moves_the_weights(model, reference):
     initial = load_file(f"{model}/model.safetensors")
     assert any(not torch.equal(initial[n], w) for n, w in reference["weights"].items())
     assert reference["metrics"][0]["actor/grad_norm"] > 0
+
+
+def _load(rank, world, role, model, ckpt):
+    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=2), rank, world)
+    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    w.load(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["dp2_distributed_optimizer", "pp2"])
+def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, model, reference, reference_checkpoint):
+    workers, role = LAYOUTS[layout]
+    with pytest.raises(RuntimeError, match=r"actor was saved at (TP1 PP1 DP1|another layout); this run has TP1 PP"):
+        run_world(_load, workers, role, model, reference_checkpoint)

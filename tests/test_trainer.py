@@ -143,3 +143,25 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     assert len(actor_pids) == 2 and killed[0] not in actor_pids[1]  # the rebuilt actor is new
     history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig):
+    """`python -m orz.train` stopped mid-run by SIGTERM (or Ctrl-C's SIGINT) shuts its roles and
+    its local Ray cluster down: no process of the run (Ray's agents included) outlives it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=20)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.2)
+    os.kill(proc.pid, sig)
+    assert proc.wait(timeout=120) != 0
+    pattern = re.compile(rf"session_\S+_{proc.pid}\b")
+    deadline = time.time() + 30  # Ray's processes get a moment to see their cluster go
+    while (left := [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                    if pattern.search(" ".join(p.info["cmdline"] or []))]) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left
+    _kill_ray_cluster_of(proc.pid)

@@ -330,7 +330,8 @@ class MegatronWorker:
             return
         shard.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.engine.local_state().items()}, shard / "model.safetensors")
-        state = {"rng": torch.get_rng_state(), "dp": self._dp[1]}
+        layout = self.engine.layout
+        state = {"rng": torch.get_rng_state(), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}}
         if self.spec.train:  # the schedule's settings come from the stage's config (configure)
             state |= {"optimizer": self.engine.optimizer.state_dict(), "scheduler_steps": self.scheduler.num_steps}
         torch.save(state, shard / "optim.pt")
@@ -341,24 +342,29 @@ class MegatronWorker:
         from safetensors.torch import load_file
 
         shard = self._shard_dir(root)
-        if not (shard / "model.safetensors").is_file():
-            raise FileNotFoundError(f"{root}: no shard {shard.name} for {self.spec.name} at TP{self.engine.layout.tp} "
-                                    f"PP{self.engine.layout.pp}; was the checkpoint written with another layout?")
+        layout = self.engine.layout
+        mine = {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}
+        state = torch.load(shard / "optim.pt", weights_only=False) if (shard / "optim.pt").is_file() else {}
+        saved = state.get("layout", {**mine, "dp": None})  # checkpoints before layouts were recorded: DP unknown
+        if not state or (saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"]) or (
+                self._distributed_optimizers() and saved["dp"] not in (None, mine["dp"])):
+            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved) if state else 'another layout'}; "
+                             f"this run has {_sizes(mine)}. Resume at the saved layout, or export it with "
+                             "`orz.convert mcore2hf` and start a new run from the HF weights")
         self.engine.load_local_state(load_file(shard / "model.safetensors"))
-        state = torch.load(shard / "optim.pt", weights_only=False)
         torch.set_rng_state(state["rng"])
         if not self.spec.train:
             return
-        distributed = self._distributed_optimizers()
-        if distributed and state.get("dp", self._dp[1]) != self._dp[1]:
-            raise ValueError(f"{root}: {self.spec.name}'s distributed optimizer was saved at DP={state.get('dp')}, "
-                             f"this run has DP={self._dp[1]}; resume at the saved DP size")
         self.engine.optimizer.load_state_dict(state["optimizer"])
-        for i, optimizer in enumerate(distributed):
+        for i, optimizer in enumerate(self._distributed_optimizers()):
             _load_shard_states(optimizer, torch.load(shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"))
         self.scheduler.num_steps = 0
         # Checkpoints before stages kept the scheduler's whole state dict.
         self.scheduler.step(increment=state.get("scheduler_steps") or state["scheduler"]["num_steps"])
+
+
+def _sizes(layout: dict) -> str:
+    return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}"
 
 
 def _shard_params(optimizer) -> list:

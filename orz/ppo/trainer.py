@@ -133,7 +133,6 @@ class RayPPOTrainer:
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward, self.evaluators, self.loader = None, {}, None
-        self._setup_ray()
         self._setup_roles()
         self._setup_controllers()
         state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None else None
@@ -144,14 +143,6 @@ class RayPPOTrainer:
                                     resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _setup_ray(self):
-        if not ray.is_initialized():
-            t = self.run_cfg.trainer
-            # "local": a new cluster even where `ray start` left its address in /tmp/ray.
-            local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-            ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=True,
-                     configure_logging=False, **local)
-
     def _role(self, name: str, **kwargs) -> RoleSpec:
         cfg = self.run_cfg
         role_cfg = getattr(self.stage_cfg, name)
@@ -539,8 +530,34 @@ def _summary(metrics: dict) -> str:
     return "  ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics)
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through every `finally`, like Ctrl-C's KeyboardInterrupt
+
+
 def main(cfg: ExperimentConfig) -> dict:
-    """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint."""
+    """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
+    SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
+    call started it: no agent or worker process of the run is left behind."""
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        t = cfg.trainer
+        # "local": a new cluster even where `ray start` left its address in /tmp/ray.
+        local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
+        ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, **local)
+    # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+    try:
+        return _train_with_restarts(cfg)
+    finally:
+        if owns_ray:
+            ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _train_with_restarts(cfg: ExperimentConfig) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
         trainer = RayPPOTrainer(cfg, resume_from, restarts)
