@@ -97,7 +97,10 @@ class AlgorithmConfig:
     entropy_target: float | None = None  # set: Skywork-OR1's adaptive entropy control
     entropy_step: float = 0.005
     entropy_max_coef: float = 0.01
-    is_correction: bool = False  # truncated importance weights for engine/trainer log-prob mismatch
+    # Truncated importance weights min(π_old/π_engine, is_cap) on the clipped loss: the decoupled
+    # PPO objective (AReaL) for engine/trainer mismatch and stale samples. None: on exactly when
+    # trainer.max_staleness > 0.
+    is_correction: bool | None = None
     is_cap: float = 2.0
     # π_old = the engine's log-probs of its samples, skipping the actor's log-prob pass (slime's
     # --use-rollout-logprobs): right only where engine and trainer agree (fp32; no top-p/top-k).
@@ -155,6 +158,9 @@ class TrainerConfig:
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
     ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
+    # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor
+    # trains on batch i, so batch i comes from weights max(0, i − k); a stage boundary drains.
+    max_staleness: int = 0
 
 
 @dataclass

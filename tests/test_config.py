@@ -80,9 +80,11 @@ def test_run_rules_roles_whitening_and_schedule_length():
     grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
     assert list(run_rules.roles(ppo)) == ["actor", "critic"]
     assert list(run_rules.roles(grpo_kl)) == ["actor", "ref"]
-    assert run_rules.whitens(ppo.algorithm) and not run_rules.whitens(grpo_kl.algorithm)
+    assert run_rules.algorithm(ppo).whiten_advantages and not run_rules.algorithm(grpo_kl).whiten_advantages
     forced = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.whiten_advantages=true"])
-    assert run_rules.whitens(forced.algorithm)  # an explicit setting wins
+    assert run_rules.algorithm(forced).whiten_advantages  # an explicit setting wins
+    assert not run_rules.algorithm(ppo).is_correction
+    assert run_rules.algorithm(load_config(None, ["trainer.max_staleness=1"])).is_correction
     staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
                                 "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
     assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4

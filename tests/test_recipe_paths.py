@@ -137,7 +137,29 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
     assert rows[1]["actor/kl_loss"] > 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path):
+    """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
+    trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
+    holds batches generated ahead continues to the uninterrupted run's metrics."""
+    def overrides(out):
+        return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.keep_checkpoints=5"]
+
+    whole = tmp_path / "whole"
+    train(load_config(None, overrides(whole)))
+    rows = _history(whole)[1:]
+    assert [row["rollout/sample_weight_version"] for row in rows] == [max(0, i - k) for i in range(4)]
+    assert [row["rollout/staleness_max"] for row in rows] == [min(i, k) for i in range(4)]
+    assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
+    assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
+    assert rows[1]["timing/overlap_rollout_train"] > 0
+    _resumed_matches(whole, overrides, 1, tmp_path)
+
+
 @pytest.mark.parametrize("override, message", [
+    ("trainer.max_staleness=-1", "max_staleness=-1 must be >= 0"),
+    ("trainer.max_staleness=1|algorithm.rollout_logprobs_as_old=true", "the proximal π_old must be the actor's own"),
+    ("trainer.max_staleness=1|algorithm.is_correction=false", "would leave them uncorrected"),
     ("stages=[{iterations: 1, overrides: {actor.tp: 2}}]", "'actor.tp' cannot change between stages"),
     ("stages=[{iterations: 1, overrides: {algorithm.kl_coef: 0.1}}]", "'algorithm.kl_coef' cannot change"),
     ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
@@ -146,5 +168,5 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
 ])
 def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=message):
-        train(load_config(None, [*tiny_run(tmp_path, "grpo"), override]))
+        train(load_config(None, [*tiny_run(tmp_path, "grpo"), *override.split("|")]))
     assert not (tmp_path / "config.yaml").exists()  # nothing started

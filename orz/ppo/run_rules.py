@@ -1,7 +1,7 @@
 """What a run's config implies and forbids, decided once for the trainer and the Slurm check.
 
     roles(cfg)                  # {"actor": RoleConfig, ...}: the Megatron roles the run starts
-    whitens(cfg.algorithm)      # batch whitening: the setting, else the estimator's published form
+    algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, max_positions)   # every refusal, as one ConfigError naming the keys, before any worker starts
 
@@ -10,6 +10,7 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from fnmatch import fnmatch
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides
@@ -51,9 +52,12 @@ def estimator(algo: AlgorithmConfig):
         raise ConfigError(f"algorithm.advantage: {err}") from None
 
 
-def whitens(algo: AlgorithmConfig) -> bool:
-    """algorithm.whiten_advantages when set, else what the estimator's paper does."""
-    return estimator(algo).whitens if algo.whiten_advantages is None else algo.whiten_advantages
+def algorithm(cfg: ExperimentConfig) -> AlgorithmConfig:
+    """The algorithm settings as the run applies them: whitening as set, else the estimator's
+    published form; the IS correction as set, else on exactly when samples may be stale."""
+    a = cfg.algorithm
+    return replace(a, whiten_advantages=estimator(a).whitens if a.whiten_advantages is None else a.whiten_advantages,
+                   is_correction=cfg.trainer.max_staleness > 0 if a.is_correction is None else a.is_correction)
 
 
 def stage_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
@@ -103,6 +107,15 @@ def _run_problems(cfg: ExperimentConfig, max_positions: int | None) -> list[str]
     if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
         problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
                         f"{r.top_k}): the engine reports log-probs of the truncated distribution")
+    k = cfg.trainer.max_staleness
+    if k < 0:
+        problems.append(f"trainer.max_staleness={k} must be >= 0 (0: on-policy; k: batches from up to k versions back)")
+    if k > 0 and a.rollout_logprobs_as_old:
+        problems.append(f"algorithm.rollout_logprobs_as_old makes the stale engine's policy π_old; with "
+                        f"trainer.max_staleness={k} the proximal π_old must be the actor's own: set it false")
+    if k > 0 and a.is_correction is False:
+        problems.append(f"trainer.max_staleness={k} trains on samples of older weights: algorithm.is_correction=false "
+                        "would leave them uncorrected; leave it unset (on) or true")
     if a.kl_target is not None and a.kl_coef <= 0:
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")

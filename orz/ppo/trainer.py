@@ -24,6 +24,8 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -129,6 +131,8 @@ class RayPPOTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
         self.iteration, self.version, self.restarts = 0, 0, restarts
+        self.pending: deque[tuple[Experience, dict]] = deque()  # generated batches not yet trained on
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")  # max_staleness > 0
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -187,6 +191,7 @@ class RayPPOTrainer:
         previous = self.stage_cfg if self.loader is not None else None
         self.stage_index = index
         self.stage_cfg = cfg = run_rules.stage_configs(self.run_cfg)[index]
+        self.algo = run_rules.algorithm(cfg)  # its None defaults decided
         d = cfg.data
         self.template = ThinkAnswerTemplate(d.instruction) if d.template == "think_answer" and d.instruction \
             else make_template(d.template, self.tokenizer)
@@ -247,26 +252,45 @@ class RayPPOTrainer:
                 "first": history[0] if history else {}, "last": history[-1] if history else {}}
 
     def step(self, show=lambda phase: None) -> dict:
-        timer = Timer()
+        """One iteration. With trainer.max_staleness = k > 0 the engines generate (and the pool
+        scores) batch i + k in a background thread while the actor trains on batch i; the sync
+        waits for them. Batches already generated wait in `self.pending` (and in checkpoints)."""
+        timer, k = Timer(), self.run_cfg.trainer.max_staleness
         with timer("step"):
             show("rollout")
-            with timer("rollout"):
-                experience, metrics = self._rollout_and_reward()
+            while len(self.pending) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
+                self.pending.append(self._rollout_and_reward(self.iteration + len(self.pending), self.version))
+            experience, metrics = self.pending.popleft()
+            metrics |= self._staleness(experience, k)
+            ahead, prefetch = self.iteration + k, None
+            if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
+                prefetch = self._background.submit(self._rollout_and_reward, ahead, self.version)
             show("log-probs and values")
-            with timer("forward"):
-                experience = self._forward(experience)
-            with timer("advantages"):
-                experience, adv_metrics = self._advantages(experience)
-            show("update")
-            with timer("update"):
-                update_metrics = self._update(experience)
+            with timer("train"):
+                with timer("forward"):
+                    experience = self._forward(experience)
+                with timer("advantages"):
+                    experience, adv_metrics = self._advantages(experience)
+                show("update")
+                with timer("update"):
+                    update_metrics = self._update(experience)
+            with timer("wait_rollout"):
+                if prefetch is not None:
+                    show("waiting for the next batch")
+                    self.pending.append(prefetch.result())
             show("weight sync")
             with timer("sync"):
                 self.version += 1
                 sync = self.fleet.sync(self.weights, self.version)
         metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
+        # What ran at once this iteration: the background rollout beside the actor's work.
+        generating = self.pending[-1][1]["timing/rollout"] if prefetch is not None else 0.0
+        train = timer.seconds["timing/train"]
+        metrics |= {"timing/overlap_rollout_train": min(generating, train),
+                    "timing/idle_engines": train - min(generating, train),
+                    "timing/idle_actor": timer.seconds["timing/wait_rollout"] + (0.0 if k else metrics["timing/rollout"])}
         generated = float(experience.response_mask.sum())
-        metrics["throughput/generated_tokens_per_s"] = generated / max(timer.seconds["timing/rollout"], 1e-9)
+        metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/rollout"], 1e-9)
         metrics["throughput/trained_tokens_per_s"] = update_metrics.get("tokens", 0.0) / max(timer.seconds["timing/update"], 1e-9)
         metrics["algorithm/kl_coef"] = self.kl_ctl.value
         metrics["fault/restarts"] = float(self.restarts)
@@ -277,11 +301,20 @@ class RayPPOTrainer:
             self._dump(experience)
         return metrics
 
+    def _staleness(self, experience: Experience, k: int) -> dict:
+        """How many versions behind the actor each sample's weights are; more than k is refused."""
+        staleness = self.version - experience.info["weight_version"]
+        if int(staleness.max()) > k:
+            raise RuntimeError(f"iteration {self.iteration + 1}: a sample of weight version "
+                               f"{int(experience.info['weight_version'].min())} is {int(staleness.max())} versions behind "
+                               f"the actor's {self.version}, more than trainer.max_staleness={k}")
+        return {"rollout/staleness_mean": float(staleness.float().mean()), "rollout/staleness_max": float(staleness.max())}
+
     # ---- phases ------------------------------------------------------------------------------
-    def _sampling(self, draw: int) -> SamplingConfig:
+    def _sampling(self, batch: int, draw: int) -> SamplingConfig:
         r = self.stage_cfg.rollout
-        # Seeds depend on the iteration, so a resumed run samples what the uninterrupted one did.
-        seed = (self.run_cfg.trainer.seed * 1_000_003 + self.iteration * 1009 + draw * 100_003) % 2**31
+        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did.
+        seed = (self.run_cfg.trainer.seed * 1_000_003 + batch * 1009 + draw * 100_003) % 2**31
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop=list(r.stop), n=r.n_samples, seed=seed)
 
@@ -293,15 +326,17 @@ class RayPPOTrainer:
                 out.append((row, ids))
         return out
 
-    def _rollout_and_reward(self) -> tuple[Experience, dict]:
-        """One draw of prompts; with dynamic sampling, more draws until the kept groups fill the
-        batch, which is then cut, by whole groups, to prompts_per_iteration × n_samples."""
-        algo, n = self.stage_cfg.algorithm, self.stage_cfg.rollout.n_samples
+    def _rollout_and_reward(self, batch: int, min_version: int) -> tuple[Experience, dict]:
+        """Batch `batch` (its iteration index) from engines holding weights >= min_version: one
+        draw of prompts; with dynamic sampling, more draws until the kept groups fill the batch,
+        which is then cut, by whole groups, to prompts_per_iteration × n_samples."""
+        start = time.perf_counter()
+        algo, n = self.algo, self.stage_cfg.rollout.n_samples
         target = self.stage_cfg.trainer.prompts_per_iteration * n
         kept, draws, dropped, first_group = [], [], 0, 0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
-            samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(draw), min_version=self.version)
+            samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(batch, draw), min_version=min_version)
             answers = [prompts[s.index][0]["answer"] for s in samples]
             scores, reward_metrics = self.reward.score([s.text for s in samples], answers,
                                                        [s.finish_reason for s in samples])
@@ -329,7 +364,8 @@ class RayPPOTrainer:
             scores = scores + overlong_penalty(lengths, self.stage_cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                algo.overlong_factor)
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
-                             info={"response_length": lengths, "truncated": truncated})
+                             info={"response_length": lengths, "truncated": truncated,
+                                   "weight_version": torch.tensor([s.weight_version for s in samples])})
         metrics = merge_metrics(draws) | {  # reward/*: over every draw, kept or not
             "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
@@ -340,6 +376,7 @@ class RayPPOTrainer:
         if algo.dynamic_sampling:
             metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(len(draws)),
                         "rollout/short_batch": float(len(samples) < target)}
+        metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
         return experience, metrics
 
     def _forward(self, experience: Experience) -> Experience:
@@ -358,7 +395,7 @@ class RayPPOTrainer:
     def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
         """The KL penalty enters the per-token rewards of gae/reinforce_pp, the score of group
         estimators (s − β·ΣKL), or, with kl_in_reward off, the actor's loss (_update)."""
-        algo, mask = self.stage_cfg.algorithm, experience.response_mask
+        algo, mask = self.algo, experience.response_mask
         estimator = run_rules.estimator(algo)
         metrics, kl, scores = {}, None, experience.scores
         if experience.ref_logprobs is not None:
@@ -374,7 +411,7 @@ class RayPPOTrainer:
             algo.advantage, mask=mask, token_rewards=rewards, scores=scores, values=experience.values,
             group_index=experience.group_index, gamma=algo.gamma, lam=algo.lam,
         )
-        if run_rules.whitens(algo):
+        if algo.whiten_advantages:
             advantages = whiten(advantages, mask)
         mismatch = (experience.old_logprobs - experience.rollout_logprobs).abs() * mask
         metrics |= {
@@ -387,7 +424,7 @@ class RayPPOTrainer:
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
 
     def _update(self, experience: Experience) -> dict:
-        algo, buffer = self.stage_cfg.algorithm, ReplayBuffer()
+        algo, buffer = self.algo, ReplayBuffer()
         buffer.append(experience)
         seed = self.run_cfg.trainer.seed * 7919 + self.iteration
         norm_len = self.stage_cfg.rollout.max_new_tokens
@@ -477,6 +514,8 @@ class RayPPOTrainer:
                     "config": to_dict(self.run_cfg),
                 }
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+                # Batches generated ahead (max_staleness > 0) by weights no checkpoint holds.
+                torch.save(list(self.pending), tmp / "pending_batches.pt")
             pointer = root / "latest.tmp"
             pointer.write_text(final.name)
             pointer.replace(root / "latest")
@@ -497,6 +536,8 @@ class RayPPOTrainer:
             refs += self.critic.run_async("load", str(ckpt / "critic"))
         ray.get(refs)
         self.iteration, self.version = state["iteration"], state["version"]
+        if (ckpt / "pending_batches.pt").is_file():
+            self.pending = deque(torch.load(ckpt / "pending_batches.pt", weights_only=False))
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
@@ -515,6 +556,7 @@ class RayPPOTrainer:
         return [f"{group.spec.name} rank {rank}" for group in self._groups() for rank in group.dead_ranks()]
 
     def shutdown(self) -> None:
+        self._background.shutdown(wait=True, cancel_futures=True)  # a batch in flight uses the fleet
         self.logger.close(plot=False)
         self.reward.close()
         for evaluator in self.evaluators.values():
