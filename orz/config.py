@@ -81,6 +81,10 @@ class AlgorithmConfig:
     # Whitening over the whole buffer (ORZ's PPO). None: the estimator's published form — on for
     # gae and reinforce_pp, off for grpo, dr_grpo and rloo (orz_grpo whitens inside).
     whiten_advantages: bool | None = None
+    # ppo: per-token clipped ratio | gspo: clipped sequence-level ratio (use clip ranges ~3e-4/4e-4
+    # and loss_agg seq-mean-token-mean) | cispo: clipped, detached IS weight on log π (no token
+    # loses its gradient; MiniMax-M1 uses clip_low 1, clip_high ~0.28)
+    policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
     dual_clip: float | None = None

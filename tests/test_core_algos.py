@@ -655,3 +655,56 @@ def test_estimators_declare_what_they_read_and_their_published_whitening():
     assert {n for n, e in read.items() if e.reads_token_rewards} == {"gae", "reinforce_pp"}
     assert {n for n, e in read.items() if e.whitens} == {"gae", "reinforce_pp"}
     assert {n for n, e in read.items() if e.needs_critic} == {"gae"}
+
+
+def test_gspo_by_hand():
+    """Log-ratios 0.2 and −0.1: s = e^0.05 = 1.051271 for both tokens; A = 1. Inside the clip
+    range the loss is −s and each token's gradient (token-mean over 2) is −s/2; outside
+    (ranges 0.01) the whole sequence takes the clipped branch, −1.01, with no gradient."""
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    adv = torch.ones(1, 3)
+    new = torch.tensor([[0.2, -0.1, 5.0]], requires_grad=True)
+    loss, metrics = ca.gspo_policy_loss(old, new, adv, mask, 0.2, 0.2, agg="token-mean")
+    s = math.exp(0.05)
+    assert loss.item() == pytest.approx(-s, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(new.grad, torch.tensor([[-s / 2, -s / 2, 0.0]]), atol=1e-6)
+    assert metrics["actor/ratio_mean"].item() == pytest.approx(s, abs=1e-6)
+    new.grad = None
+    loss, metrics = ca.gspo_policy_loss(old, new, adv, mask, 0.01, 0.01, agg="token-mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.01, abs=1e-6) and metrics["actor/clip_frac"].item() == 1.0
+    assert torch.count_nonzero(new.grad) == 0
+
+
+def test_gspo_with_seq_mean_is_the_papers_sequence_objective():
+    """Two sequences of lengths 1 and 3: seq-mean-token-mean gives −mean_i(sᵢ·Aᵢ)."""
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.3, 0.0, 0.0], [0.1, 0.2, -0.3]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    adv = torch.tensor([[2.0], [-1.0]]).expand(2, 3)
+    loss, _ = ca.gspo_policy_loss(old, new, adv, mask, 0.5, 0.5, agg="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-(2 * math.exp(0.3) + -1 * math.exp(0.0)) / 2, abs=1e-6)
+
+
+def test_cispo_by_hand():
+    """Ratios e^0.5 = 1.6487 (weight clipped to 1.2) and e^−0.1 = 0.9048 (kept); A = 1;
+    lₜ = −w·A·log π: 0.6 and 0.99532, token mean 0.79766; gradients −w/2, none dropped."""
+    old = torch.tensor([[-1.0, -1.0]])
+    new = torch.tensor([[-0.5, -1.1]], requires_grad=True)
+    mask, adv = torch.ones(1, 2), torch.ones(1, 2)
+    loss, metrics = ca.cispo_policy_loss(old, new, adv, mask, 1.0, 0.2)
+    w = math.exp(-0.1)
+    assert loss.item() == pytest.approx((1.2 * 0.5 + w * 1.1) / 2, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(new.grad, torch.tensor([[-0.6, -w / 2]]), atol=1e-6)
+    assert metrics["actor/clip_frac"].item() == 0.5
+
+
+def test_policy_losses_are_registered_and_refuse_dual_clip():
+    assert ca.POLICY_LOSSES.names() == ("cispo", "gspo", "ppo")
+    x = torch.zeros(1, 2)
+    for name in ("gspo", "cispo"):
+        with pytest.raises(ValueError, match="dual_clip has no meaning"):
+            ca.POLICY_LOSSES.get(name)(x, x, x, torch.ones(1, 2), 0.2, 0.2, 3.0)

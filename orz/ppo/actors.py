@@ -23,10 +23,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.ppo.core_algos import (
+    POLICY_LOSSES,
     aggregate,
     entropy_bonus,
     kl_penalty,
-    policy_loss,
     truncated_is_weights,
     value_loss,
 )
@@ -233,8 +233,9 @@ class MegatronWorker:
             is_weights = None
             if algo.is_correction:
                 is_weights = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs, mask, algo.is_cap)
-            loss, metrics = policy_loss(exp.old_logprobs, logprob, exp.advantages, mask, algo.clip_low,
-                                        algo.clip_high, algo.dual_clip, agg, is_weights, denominator=denominator)
+            loss, metrics = POLICY_LOSSES.get(algo.policy_loss)(
+                exp.old_logprobs, logprob, exp.advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip, agg,
+                is_weights, denominator=denominator)
             if entropy_coef:
                 bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
                 loss = loss + bonus

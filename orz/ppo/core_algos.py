@@ -37,7 +37,8 @@ __all__ = [
     "compute_gae", "compute_grpo_advantages", "compute_orz_grpo_advantages", "compute_rloo_advantages",
     "compute_reinforce_pp_advantages", "whiten", "AdvantageInputs", "AdvantageEstimator",
     "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
-    "aggregate", "aggregate_denominator", "policy_loss", "truncated_is_weights", "value_loss",
+    "aggregate", "aggregate_denominator", "policy_loss", "gspo_policy_loss", "cispo_policy_loss",
+    "truncated_is_weights", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
     "AdaptiveKLController", "AdaptiveEntropyController",
 ]
@@ -642,16 +643,8 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
     clipped branch is taken), actor/dual_clip_frac, actor/approx_kl (k3 estimate of KL(π_old‖π)),
     actor/ratio_mean, actor/ratio_min, actor/ratio_max, actor/is_weight_mean.
     """
-    real = _real_mask(mask, logprob, "logprob")
-    old_logprob = _real_values("old_logprob", old_logprob, real)
-    logprob = _real_values("logprob", logprob, real)
-    advantages = _real_values("advantages", advantages, real)
-    _check_range("clip_low", clip_low, 0.0, 1.0)
-    if clip_high < 0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-
+    real, old_logprob, logprob, advantages = _surrogate_inputs(old_logprob, logprob, advantages, mask, clip_low,
+                                                               clip_high, dual_clip, "ppo")
     log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
@@ -662,13 +655,31 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
         capped = (advantages < 0) & (per_token > -advantages * dual_clip)
         per_token = torch.where(capped, -advantages * dual_clip, per_token)
         metrics["actor/dual_clip_frac"] = _masked_mean(capped.float(), real)
+    return _weighted_and_aggregated(per_token, ratio, log_ratio, real, agg, is_weights, norm_len, denominator, metrics)
+
+
+def _surrogate_inputs(old_logprob, logprob, advantages, mask, clip_low, clip_high, dual_clip, name):
+    """The checks every policy loss makes; (real, old_logprob, logprob, advantages) as float32."""
+    real = _real_mask(mask, logprob, "logprob")
+    _check_range("clip_low", clip_low, 0.0, 1.0)
+    if clip_high < 0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if dual_clip is not None and name != "ppo":
+        raise ValueError(f"dual_clip has no meaning for the {name} loss (it caps PPO's per-token surrogate); unset it")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    return (real, _real_values("old_logprob", old_logprob, real), _real_values("logprob", logprob, real),
+            _real_values("advantages", advantages, real))
+
+
+def _weighted_and_aggregated(per_token, ratio, log_ratio, real, agg, is_weights, norm_len, denominator, metrics):
+    """lₜ·wₜ with the IS weights, then ``aggregate``; the metrics every policy loss reports."""
     if is_weights is not None:
         is_weights = _real_values("is_weights", is_weights, real)
         if (is_weights < 0).any():
             raise ValueError("is_weights must be >= 0")
         per_token = per_token * is_weights
         metrics["actor/is_weight_mean"] = _masked_mean(is_weights, real)
-
     loss = aggregate(per_token, real, agg, norm_len, denominator)
     metrics |= {
         "actor/pg_loss": loss,
@@ -678,6 +689,63 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
         "actor/ratio_max": _masked_extreme(ratio, real, largest=True),
     }
     return loss, {key: value.detach() for key, value in metrics.items()}
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+                     clip_low: float = 3e-4, clip_high: float = 4e-4, dual_clip: float | None = None,
+                     agg: str = "seq-mean-token-mean", is_weights: Tensor | None = None, *,
+                     norm_len: int | None = None, denominator: Tensor | float | None = None,
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO's clip on the sequence-level ratio.
+
+        sᵢ = exp((1/|yᵢ|)·Σₜ (logprob − old_logprob))                  the length-normalised ratio
+        sᵢₜ = sg[sᵢ]·π(yᵢₜ)/sg[π(yᵢₜ)]                                GSPO-token: value sᵢ, gradient sᵢ·∇log π(yᵢₜ)
+        lᵢₜ = max(−A·sᵢₜ, −A·clip(sᵢₜ, 1 − clip_low, 1 + clip_high)),  lᵢₜ·wᵢₜ with is_weights
+
+    A whole sequence clips or none of it. With ``agg="seq-mean-token-mean"`` and one advantage
+    per sequence this is the paper's GSPO exactly; other aggregations weight sequences by their
+    length as they do for PPO. The paper's clip ranges are ~1e-4 (its defaults here); the
+    trainer passes the config's. dual_clip has no meaning here. Inputs (B, T) each.
+    """
+    real, old_logprob, logprob, advantages = _surrogate_inputs(old_logprob, logprob, advantages, mask, clip_low,
+                                                               clip_high, dual_clip, "gspo")
+    token_log_ratio = torch.where(real, (logprob - old_logprob).clamp(-20.0, 20.0), 0.0)
+    lengths = real.sum(dim=1, keepdim=True).clamp_min(1)                                   # (B, 1)
+    seq_log_ratio = (token_log_ratio.sum(dim=1, keepdim=True) / lengths).expand_as(logprob)  # (B, T)
+    ratio = (seq_log_ratio.detach() + logprob - logprob.detach()).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = {"actor/clip_frac": _masked_mean((clipped > unclipped).float(), real)}
+    return _weighted_and_aggregated(per_token, ratio, seq_log_ratio, real, agg, is_weights, norm_len, denominator,
+                                    metrics)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+                      clip_low: float = 1.0, clip_high: float = 0.28, dual_clip: float | None = None,
+                      agg: str = "token-mean", is_weights: Tensor | None = None, *,
+                      norm_len: int | None = None, denominator: Tensor | float | None = None,
+                      ) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance weight, never the gradient.
+
+        rₜ = exp(logprob − old_logprob)
+        lₜ = −sg[clip(rₜ, 1 − clip_low, 1 + clip_high)]·A·log π(aₜ),   lₜ·wₜ with is_weights
+
+    Every token keeps a gradient (PPO drops the clipped ones), scaled by its bounded weight. The
+    paper clips only from above (clip_low = 1, its default here); the value of the loss itself
+    has no meaning, its gradient −r̂·A·∇log π does. dual_clip has no meaning here.
+    """
+    real, old_logprob, logprob, advantages = _surrogate_inputs(old_logprob, logprob, advantages, mask, clip_low,
+                                                               clip_high, dual_clip, "cispo")
+    log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    per_token = -weight * advantages * logprob
+    metrics = {"actor/clip_frac": _masked_mean((weight != ratio.detach()).float(), real)}
+    return _weighted_and_aggregated(per_token, ratio, log_ratio, real, agg, is_weights, norm_len, denominator,
+                                    metrics)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2,

@@ -14,7 +14,7 @@ from dataclasses import replace
 from fnmatch import fnmatch
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides
-from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS
+from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "steps_per_iteration",
@@ -107,6 +107,11 @@ def _run_problems(cfg: ExperimentConfig, max_positions: int | None) -> list[str]
     if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
         problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
                         f"{r.top_k}): the engine reports log-probs of the truncated distribution")
+    if a.policy_loss not in POLICY_LOSSES:
+        problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; valid: {', '.join(POLICY_LOSSES.names())}")
+    elif a.policy_loss != "ppo" and a.dual_clip is not None:
+        problems.append(f"algorithm.dual_clip caps PPO's per-token surrogate and has no meaning for "
+                        f"policy_loss={a.policy_loss!r}; unset it")
     k = cfg.trainer.max_staleness
     if k < 0:
         problems.append(f"trainer.max_staleness={k} must be >= 0 (0: on-policy; k: batches from up to k versions back)")

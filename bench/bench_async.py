@@ -1,0 +1,104 @@
+"""Asynchronous against synchronous RL on the demo task: wall time per iteration, CPU use, accuracy.
+
+    .venv/bin/python bench/bench_async.py [--iterations 15] [--eval-size 400]
+
+Runs the CPU demo (its pre-trained tiny base, cached in runs/demo) twice in one process, with
+trainer.max_staleness=0 (generate, then train) and =1 (the engines generate batch i + 1 while
+the actor trains on batch i), the same seed, iterations and held-out set, and prints ONE JSON
+line: seconds per iteration of each (mean after the first iteration), their ratio, the ideal
+overlap measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
+machine's CPU utilisation during each, and held-out greedy accuracy with its standard error and
+the difference's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import emit, machine, set_threads  # noqa: E402
+
+from orz.demo import BaseModelSpec, base_model, rl_config  # noqa: E402
+from orz.ppo.trainer import main as train  # noqa: E402
+
+
+class CpuMeter:
+    """Mean whole-machine CPU utilisation (0–1) while it runs, sampled every half second."""
+
+    def __init__(self):
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        psutil.cpu_percent(None)
+        while not self._stop.wait(0.5):
+            self.samples.append(psutil.cpu_percent(None) / 100)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else 0.0
+
+
+def _run(base, spec, out: Path, staleness: int, args) -> dict:
+    cfg = rl_config(base, spec, out, [
+        f"trainer.iterations={args.iterations}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
+        "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.export_hf=false",
+        "trainer.dump_samples_every=0", "trainer.tensorboard=false", f"trainer.output_dir={out}/run_{staleness}",
+    ])
+    with CpuMeter() as cpu:
+        train(cfg)
+    rows = [json.loads(line) for line in (out / f"run_{staleness}/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing/step" in r][1:]  # the first iteration has no overlap yet
+    mean = {k: statistics.mean(r[k] for r in steps) for k in steps[0] if k.startswith("timing/")}
+    accuracy = rows[-1]["eval/accuracy_greedy"]
+    return {"seconds_per_iteration": mean["timing/step"], "phases_s": {k[7:]: v for k, v in mean.items()},
+            "cpu_utilisation": cpu.mean, "heldout_accuracy": accuracy,
+            "heldout_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / args.eval_size),
+            "reward_mean_last": rows[-1]["reward/mean"]}
+
+
+def run(args) -> dict:
+    threads = set_threads(1)
+    spec = BaseModelSpec()
+    base = base_model(spec, Path("runs/demo"))
+    with tempfile.TemporaryDirectory() as out:
+        sync = _run(base, spec, Path(out), 0, args)
+        pipelined = _run(base, spec, Path(out), 1, args)
+    p = sync["phases_s"]
+    ideal = max(p["rollout"], p["train"]) + p["sync"]
+    diff = pipelined["heldout_accuracy"] - sync["heldout_accuracy"]
+    diff_se = math.hypot(pipelined["heldout_accuracy_se"], sync["heldout_accuracy_se"])
+    return {
+        "bench": "async_vs_sync",
+        "settings": {"iterations": args.iterations, "heldout_problems": args.eval_size, "precision": "float32",
+                     "engines": 1, "actor_workers": 1},
+        "sync": sync, "async_staleness_1": pipelined,
+        "ratio_async_over_sync": pipelined["seconds_per_iteration"] / sync["seconds_per_iteration"],
+        "ideal_overlap_s": ideal,
+        "async_over_ideal": pipelined["seconds_per_iteration"] / ideal,
+        "accuracy_difference": diff, "accuracy_difference_se": diff_se,
+        "threads": threads, "machine": machine(),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=15)
+    parser.add_argument("--eval-size", type=int, default=400)
+    emit(run(parser.parse_args()))
