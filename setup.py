@@ -43,5 +43,5 @@ setup(
         # The TRL peer of bench/vs_trl.py; never part of the core install.
         "bench": ["trl==1.16.0"],
     },
-    entry_points={"console_scripts": ["orz-convert=orz.convert:main"]},
+    entry_points={"console_scripts": ["orz=orz.cli:main", "orz-convert=orz.convert:main"]},
 )
