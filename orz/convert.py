@@ -76,7 +76,7 @@ def _verify_rank(rank, world, hf_dir, tp, pp, tokens):
 def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from orz.launch import run_world
+    from orz.models.local_world import run_world
 
     ckpt = HFCheckpoint(hf_dir)
     ckpt.arch.check_parallel(tp, pp)

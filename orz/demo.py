@@ -123,7 +123,7 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
 def base_model(spec: BaseModelSpec, root: Path) -> Path:
     """The pre-trained base model directory, built once per spec."""
     from orz.data.tokenizers import char_tokenizer
-    from orz.launch import run_world
+    from orz.models.local_world import run_world
     from orz.models.tiny import make_tiny_hf
 
     out = root / f"base-{spec.key()}"

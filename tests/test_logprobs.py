@@ -1,6 +1,6 @@
 """Vocab-parallel log-probs and entropy against a plain log_softmax over the full vocabulary."""
 import torch
-from orz.launch import run_world
+from orz.models.local_world import run_world
 
 from orz.models.logprobs import entropy_from_logits, logprobs_and_entropy
 

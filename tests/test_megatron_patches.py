@@ -5,7 +5,7 @@ delete the patch. When an upgrade breaks a patch, the "works" case fails.
 """
 import pytest
 import torch
-from orz.launch import run_world
+from orz.models.local_world import run_world
 
 import megatron_patches
 from orz.models.tiny import make_tiny_hf

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from orz.launch import run_world
+from orz.models.local_world import run_world
 
 from orz.models.tiny import make_tiny_hf
 

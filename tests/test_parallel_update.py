@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from orz.config import AlgorithmConfig, RoleConfig
-from orz.launch import run_world
+from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 from orz.ppo.actors import MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.replay_buffer import MiniBatch, experience_from_rollouts

@@ -1,4 +1,4 @@
-"""orz.ppo.replay_buffer: Experience layout, packing, batching, and gradient accumulation that
+"""orz.ppo.replay_buffer: Experience layout, batching, and gradient accumulation that
 leaves the loss unchanged.
 
     .venv/bin/python -m pytest -q tests/test_replay_buffer.py
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orz.ppo import core_algos as ca
-from orz.ppo.replay_buffer import Experience, MiniBatch, ReplayBuffer, pack_sequences
+from orz.ppo.replay_buffer import Experience, MiniBatch, ReplayBuffer
 
 PROPERTY = settings(max_examples=30, deadline=None)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -120,37 +120,6 @@ def test_trim_keeps_every_real_token(experience):
 
 
 # ---------------------------------------------------------------------------------------------
-# Packing
-
-
-def test_pack_by_hand():
-    # rows of 3, 2 and 4 tokens with a budget of 5: first-fit decreasing puts 4 alone, then 3 + 2
-    sequences = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]])
-    packs = pack_sequences(sequences, (sequences != 0).long(), max_tokens=5)
-    assert [pack.rows.tolist() for pack in packs] == [[2], [0, 1]]
-    assert packs[1].input_ids.tolist() == [1, 2, 3, 4, 5]
-    assert packs[1].position_ids.tolist() == [0, 1, 2, 0, 1]
-    assert packs[1].cu_seqlens.tolist() == [0, 3, 5] and packs[1].cu_seqlens.dtype == torch.int32
-    with pytest.raises(ValueError, match="max_tokens=3"):
-        pack_sequences(sequences, (sequences != 0).long(), max_tokens=3)
-
-
-@PROPERTY
-@given(experiences(), st.integers(0, 8))
-def test_unpacking_gives_back_the_original_rows(experience, slack):
-    budget = int(experience.sequence_lengths().max()) + slack
-    packs = experience.pack(max_tokens=budget)
-    rows = torch.cat([pack.rows for pack in packs])
-    assert sorted(rows.tolist()) == list(range(experience.batch_size))
-    for pack in packs:
-        assert len(pack.input_ids) <= budget and int(pack.cu_seqlens[-1]) == len(pack.input_ids)
-        unpacked = pack.unpack(pack.input_ids, experience.sequences.shape[1])
-        assert torch.equal(unpacked, experience.sequences[pack.rows] * experience.attention_mask[pack.rows])
-    single, = experience.pack()
-    assert single.rows.tolist() == list(range(experience.batch_size))
-
-
-# ---------------------------------------------------------------------------------------------
 # Mini-batches, micro-batches, gradient accumulation
 
 
@@ -241,17 +210,6 @@ def filled_buffer():
     return buffer
 
 
-def test_buffer_whitens_advantages_over_all_rollouts():
-    buffer = filled_buffer()
-    assert len(buffer) == 5
-    joined = buffer.experience
-    buffer.whiten_advantages()
-    real = joined.response_mask.bool()
-    whitened = buffer.experience.advantages
-    torch.testing.assert_close(whitened, ca.whiten(joined.advantages, joined.response_mask))
-    assert abs(float(whitened[real].mean())) < 1e-5 and abs(float(whitened[real].std()) - 1) < 1e-4
-
-
 def test_minibatches_shuffle_by_seed_and_carry_their_denominators():
     buffer = filled_buffer()
     order = [row for minibatch in buffer.minibatches(2, seed=3) for row in minibatch.experience.info["row"].tolist()]
@@ -270,13 +228,9 @@ def test_minibatches_shuffle_by_seed_and_carry_their_denominators():
         assert torch.equal(first.loss_denominators[mode], expected)
 
 
-def test_empty_buffer_and_missing_advantages_are_clear_errors():
+def test_empty_buffer_is_a_clear_error():
     with pytest.raises(ValueError, match="empty"):
         ReplayBuffer().minibatches(2)
-    buffer = ReplayBuffer()
-    buffer.append(Experience(**{**make_experience([1], [1]).__dict__, "advantages": None}))
-    with pytest.raises(ValueError, match="advantages"):
-        buffer.whiten_advantages()
 
 
 class CharTokenizer:

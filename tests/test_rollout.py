@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from orz.launch import run_world
+from orz.models.local_world import run_world
 from orz.models.checkpoint import HFCheckpoint
 from orz.rollout.engine import SamplingConfig, StaleWeightsError
 from orz.rollout.fleet import EngineFleet, FleetConfig, TensorSource, WeightSyncError

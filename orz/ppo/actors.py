@@ -93,7 +93,6 @@ class MegatronWorker:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         from megatron.core import parallel_state as ps
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from orz.models.checkpoint import HFCheckpoint
         from orz.models.engine import ModelEngine, OptimConfig
@@ -213,6 +212,8 @@ class MegatronWorker:
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
+                # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
+                step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
             steps.append(step)
         if not self._reports:
@@ -283,8 +284,7 @@ class MegatronWorker:
 
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
-        from orz.rollout.fleet import broadcast_weights
-        from orz.rollout.weight_sync import new_staging
+        from orz.rollout.weight_sync import broadcast_weights, new_staging
 
         if self.rank == 0 and not hasattr(self, "_staging"):
             self._staging = new_staging("cuda" if torch.cuda.is_available() else "cpu")  # kept across syncs

@@ -1,4 +1,4 @@
-"""Experience, the replay buffer, and how it is cut for an update: mini-batches, micro-batches, packing.
+"""Experience, the replay buffer, and how it is cut for an update: mini-batches and micro-batches.
 
 One token layout, everywhere:
 
@@ -9,8 +9,8 @@ One token layout, everywhere:
 
 Response token t of row b is ``sequences[b, prompt_lengths[b] + t]``; every (B, T) field is indexed
 like ``response_mask``. A response token may be attended but masked out of the loss (tool output in
-a multi-turn response). A Megatron worker feeds ``sequences`` with ``position_ids()``, or
-``pack()`` for variable-length attention, computes per-token results over (B, S) — the value at s
+a multi-turn response). A Megatron worker feeds ``sequences`` with ``position_ids()``, computes
+per-token results over (B, S) — the value at s
 belongs to token s, e.g. its log-prob from the logits at s − 1 — and reads the response part back
 with ``gather_response``.
 
@@ -27,10 +27,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from orz.ppo.core_algos import AGGREGATIONS, aggregate_denominator, whiten
+from orz.ppo.core_algos import AGGREGATIONS, aggregate_denominator
 
-__all__ = ["Experience", "PackedSequences", "pack_sequences", "MiniBatch", "MicroBatch", "ReplayBuffer",
-           "experience_from_rollouts"]
+__all__ = ["Experience", "MiniBatch", "MicroBatch", "ReplayBuffer", "experience_from_rollouts"]
 
 
 def _tensor(dims: str, required: bool = False) -> Any:
@@ -155,9 +154,6 @@ class Experience:
         picked = token_values.gather(1, self.response_positions())
         return torch.where(self.response_mask.bool(), picked, torch.zeros_like(picked))
 
-    def pack(self, max_tokens: int | None = None) -> list[PackedSequences]:
-        return pack_sequences(self.sequences, self.attention_mask, max_tokens)
-
 
 def _describe(value: Any) -> str:
     return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
@@ -200,7 +196,8 @@ def _cat_padded(values: Sequence[Tensor]) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Packing and token budgets.
+# Token budgets. (No packing: Megatron's THD layout needs Transformer Engine's attention, which
+# the CPU path lacks; token-budget micro-batches cut most of the padding without it.)
 
 
 def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -221,49 +218,6 @@ def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[in
             bins[free].append(index)
             loads[free] += length
     return [sorted(indices) for indices in bins]
-
-
-@dataclass(frozen=True)
-class PackedSequences:
-    """Rows laid end to end without padding, for variable-length attention (FlashAttention's
-    ``cu_seqlens``, Megatron's THD layout)."""
-
-    input_ids: Tensor     # (N,) the attended tokens of the packed rows, one row after another
-    position_ids: Tensor  # (N,) each token's position within its own row, restarting at 0
-    cu_seqlens: Tensor    # (n + 1,) int32: packed row k is input_ids[cu_seqlens[k]:cu_seqlens[k + 1]]
-    rows: Tensor          # (n,) int64 row of the source batch that each packed row came from
-
-    def unpack(self, packed: Tensor, width: int) -> Tensor:
-        """(N, ...) per-token results → (n, width, ...) right-padded with 0, rows in ``rows`` order."""
-        if packed.shape[0] != self.input_ids.shape[0]:
-            raise ValueError(f"packed must have {self.input_ids.shape[0]} tokens, got {packed.shape[0]}")
-        lengths = self.cu_seqlens.diff().long()
-        row_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=packed.device), lengths)
-        unpacked = packed.new_zeros((len(lengths), width, *packed.shape[1:]))
-        unpacked[row_of_token, self.position_ids] = packed
-        return unpacked
-
-
-def pack_sequences(sequences: Tensor, attention_mask: Tensor,
-                   max_tokens: int | None = None) -> list[PackedSequences]:
-    """Pack right-padded rows (B, S) into packs of at most ``max_tokens`` attended tokens each
-    (first-fit decreasing); ``max_tokens=None`` packs every row into one."""
-    _check_right_padded(attention_mask)
-    lengths = attention_mask.long().sum(dim=1)  # (B,)
-    if max_tokens is None:
-        bins = [list(range(sequences.shape[0]))]
-    else:
-        bins = _first_fit_decreasing(lengths.tolist(), max_tokens)
-    positions = torch.arange(sequences.shape[1], device=sequences.device)
-    packs = []
-    for indices in bins:
-        rows = torch.tensor(indices, dtype=torch.long, device=sequences.device)
-        attended = attention_mask[rows].bool()  # (n, S)
-        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths[rows].cumsum(0)]).int()
-        packs.append(PackedSequences(input_ids=sequences[rows][attended],
-                                     position_ids=positions.expand(len(indices), -1)[attended],
-                                     cu_seqlens=cu_seqlens, rows=rows))
-    return packs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,16 +274,13 @@ class MiniBatch:
 
 
 class ReplayBuffer:
-    """Experience from many rollouts, whitened, shuffled and cut into mini-batches for the update."""
+    """Experience from many rollouts, shuffled and cut into mini-batches for the update."""
 
     def __init__(self) -> None:
         self._parts: list[Experience] = []
 
     def append(self, experience: Experience) -> None:
         self._parts.append(experience)
-
-    def clear(self) -> None:
-        self._parts = []
 
     def __len__(self) -> int:
         return sum(part.batch_size for part in self._parts)
@@ -342,14 +293,6 @@ class ReplayBuffer:
         if len(self._parts) > 1:
             self._parts = [Experience.concat(self._parts)]
         return self._parts[0]
-
-    def whiten_advantages(self, shift_mean: bool = True) -> None:
-        """Whiten advantages over every real token of the buffer (``core_algos.whiten``), as ORZ does."""
-        experience = self.experience
-        if experience.advantages is None:
-            raise ValueError("advantages are not set; compute them before whitening")
-        whitened = whiten(experience.advantages, experience.response_mask, shift_mean)
-        self._parts = [replace(experience, advantages=whitened)]
 
     def minibatches(self, mini_batch_size: int, *, seed: int | None = None,
                     norm_len: int | None = None) -> list[MiniBatch]:

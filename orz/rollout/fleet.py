@@ -12,10 +12,9 @@ unfinished requests are issued again.
 """
 import logging
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import ray
 import torch
@@ -23,9 +22,15 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
-from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, new_staging, send_broadcast, to_object_store_buckets
+from orz.models.local_world import free_port
+from orz.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    GroupSpec,
+    broadcast_weights,
+    new_staging,
+    to_object_store_buckets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +49,6 @@ class FleetConfig:
     max_restarts: int = 3  # per generate call
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    backend: str
-    master_addr: str
-    master_port: int
-    world_size: int
-    group_name: str
-
-
 class WeightSource(Protocol):
     def address(self) -> tuple[str, int]:
         """(ip, free port) where the source will host the group's rendezvous."""
@@ -69,20 +65,8 @@ class WeightSyncError(RuntimeError):
 
 
 def free_address() -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
-def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                      staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
-    """The source side of a collective sync, as rank 0 of a fresh group."""
-    group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0, spec.world_size, spec.group_name)
-    try:
-        return send_broadcast(group, named, bucket_bytes, staging, with_digests)
-    finally:
-        destroy(group)
+    """(this node's IP, a port free on every interface): where a weight source hosts its group."""
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 class TensorSource:

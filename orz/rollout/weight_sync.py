@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 import blake3
 import torch
 
-from orz.exp_engine.parallels.orz_distributed_c10d import broadcast
+from orz.exp_engine.parallels.orz_distributed_c10d import broadcast, destroy, init_custom_process_group
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _HEADER = 3  # int64: [meta bytes, data bytes, last]
@@ -189,3 +189,22 @@ def receive_object_store(refs) -> Iterator[tuple[str, torch.Tensor]]:
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(data)
         yield from _unpack(metas, data)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    backend: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    group_name: str
+
+
+def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                      staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
+    """The source side of a collective sync (the actor's rank 0), as rank 0 of a fresh group."""
+    group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0, spec.world_size, spec.group_name)
+    try:
+        return send_broadcast(group, named, bucket_bytes, staging, with_digests)
+    finally:
+        destroy(group)

@@ -2,8 +2,9 @@
 
     results = run_world(fn, 4, arg)   # fn(rank, world_size, arg) on ranks 0..3; their returns
 
-Used by `python -m orz.convert verify` and by the multi-rank tests. The ranks find each other
-through MASTER_ADDR/MASTER_PORT on loopback; `init_model_parallel` then joins them.
+Used by `python -m orz.convert verify`, the demo's pre-training and the multi-rank tests (the
+trainer's roles are Ray actors instead, see orz.ppo.actors). The ranks find each other through
+MASTER_ADDR/MASTER_PORT on loopback; `init_model_parallel` then joins them.
 """
 import multiprocessing as mp
 import os
@@ -15,9 +16,10 @@ from pathlib import Path
 import torch
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("" for every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
