@@ -165,6 +165,9 @@ class TrainerConfig:
     # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor
     # trains on batch i, so batch i comes from weights max(0, i − k); a stage boundary drains.
     max_staleness: int = 0
+    # False: the terminal shows orz's own lines and progress; Ray's, vLLM's and Megatron's output
+    # and third-party warnings go to output_dir/logs/. True: everything on the terminal.
+    verbose: bool = False
 
 
 @dataclass

@@ -116,7 +116,7 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
         if step % 10 == 0 or step == spec.steps - 1:
             log.write(json.dumps({"step": step, "loss": out["metrics"][0]["loss"], "lr": lr}) + "\n")
             log.flush()
-            print(f"pre-training step {step:4d}/{spec.steps}  loss {out['metrics'][0]['loss']:.4f}", flush=True)
+            print(f"orz: pre-training step {step:4d}/{spec.steps}  loss {out['metrics'][0]['loss']:.4f}", flush=True)
     save_hf(model_dir, list(engine.hf_tensors()), ckpt.config, extra_files_from=model_dir)
 
 
@@ -128,7 +128,7 @@ def base_model(spec: BaseModelSpec, root: Path) -> Path:
 
     out = root / f"base-{spec.key()}"
     if (out / "config.json").is_file():
-        print(f"base model: cached at {out}")
+        print(f"orz: base model cached at {out}")
         return out
     start = time.time()
     tmp = root / f".base-{spec.key()}.tmp"
@@ -142,7 +142,7 @@ def base_model(spec: BaseModelSpec, root: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     run_world(_pretrain_rank, 1, spec, str(tmp), str(root / "pretrain_log.jsonl"), timeout=3600)
     tmp.rename(out)
-    print(f"base model: pre-trained in {time.time() - start:.0f} s -> {out}")
+    print(f"orz: base model pre-trained in {time.time() - start:.0f} s -> {out}")
     return out
 
 

@@ -49,13 +49,14 @@ def _resumed_matches(whole, overrides_for, checkpoint, tmp_path):
 
 
 def test_three_stages_apply_lr_length_and_data_and_resume_mid_stage(ray_cluster, tiny_run, tmp_path):
-    """Stage 1: lr 1e-3, 12 new tokens, '+' problems; stage 2 (two iterations): lr 5e-4 and 6
-    tokens; stage 3: '*' problems (a stage's overrides apply to the run's config, not to the
+    """Stage 1: lr 1e-3, 12 new tokens, '+' problems, PPO's loss; stage 2 (two iterations): lr
+    5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's config, not to the
     previous stage's: back to lr 1e-3 and 12 tokens). Checkpoints every 2 iterations; resumed from
     iteration 2, in the middle of stage 2."""
     stages = ("stages=[{iterations: 1, overrides: {}}, "
-              "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6}}, "
-              "{iterations: 1, overrides: {data.synthetic_ops: '*'}}]")
+              "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6, algorithm.policy_loss: cispo}}, "
+              "{iterations: 1, overrides: {data.synthetic_ops: '*', algorithm.policy_loss: gspo, "
+              "algorithm.loss_agg: seq-mean-token-mean}}]")
 
     def overrides(out):
         return [*tiny_run(out, "grpo"), stages, "trainer.save_every=2", "trainer.keep_checkpoints=5",

@@ -165,3 +165,22 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
         time.sleep(0.5)
     assert not left
     _kill_ray_cluster_of(proc.pid)
+
+
+def test_the_console_shows_only_orz_and_the_logs_keep_the_rest(tiny_run, tmp_path):
+    """Every line a user sees comes from orz (its `orz:` lines, the progress bar, the final JSON);
+    Ray's, vLLM's and Megatron's output is in output_dir/logs/, and errors still surface in full."""
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=1)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    foreign = [line for line in lines if not line.startswith(("orz:", "iteration", "{"))]
+    assert not foreign, "\n".join(foreign[:20])
+    assert json.loads(lines[-1])["iterations"] == 1
+    logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
+    assert {"actor-0.log", "engine-0.log", "driver.log"} <= logs.keys()
+    assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
+    bad = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(tmp_path / "bad", "grpo", iterations=1),
+                          "data.train=[/nonexistent.jsonl]"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "/nonexistent.jsonl" in bad.stderr

@@ -47,6 +47,7 @@ class RoleSpec:
     vocab_divisible_by: int = 1
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
+    log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
 
 
 def combine_metrics(parts: list[dict]) -> dict[str, float]:
@@ -77,7 +78,10 @@ class MegatronWorker:
     """One rank of a role. Created by WorkerGroup; `setup` joins the role's world."""
 
     def __init__(self, spec: RoleSpec, rank: int, world_size: int):
+        from orz.logs import to_log_file
+
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        to_log_file(spec.log_dir, f"{spec.name}-{rank}")
         # Megatron announces at import that TE/Apex are absent (expected on CPU), once per worker.
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
         os.environ.setdefault("OMP_NUM_THREADS", "1")

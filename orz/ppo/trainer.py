@@ -19,14 +19,15 @@ the fleet's business: it restarts it and re-issues its requests.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 import signal
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.logs import quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
 from orz.ppo.actors import RoleSpec, WorkerGroup
@@ -65,7 +67,7 @@ from orz.reward.math import MathReward, MathRewardConfig, merge_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
-console = Console()
+console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
 
 
 class ActorWeightSource:
@@ -101,7 +103,7 @@ class Timer:
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
-    @contextmanager
+    @contextlib.contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
         yield
@@ -136,6 +138,7 @@ class RayPPOTrainer:
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.reward, self.evaluators, self.loader = None, {}, None
         self._setup_roles()
         self._setup_controllers()
@@ -154,12 +157,12 @@ class RayPPOTrainer:
         return RoleSpec(
             name=name, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
-            total_steps=run_rules.optimizer_steps(cfg, name) if name != "ref" else 1, **kwargs,
+            total_steps=run_rules.optimizer_steps(cfg, name) if name != "ref" else 1, log_dir=self.log_dir, **kwargs,
         )
 
     def _setup_roles(self):
         cfg = self.run_cfg
-        console.print(f"[bold]orz[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
+        console.print(f"[bold]orz:[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
         roles = run_rules.roles(cfg)
         self.actor = WorkerGroup(self._role("actor"))
         self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path)) \
@@ -174,7 +177,7 @@ class RayPPOTrainer:
         self.fleet = EngineFleet(cfg.model.path, FleetConfig(
             num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
             engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
-            request_timeout_s=r.request_timeout_s,
+            request_timeout_s=r.request_timeout_s, log_dir=self.log_dir,
         ), seed=cfg.trainer.seed)
         self.weights = ActorWeightSource(self.actor)
 
@@ -210,7 +213,7 @@ class RayPPOTrainer:
         self._setup_eval()
         ray.get([ref for name, group in self._named_groups() for ref in group.run_async("configure", getattr(cfg, name))])
         if self.run_cfg.stages:
-            console.print(f"stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
+            console.print(f"orz: stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -242,7 +245,7 @@ class RayPPOTrainer:
                     progress.update(task, description="checkpoint")
                     self.save_checkpoint()
                 if preempted and not last:
-                    console.print(f"SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
+                    console.print(f"orz: SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         if cfg.export_hf:
             ray.get(self.actor.run_async("export_hf", str(self.out / "hf")))
@@ -542,7 +545,7 @@ class RayPPOTrainer:
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
         self.fleet.sync(self.weights, self.version)
-        console.print(f"resumed from {ckpt} at iteration {self.iteration}")
+        console.print(f"orz: resumed from {ckpt} at iteration {self.iteration}")
 
     def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
         return [(name, group) for name, group in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref))
@@ -585,13 +588,17 @@ def main(cfg: ExperimentConfig) -> dict:
         t = cfg.trainer
         # "local": a new cluster even where `ray start` left its address in /tmp/ray.
         local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-        ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, **local)
+        ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
+                 configure_logging=False, logging_level=logging.INFO if t.verbose else logging.WARNING, **local)
     # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+    log_dir = Path(cfg.trainer.output_dir) / "logs"
     try:
-        return _train_with_restarts(cfg)
+        with contextlib.nullcontext() if cfg.trainer.verbose else quiet_driver(log_dir):
+            if not cfg.trainer.verbose:
+                console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
+            return _train_with_restarts(cfg)
     finally:
         if owns_ray:
             ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
@@ -611,7 +618,7 @@ def _train_with_restarts(cfg: ExperimentConfig) -> dict:
                 raise
             restarts += 1
             resume_from = trainer.last_checkpoint
-            console.print(f"[bold red]{', '.join(lost)} died[/] in iteration {trainer.iteration + 1} "
+            console.print(f"[bold red]orz: {', '.join(lost)} died[/] in iteration {trainer.iteration + 1} "
                           f"({type(err).__name__}); restart {restarts} of at most {cfg.trainer.max_restarts}, "
                           f"from {resume_from or 'the start'}")
         finally:

@@ -41,7 +41,11 @@ class StaleWeightsError(RuntimeError):
 
 
 class VLLMEngine:
-    def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0):
+    def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0, log_dir: str = ""):
+        """log_dir: this engine's stdout/stderr go to log_dir/engine-<seed>.log ("" keeps them)."""
+        from orz.logs import to_log_file
+
+        to_log_file(log_dir, f"engine-{seed}")
         from vllm import LLM
 
         on_cpu = not torch.cuda.is_available()

@@ -47,6 +47,7 @@ class FleetConfig:
     check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
     request_timeout_s: float = 1800.0  # no batch back from any engine for this long: declared hung, restarted
     max_restarts: int = 3  # per generate call
+    log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
 
 
 class WeightSource(Protocol):
@@ -118,7 +119,7 @@ class EngineFleet:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
             runtime_env={"env_vars": env},
         )
-        return actor.remote(self.model_dir, engine_args, self.seed + i)
+        return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
 
     # ---- weights ---------------------------------------------------------------------------
     def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None) -> dict:

@@ -1,0 +1,54 @@
+"""Where output goes: orz's own lines and progress to the terminal, everything else to a log file.
+
+    with quiet_driver(out / "logs"):    # the trainer's process: warnings and library loggers to driver.log
+    to_log_file(log_dir, "actor-0")     # a Ray worker: its stdout and stderr (C++ included) to actor-0.log
+
+`trainer.verbose=true` skips both and streams every worker's output to the terminal, as Ray does by
+default. Errors still reach the terminal in full either way: a failing role's exception travels
+back to the trainer with its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+THIRD_PARTY_LOGGERS = ("ray", "vllm", "megatron", "transformers", "torch", "urllib3", "filelock", "py.warnings")
+
+
+def to_log_file(log_dir: str, name: str) -> None:
+    """Points this process's stdout and stderr, at the file-descriptor level, at log_dir/name.log."""
+    if not log_dir:
+        return
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(Path(log_dir) / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def quiet_driver(log_dir: Path) -> Iterator[Path]:
+    """While it lasts, Python warnings and third-party loggers of this process go to
+    log_dir/driver.log, not the terminal; yields that file's path."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / "driver.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(name) for name in THIRD_PARTY_LOGGERS]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    logging.captureWarnings(True)
+    for logger in loggers:
+        logger.handlers, logger.propagate = [handler], False
+    try:
+        yield path
+    finally:
+        logging.captureWarnings(False)
+        for logger, (handlers, propagate) in zip(loggers, saved):
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
