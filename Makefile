@@ -8,7 +8,7 @@ STAMP := $(VENV)/.orz-installed
 EXTRA ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast bench bench-trl clean
+.PHONY: install demo test test-fast test-gpu bench bench-trl clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# On a lent GPU machine (the device tool, carrying .whl from scripts/gpu_wheels.sh): it has torch
+# and transformers but no venv, Ray, vLLM or megatron-core. Skipped without CUDA; see tests/gpu.
+test-gpu:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+	PYTHONPATH=/tmp/site:. python3 -m pytest -q -s tests/gpu
 
 bench: install
 	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done

@@ -35,7 +35,7 @@ class _Group:
     def __init__(self, fail: bool):
         self.fail = fail
 
-    def run_async(self, method, root):
+    def save_async(self, root):
         if self.fail:
             raise OSError(errno.ENOSPC, "No space left on device")
         Path(root).mkdir(parents=True)
@@ -46,7 +46,8 @@ class _Group:
 def _trainer(tmp_path, fail):
     trainer = SimpleNamespace(
         out=tmp_path, actor=_Group(fail), critic=None, iteration=0, version=0, entropy_ctl=None,
-        loader=PromptLoader(list(range(8)), 4, seed=0), kl_ctl=FixedKLController(0.0), base_cfg=ExperimentConfig(),
+        loader=PromptLoader(list(range(8)), 4, seed=0), kl_ctl=FixedKLController(0.0), run_cfg=ExperimentConfig(),
+        pending=[],
     )
     trainer._ckpt_root = tmp_path / "checkpoints"
     return trainer

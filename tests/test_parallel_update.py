@@ -18,7 +18,7 @@ import torch.distributed as dist
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.actors import MegatronWorker, RoleSpec, combine_metrics
+from orz.ppo.actors import ActorStep, MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.replay_buffer import MiniBatch, experience_from_rollouts
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
@@ -53,7 +53,7 @@ def _two_steps(rank, world, role, dtype, model, ckpt):
         return w
 
     def step(w, mb):
-        out = w.train_actor([mb], ALGO, 1.0, 0.0, 0.0)
+        out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
         parts = [None] * world
         dist.all_gather_object(parts, out)
         return combine_metrics([p for p in parts if p])

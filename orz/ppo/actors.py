@@ -74,6 +74,11 @@ def _shift_right(per_position: torch.Tensor) -> torch.Tensor:
     return F.pad(per_position, (1, 0))
 
 
+def _token_values(values: torch.Tensor, exp: Experience) -> torch.Tensor:
+    """The value head's (B, S, 1) output -> (B, T) V(sₜ) at the position before each response token."""
+    return exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, : exp.sequences.shape[1]])
+
+
 class MegatronWorker:
     """One rank of a role. Created by WorkerGroup; `setup` joins the role's world."""
 
@@ -200,11 +205,7 @@ class MegatronWorker:
     def values(self, experience: Experience):
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
 
-        def collect(values, batch):
-            exp = batch["micro"].experience
-            return exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, : exp.sequences.shape[1]])
-
-        return self._forward(experience, collect)
+        return self._forward(experience, lambda values, batch: _token_values(values, batch["micro"].experience))
 
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, minibatches: list[MiniBatch], loss_fn) -> dict | None:
@@ -227,8 +228,9 @@ class MegatronWorker:
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
-    def train_actor(self, minibatches: list[MiniBatch], algo: AlgorithmConfig, temperature: float,
-                    entropy_coef: float, kl_coef: float) -> dict | None:
+    def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> dict | None:
+        algo, temperature, entropy_coef, kl_coef = step.algo, step.temperature, step.entropy_coef, step.kl_coef
+
         def loss_fn(logits, batch):
             mb = batch["micro"]
             exp, agg = mb.experience, algo.loss_agg
@@ -241,18 +243,18 @@ class MegatronWorker:
             loss, metrics = POLICY_LOSSES.get(algo.policy_loss)(
                 exp.old_logprobs, logprob, exp.advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip, agg,
                 is_weights, denominator=denominator)
-            if entropy_coef:
+            if entropy_coef:  # its metrics include actor/entropy
                 bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
                 loss = loss + bonus
                 metrics |= entropy_metrics
+            else:
+                metrics["actor/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
             if kl_coef and not algo.kl_in_reward:
                 kl = kl_penalty(logprob, exp.ref_logprobs, algo.kl_kind, mask)
                 kl_loss = aggregate(kl, mask, agg, denominator=denominator)
                 loss = loss + kl_coef * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.detach()
-            tokens = mask.sum()
-            metrics["actor/entropy"] = (entropy.detach() * mask).sum() / tokens.clamp_min(1)
-            metrics["tokens"] = tokens
+            metrics["tokens"] = mask.sum()
             return loss, {k: float(v) for k, v in metrics.items()}
 
         return self._train(minibatches, loss_fn)
@@ -261,8 +263,7 @@ class MegatronWorker:
         def loss_fn(values, batch):
             mb = batch["micro"]
             exp = mb.experience
-            width = exp.sequences.shape[1]
-            new_values = exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, :width])
+            new_values = _token_values(values, exp)
             loss, metrics = value_loss(new_values, exp.values, exp.returns, exp.response_mask, algo.value_clip,
                                        algo.loss_agg, denominator=mb.denominator(algo.loss_agg))
             metrics["tokens"] = exp.response_mask.sum()
@@ -400,8 +401,40 @@ def _load_shard_states(optimizer, states: list[dict[str, torch.Tensor]]) -> None
         optimizer._set_main_param_and_optimizer_states(param, tensors)
 
 
+@dataclass(frozen=True)
+class ActorStep:
+    """What an actor update needs beside its mini-batches."""
+
+    algo: AlgorithmConfig  # the stage's algorithm settings, defaults decided (run_rules.algorithm)
+    temperature: float  # the rollout's: log π is computed from logits / temperature, as the engine sampled
+    entropy_coef: float  # fixed, or the adaptive controller's current value
+    kl_coef: float  # β of a KL term in the loss; 0 when the KL is in the reward or absent
+
+
+@dataclass(frozen=True)
+class PendingRows:
+    """Refs to the reporting ranks' (dp_rank, rows); `.get()` concatenates them in DP order."""
+
+    refs: list
+
+    def get(self) -> torch.Tensor:
+        parts = sorted((r for r in ray.get(self.refs) if r is not None), key=lambda part: part[0])
+        return torch.cat([rows for _, rows in parts])
+
+
+@dataclass(frozen=True)
+class PendingMetrics:
+    """Refs to the reporting ranks' metrics; `.get()` merges them (combine_metrics)."""
+
+    refs: list
+
+    def get(self) -> dict[str, float]:
+        return combine_metrics([m for m in ray.get(self.refs) if m is not None])
+
+
 class WorkerGroup:
-    """A role's workers: placed with a Ray placement group, joined into one torch world."""
+    """A role's workers: placed with a Ray placement group, joined into one torch world. The
+    trainer calls the role through the typed methods below, never by method name."""
 
     def __init__(self, spec: RoleSpec):
         cfg = spec.cfg
@@ -424,19 +457,54 @@ class WorkerGroup:
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
-    def run_async(self, method: str, *args) -> list:
+    # ---- the role's calls: `*_async` return a Pending, the others wait for their result ----
+    def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:
+        """(B, T) log π of the response tokens, in row order, once `.get()`."""
+        return PendingRows(self._call("logprobs", experience, temperature))
+
+    def values_async(self, experience: ray.ObjectRef) -> PendingRows:
+        """(B, T) V(sₜ) of the critic, in row order, once `.get()`."""
+        return PendingRows(self._call("values", experience))
+
+    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingMetrics:
+        """One optimizer step per mini-batch; the merged `actor/*` metrics once `.get()`."""
+        return PendingMetrics(self._call("train_actor", minibatches, step))
+
+    def train_critic_async(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> PendingMetrics:
+        return PendingMetrics(self._call("train_critic", minibatches, algo))
+
+    def configure(self, cfg: RoleConfig) -> None:
+        ray.get(self._call("configure", cfg))
+
+    def save_async(self, root: str) -> list[ray.ObjectRef]:
+        return self._call("save", root)
+
+    def load_async(self, root: str) -> list[ray.ObjectRef]:
+        return self._call("load", root)
+
+    def offload(self) -> None:
+        ray.get(self._call("offload"))
+
+    def onload(self) -> None:
+        ray.get(self._call("onload"))
+
+    def export_hf(self, out_dir: str) -> None:
+        ray.get(self._call("export_hf", out_dir))
+
+    def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
+        """Every rank gathers its shards; rank 0 broadcasts to the engines' group: its digests."""
+        return ray.get(self._call("send_weights", spec, bucket_bytes, with_digests))[0]
+
+    def put_weights(self, bucket_bytes: int, with_digests: bool):
+        """Rank 0's buckets in Ray's object store (the other transport)."""
+        return ray.get(self._call("put_weights", bucket_bytes, with_digests))[0]
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 can host a process group's rendezvous."""
+        return ray.get(self.workers[0].address.remote())
+
+    def _call(self, method: str, *args) -> list[ray.ObjectRef]:
         return [getattr(w, method).remote(*args) for w in self.workers]
-
-    def run(self, method: str, *args) -> list:
-        return ray.get(self.run_async(method, *args))
-
-    def gather_rows(self, refs: list) -> torch.Tensor:
-        """Concatenates the reporting ranks' (dp_rank, rows) in DP order."""
-        parts = sorted((r for r in ray.get(refs) if r is not None), key=lambda part: part[0])
-        return torch.cat([rows for _, rows in parts])
-
-    def merge_metrics(self, refs: list) -> dict[str, float]:
-        return combine_metrics([m for m in ray.get(refs) if m is not None])
 
     def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
         """Ranks whose process is gone. A rank still busy (or hung in a collective with a dead

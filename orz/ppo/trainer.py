@@ -48,7 +48,7 @@ from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
 from orz.logs import quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
-from orz.ppo.actors import RoleSpec, WorkerGroup
+from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
@@ -78,13 +78,13 @@ class ActorWeightSource:
         self.actor = actor
 
     def address(self):
-        return ray.get(self.actor.workers[0].address.remote())
+        return self.actor.address()
 
     def send(self, spec, bucket_bytes, with_digests):
-        return self.actor.run("send_weights", spec, bucket_bytes, with_digests)[0]
+        return self.actor.send_weights(spec, bucket_bytes, with_digests)
 
     def put(self, bucket_bytes, with_digests):
-        return self.actor.run("put_weights", bucket_bytes, with_digests)[0]
+        return self.actor.put_weights(bucket_bytes, with_digests)
 
 
 def load_rows(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list[dict]:
@@ -211,7 +211,8 @@ class RayPPOTrainer:
                                                   format_reward=cfg.reward.format_reward,
                                                   num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
         self._setup_eval()
-        ray.get([ref for name, group in self._named_groups() for ref in group.run_async("configure", getattr(cfg, name))])
+        for name, group in self._named_groups():
+            group.configure(getattr(cfg, name))
         if self.run_cfg.stages:
             console.print(f"orz: stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
 
@@ -248,7 +249,7 @@ class RayPPOTrainer:
                     console.print(f"orz: SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         if cfg.export_hf:
-            ray.get(self.actor.run_async("export_hf", str(self.out / "hf")))
+            self.actor.export_hf(str(self.out / "hf"))
         plot = self.logger.close()
         history = self.logger.history()
         return {"iterations": self.iteration, "seconds": time.time() - start, "plot": str(plot),
@@ -385,14 +386,14 @@ class RayPPOTrainer:
     def _forward(self, experience: Experience) -> Experience:
         ref = ray.put(experience)
         temperature = self.stage_cfg.rollout.temperature
-        old = None if self.stage_cfg.algorithm.rollout_logprobs_as_old else self.actor.run_async("logprobs", ref, temperature)
-        refs = self.ref.run_async("logprobs", ref, temperature) if self.ref else None
-        values = self.critic.run_async("values", ref) if self.critic else None
+        old = None if self.algo.rollout_logprobs_as_old else self.actor.logprobs_async(ref, temperature)
+        refs = self.ref.logprobs_async(ref, temperature) if self.ref else None
+        values = self.critic.values_async(ref) if self.critic else None
         return replace(
             experience,
-            old_logprobs=self.actor.gather_rows(old) if old else experience.rollout_logprobs,
-            ref_logprobs=self.ref.gather_rows(refs) if refs else None,
-            values=self.critic.gather_rows(values) if values else None,
+            old_logprobs=old.get() if old else experience.rollout_logprobs,
+            ref_logprobs=refs.get() if refs else None,
+            values=values.get() if values else None,
         )
 
     def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
@@ -432,25 +433,26 @@ class RayPPOTrainer:
         seed = self.run_cfg.trainer.seed * 7919 + self.iteration
         norm_len = self.stage_cfg.rollout.max_new_tokens
         if self.run_cfg.trainer.offload_idle_roles:
-            ray.get([ref for group in self._trained_groups() for ref in group.run_async("onload")])
-        critic_refs = None
+            for group in self._trained_groups():
+                group.onload()
+        critic_pending = None
         if self.critic:
             steps = self.stage_cfg.critic.steps_per_iteration
             minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed, norm_len=norm_len)
-            critic_refs = self.critic.run_async("train_critic", minibatches, algo)
+            critic_pending = self.critic.train_critic_async(minibatches, algo)
         steps = self.stage_cfg.actor.steps_per_iteration
         minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        actor_refs = self.actor.run_async("train_actor", minibatches, algo, self.stage_cfg.rollout.temperature,
-                                          entropy_coef, kl_coef)
-        metrics = self.actor.merge_metrics(actor_refs)
-        if critic_refs:
-            critic = self.critic.merge_metrics(critic_refs)
+        step = ActorStep(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
+        metrics = self.actor.train_actor_async(minibatches, step).get()
+        if critic_pending:
+            critic = critic_pending.get()
             critic.pop("tokens", None)
             metrics |= critic
         if self.run_cfg.trainer.offload_idle_roles:  # untested here: a no-op without a GPU
-            ray.get([ref for group in self._trained_groups() for ref in group.run_async("offload")])
+            for group in self._trained_groups():
+                group.offload()
         if self.entropy_ctl is not None and "actor/entropy" in metrics:
             self.entropy_ctl.update(metrics["actor/entropy"])
         return metrics
@@ -506,9 +508,9 @@ class RayPPOTrainer:
         final = root / f"iter_{self.iteration:06d}"
         try:
             with atomic_dir(final) as tmp:
-                refs = self.actor.run_async("save", str(tmp / "actor"))
+                refs = self.actor.save_async(str(tmp / "actor"))
                 if self.critic:
-                    refs += self.critic.run_async("save", str(tmp / "critic"))
+                    refs += self.critic.save_async(str(tmp / "critic"))
                 ray.get(refs)
                 state = {
                     "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
@@ -534,9 +536,9 @@ class RayPPOTrainer:
     def _resume(self, ckpt: Path, state: dict) -> None:
         """Roles, weight version and controllers from `ckpt`; the stage and its loader position
         were restored by _enter_stage."""
-        refs = self.actor.run_async("load", str(ckpt / "actor"))
+        refs = self.actor.load_async(str(ckpt / "actor"))
         if self.critic:
-            refs += self.critic.run_async("load", str(ckpt / "critic"))
+            refs += self.critic.load_async(str(ckpt / "critic"))
         ray.get(refs)
         self.iteration, self.version = state["iteration"], state["version"]
         if (ckpt / "pending_batches.pt").is_file():
