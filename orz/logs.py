@@ -1,5 +1,7 @@
 """Where output goes: orz's own lines and progress to the terminal, everything else to a log file.
 
+    with output_to(out / "logs" / "driver.log"):  # everything this process prints, C++ too
+        ray.init(...)
     with quiet_driver(out / "logs"):    # the trainer's process: warnings and library loggers to driver.log
     to_log_file(log_dir, "actor-0")     # a Ray worker: its stdout and stderr (C++ included) to actor-0.log
 
@@ -30,6 +32,28 @@ def to_log_file(log_dir: str, name: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+@contextlib.contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """While it lasts, this process's stdout and stderr (file descriptors 1 and 2) go to `path`:
+    for calls that print from C++ or reset the loggers, like `ray.init`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, source in zip((1, 2), saved):
+            os.dup2(source, target)
+            os.close(source)
 
 
 @contextlib.contextmanager

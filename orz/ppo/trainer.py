@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import shutil
 import signal
 import threading
@@ -45,7 +44,7 @@ from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
-from orz.logs import quiet_driver
+from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
 from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
@@ -585,27 +584,28 @@ def main(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
     SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
     call started it: no agent or worker process of the run is left behind."""
+    t = cfg.trainer
+    log_dir = Path(t.output_dir) / "logs"
+    if not t.verbose:
+        console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        t = cfg.trainer
         # "local": a new cluster even where `ray start` left its address in /tmp/ray.
         local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-        ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
-                 configure_logging=False, logging_level=logging.INFO if t.verbose else logging.WARNING, **local)
-    # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
-    log_dir = Path(cfg.trainer.output_dir) / "logs"
-    try:
-        with contextlib.nullcontext() if cfg.trainer.verbose else quiet_driver(log_dir):
-            if not cfg.trainer.verbose:
-                console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
+        with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
+            ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
+                     configure_logging=False, **local)
+    with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
+        # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+        try:
             return _train_with_restarts(cfg)
-    finally:
-        if owns_ray:
-            ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        finally:
+            if owns_ray:
+                ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def _train_with_restarts(cfg: ExperimentConfig) -> dict:
