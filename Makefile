@@ -8,7 +8,7 @@ STAMP := $(VENV)/.orz-installed
 EXTRA ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast test-gpu bench bench-trl clean
+.PHONY: install demo test test-fast test-gpu bench bench-env bench-trl clean
 
 install: $(STAMP)
 
@@ -44,13 +44,28 @@ test-gpu:
 bench: install
 	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
-# The TRL peer lives in the `bench` extra, never in the core install.
-bench-trl: install
-	$(BIN)/pip install -q -e '.[$(EXTRA),bench]'
-	$(BIN)/python bench/vs_trl.py
+# The TRL peer lives in a venv of its own, layered on the core one: a .pth line adds .venv's
+# site-packages (and its .pth files, orz's editable install among them) underneath, so that only
+# TRL and what it adds land in .venv-bench. Re-resolving the `cpu` extra in .venv, as installing
+# `.[cpu,bench]` there did, reinstalled the CUDA torchvision that breaks `import transformers`.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.orz-bench-installed
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
+	  > "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/orz-core.pth"
+	$(BENCH_VENV)/bin/pip install -q trl==1.16.0
+	$(BENCH_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BENCH_VENV)/bin/python -c 'import transformers, trl, vllm, orz; from transformers import LlamaConfig'
+	touch $(BENCH_STAMP)
+
+bench-trl: bench-env
+	$(BENCH_VENV)/bin/python bench/vs_trl.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
 
 # ---- Slurm (scripts/slurm/orz.sbatch): `make orz-7b-ppo NODES=4 MODEL=/shared/Qwen2.5-7B DATA=/shared/orz.json`
 # Checks the recipe (and LAYOUT, if given) on the login node, then submits. ARGS: more key=value overrides.

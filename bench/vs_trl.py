@@ -162,6 +162,8 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", scale_rewards="group", use_vllm=False,
         seed=0, disable_tqdm=True,
+        # GRPOConfig defaults to bf16 autocast, on CPU too: orz trains in fp32, so TRL does here.
+        bf16=False,
     )
 
     marks: list[float] = []
@@ -287,7 +289,7 @@ def driver(args, argv: list[str]) -> dict:
                      "iterations_measured": args.iterations - 1,
                      "prompts_x_samples": f"{args.prompts}x{args.samples}", "max_new_tokens": args.max_new_tokens,
                      "optimizer_steps_per_iteration": args.steps_per_iteration, "lr": LR, "eval_n": args.eval_n,
-                     "orz_overrides": args.orz,
+                     "orz_overrides": args.orz, "precision": {"orz": "float32", "trl": "float32 (bf16=False)"},
                      "eval": "greedy, transformers.generate, cut at </answer>, MathReward"},
         "heldout_accuracy_base": accuracy_base,
         "sides": sides, "ratios": ratios, "target": "trl_best_over_orz_s_per_iteration >= 3 at equal accuracy",
