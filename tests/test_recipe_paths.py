@@ -12,17 +12,9 @@ import pytest
 
 from orz.config import ConfigError, load_config
 from orz.ppo.trainer import main as train
+from run_history import deterministic as _deterministic, history as _history
 
 pytestmark = pytest.mark.slow
-NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "sync_seconds", "wall_s")
-
-
-def _history(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _deterministic(row):
-    return {k: v for k, v in row.items() if not any(part in k for part in NONDETERMINISTIC)}
 
 
 def _samples(out, iteration):

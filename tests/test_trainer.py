@@ -20,18 +20,9 @@ from safetensors.torch import load_file
 from orz.config import load_config
 from orz.ppo.actors import WorkerGroup
 from orz.ppo.trainer import main as train
+from run_history import deterministic as _deterministic, history as _history
 
 pytestmark = pytest.mark.slow
-# Timings differ from run to run; everything else must not.
-NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "sync_seconds", "wall_s")
-
-
-def _history(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _deterministic(row):
-    return {k: v for k, v in row.items() if not any(part in k for part in NONDETERMINISTIC)}
 
 
 def _kill_ray_cluster_of(driver_pid):
