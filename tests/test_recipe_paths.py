@@ -31,6 +31,7 @@ def _resume_copy(whole: Path, copy: Path, checkpoint: int) -> None:
 
 
 def _resumed_matches(whole, overrides_for, checkpoint, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
     copy = tmp_path / "resumed"
     _resume_copy(whole, copy, checkpoint)
     train(load_config(None, overrides_for(copy)))
@@ -40,18 +41,19 @@ def _resumed_matches(whole, overrides_for, checkpoint, tmp_path):
         assert _deterministic(mine) == _deterministic(ref)
 
 
-def test_three_stages_apply_lr_length_and_data_and_resume_mid_stage(ray_cluster, tiny_run, tmp_path):
+def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundary(ray_cluster, tiny_run, tmp_path):
     """Stage 1: lr 1e-3, 12 new tokens, '+' problems, PPO's loss; stage 2 (two iterations): lr
-    5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's config, not to the
-    previous stage's: back to lr 1e-3 and 12 tokens). Checkpoints every 2 iterations; resumed from
-    iteration 2, in the middle of stage 2."""
+    5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's
+    config, not to the previous stage's: back to lr 1e-3 and 12 tokens). Resumed from iteration 1,
+    the boundary (that checkpoint holds stage 1's optimizer settings), and from iteration 2,
+    inside stage 2."""
     stages = ("stages=[{iterations: 1, overrides: {}}, "
               "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6, algorithm.policy_loss: cispo}}, "
               "{iterations: 1, overrides: {data.synthetic_ops: '*', algorithm.policy_loss: gspo, "
               "algorithm.loss_agg: seq-mean-token-mean}}]")
 
     def overrides(out):
-        return [*tiny_run(out, "grpo"), stages, "trainer.save_every=2", "trainer.keep_checkpoints=5",
+        return [*tiny_run(out, "grpo"), stages, "trainer.keep_checkpoints=5",
                 "rollout.stop=[]"]  # responses run to each stage's cap
 
     whole = tmp_path / "whole"
@@ -63,7 +65,8 @@ def test_three_stages_apply_lr_length_and_data_and_resume_mid_stage(ray_cluster,
     for iteration, op, other in ((1, "+", "*"), (2, "+", "*"), (3, "+", "*"), (4, "*", "+")):
         problems = {sample["prompt"].split("User:")[1] for sample in _samples(whole, iteration)}
         assert all(op in p and other not in p for p in problems), problems
-    _resumed_matches(whole, overrides, 2, tmp_path)
+    for checkpoint in (1, 2):
+        _resumed_matches(whole, overrides, checkpoint, tmp_path / f"from_{checkpoint}")
 
 
 def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tiny_run, tmp_path):
@@ -134,9 +137,11 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
 def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path):
     """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
     trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
-    holds batches generated ahead continues to the uninterrupted run's metrics."""
+    holds batches generated ahead (saved every 2 iterations, resumed from the earlier one)
+    continues to the uninterrupted run's metrics."""
     def overrides(out):
-        return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.keep_checkpoints=5"]
+        return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.save_every=2",
+                "trainer.keep_checkpoints=5"]
 
     whole = tmp_path / "whole"
     train(load_config(None, overrides(whole)))
@@ -146,7 +151,7 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
     assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
     assert rows[1]["timing/overlap_rollout_train"] > 0
-    _resumed_matches(whole, overrides, 1, tmp_path)
+    _resumed_matches(whole, overrides, 2, tmp_path)
 
 
 @pytest.mark.parametrize("override, message", [

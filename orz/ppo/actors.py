@@ -361,12 +361,31 @@ class MegatronWorker:
         torch.set_rng_state(state["rng"])
         if not self.spec.train:
             return
+        # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
+        # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
+        _set_group_lr(state["optimizer"], self.spec.cfg)
         self.engine.optimizer.load_state_dict(state["optimizer"])
         for i, optimizer in enumerate(self._distributed_optimizers()):
             _load_shard_states(optimizer, torch.load(shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"))
-        self.scheduler.num_steps = 0
         # Checkpoints before stages kept the scheduler's whole state dict.
-        self.scheduler.step(increment=state.get("scheduler_steps") or state["scheduler"]["num_steps"])
+        self.scheduler.num_steps = state.get("scheduler_steps") or state["scheduler"]["num_steps"]
+        # The optimizer's state brought the saved stage's param-group settings (max_lr, betas):
+        # the stage this run resumes in may differ (a checkpoint at a stage boundary).
+        self.configure(self.spec.cfg)
+
+
+def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
+    """max_lr/min_lr := the role's in every param group of a (possibly nested) optimizer state dict."""
+    if isinstance(optimizer_state, dict):
+        for group in optimizer_state.get("param_groups", []):
+            if "max_lr" in group:
+                group.update(max_lr=cfg.lr, min_lr=cfg.min_lr)
+        for key, value in optimizer_state.items():
+            if key != "param_groups":
+                _set_group_lr(value, cfg)
+    elif isinstance(optimizer_state, (list, tuple)):
+        for value in optimizer_state:
+            _set_group_lr(value, cfg)
 
 
 def _sizes(layout: dict) -> str:

@@ -189,7 +189,8 @@ class RayPPOTrainer:
     def _enter_stage(self, index: int, loader_state: dict | None = None) -> None:
         """Applies stage `index` from its first iteration (or, resuming, from where it stopped):
         data, template, reward and evaluation are rebuilt from its config, the roles take its LR,
-        schedule and micro-batching. The loop is synchronous, so nothing is in flight here."""
+        schedule and micro-batching. Nothing is in flight here: batches are never generated ahead
+        across a stage boundary (step)."""
         previous = self.stage_cfg if self.loader is not None else None
         self.stage_index = index
         self.stage_cfg = cfg = run_rules.stage_configs(self.run_cfg)[index]
