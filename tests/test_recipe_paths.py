@@ -160,6 +160,7 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     ("trainer.max_staleness=1|algorithm.is_correction=false", "would leave them uncorrected"),
     ("stages=[{iterations: 1, overrides: {actor.tp: 2}}]", "'actor.tp' cannot change between stages"),
     ("stages=[{iterations: 1, overrides: {algorithm.kl_coef: 0.1}}]", "'algorithm.kl_coef' cannot change"),
+    ("stages=[{iterations: 1, overrides: {trainer.eval_every: 2}}]", "'trainer.eval_every' cannot change"),
     ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
     ("algorithm.kl_target=0.1", "kl_target=0.1 does nothing with kl_coef=0.0"),
     ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),

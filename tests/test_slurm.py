@@ -219,8 +219,10 @@ def test_recipe_sizes_against_the_allocation(in_repo):
                         "actor.tp=3 does not divide 4 GPUs per node (a TP group must stay inside one node)"]
     staged = replace(cfg, stages=[StageConfig(iterations=1),
                                   StageConfig(iterations=1, overrides={"rollout.num_engines": 32})])
-    [problem] = preflight(staged, nodes=4, gpus_per_node=8, with_critic=True)
-    assert problem.startswith("stage 1: the recipe needs") and "= 48 GPUs > 32" in problem
+    # A stage cannot resize the fleet (the trainer's own rule, run_rules), and it would not fit either.
+    config, fit = preflight(staged, nodes=4, gpus_per_node=8, with_critic=True)
+    assert config.startswith("stages[1].overrides: 'rollout.num_engines' cannot change between stages")
+    assert fit.startswith("stage 1: the recipe needs") and "= 48 GPUs > 32" in fit
 
 
 def test_resolve_run_paths_and_refusals(in_repo, model):

@@ -17,8 +17,8 @@ from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfi
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
-_LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "steps_per_iteration",
-                   "micro_batch_size", "micro_batch_tokens")
+_LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
+                   "steps_per_iteration", "micro_batch_size", "micro_batch_tokens")
 STAGE_KEYS = (
     *(f"{role}.{key}" for role in ("actor", "critic") for key in _LIVE_ROLE_KEYS),
     "ref.micro_batch_size", "ref.micro_batch_tokens",
@@ -26,7 +26,7 @@ STAGE_KEYS = (
     "rollout.stop",
     "data.*", "reward.*",
     "algorithm.*",
-    "trainer.prompts_per_iteration", "trainer.eval_every", "trainer.eval_n",
+    "trainer.prompts_per_iteration", "trainer.eval_n",
 )
 # algorithm.* keys that stay one value for the run: the KL and entropy controllers carry state
 # across stages, and kl_coef > 0 decides whether a reference model exists.
