@@ -32,6 +32,7 @@ import torch
 from orz.config import ExperimentConfig, load_config
 from orz.data.synthetic import arithmetic_rows
 from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, ThinkAnswerTemplate
+from orz.logs import output_to
 
 INSTRUCTION = "Compute."
 
@@ -173,7 +174,8 @@ def main(argv: list[str]) -> dict:
     root = Path("runs/demo")
     root.mkdir(parents=True, exist_ok=True)
     spec = BaseModelSpec()
-    base = base_model(spec, root)
+    with output_to(root / "logs" / "pretrain.log", fds=(2,)):  # Megatron's and HF's notices; progress stays
+        base = base_model(spec, root)
     cfg = rl_config(base, spec, root, argv)
     result = train(cfg)
     before, after = result["first"], result["last"]

@@ -35,25 +35,26 @@ def to_log_file(log_dir: str, name: str) -> None:
 
 
 @contextlib.contextmanager
-def output_to(path: Path) -> Iterator[None]:
-    """While it lasts, this process's stdout and stderr (file descriptors 1 and 2) go to `path`:
-    for calls that print from C++ or reset the loggers, like `ray.init`."""
+def output_to(path: Path, fds: tuple[int, ...] = (1, 2)) -> Iterator[None]:
+    """While it lasts, these file descriptors of this process (stdout and stderr) go to `path`:
+    for calls that print from C++ or reset the loggers, like `ray.init`; processes started
+    meanwhile inherit them."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    saved = [os.dup(fd) for fd in fds]
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in fds:
+        os.dup2(log, fd)
+    os.close(log)
     try:
         yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        for target, source in zip((1, 2), saved):
-            os.dup2(source, target)
-            os.close(source)
+        for fd, original in zip(fds, saved):
+            os.dup2(original, fd)
+            os.close(original)
 
 
 @contextlib.contextmanager
