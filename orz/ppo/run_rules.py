@@ -3,7 +3,7 @@
     roles(cfg)                  # {"actor": RoleConfig, ...}: the Megatron roles the run starts
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
-    check(cfg, max_positions)   # every refusal, as one ConfigError naming the keys, before any worker starts
+    check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
 
 Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
 other workers (parallel sizes, a reference or critic appearing, the engines) is refused.
@@ -73,13 +73,14 @@ def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
                for stage, staged in zip(cfg.stages, stage_configs(cfg)))
 
 
-def check(cfg: ExperimentConfig, max_positions: int | None = None) -> None:
-    """Raises ConfigError listing every problem; max_positions: the model's context limit."""
+def check(cfg: ExperimentConfig, arch=None) -> None:
+    """Raises ConfigError listing every problem; with the model's ModelArch, also what does not
+    fit the model (its context limit, TP and PP sizes that do not divide it)."""
     problems = [f"stages[{i}].overrides: {p}" for i, stage in enumerate(cfg.stages) for p in _stage_problems(cfg, stage)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     for label, staged in zip([f"stage {i}: " for i in range(len(cfg.stages))] or [""], stage_configs(cfg)):
-        problems += [label + p for p in _run_problems(staged, max_positions)]
+        problems += [label + p for p in _run_problems(staged, arch)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
 
@@ -100,7 +101,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
     return problems
 
 
-def _run_problems(cfg: ExperimentConfig, max_positions: int | None) -> list[str]:
+def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     problems = []
     estimator(a)
@@ -125,11 +126,19 @@ def _run_problems(cfg: ExperimentConfig, max_positions: int | None) -> list[str]
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
     context = r.max_model_len or d.prompt_max_tokens + r.max_new_tokens
-    if max_positions is not None and context > max_positions:
+    if arch is not None and context > arch.max_position_embeddings:
         problems.append(f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
                         f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
-                        f"tokens exceed the model's max_position_embeddings={max_positions}; lower them")
+                        f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
+        if arch is not None:
+            for what, count in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)):
+                if count % role.tp:
+                    problems.append(f"{name}.tp={role.tp} does not divide the model's {count} {what}; "
+                                    f"use a TP size that divides {count}")
+            if arch.num_layers % role.pp:
+                problems.append(f"{name}.pp={role.pp} does not divide the model's {arch.num_layers} layers; "
+                                f"use a PP size that divides {arch.num_layers}")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
     return problems

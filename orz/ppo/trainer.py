@@ -125,7 +125,7 @@ class RayPPOTrainer:
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric)."""
         run_rules.check(cfg)  # the config alone, then against the model
-        run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch.max_position_embeddings)
+        run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)
         self.run_cfg = cfg
         self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
         self.out = Path(cfg.trainer.output_dir)
