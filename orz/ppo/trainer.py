@@ -124,7 +124,7 @@ class RayPPOTrainer:
     def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric)."""
-        run_rules.check(cfg)  # the config alone, then against the model
+        run_rules.check(cfg)  # the config alone, then against the model (main checks both first)
         run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)
         self.run_cfg = cfg
         self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
@@ -585,6 +585,7 @@ def main(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
     SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
     call started it: no agent or worker process of the run is left behind."""
+    run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
     t = cfg.trainer
     log_dir = Path(t.output_dir) / "logs"
     if not t.verbose:
