@@ -1,7 +1,7 @@
 """The CUDA paths the CPU suite cannot reach: skipped without a GPU; `make test-gpu` on a lent one.
 
     bash scripts/gpu_wheels.sh        # here: megatron-core and pytest as cp312 wheels in .whl/
-    make test-gpu                     # there (device tool, carry .whl): this file, one JSON line per check
+    make test-gpu                     # there (device tool, carry .whl): this file; one JSON line at the end
 
 Covers Megatron-core on CUDA with the local layer spec (no Transformer Engine on that machine):
 bf16 logits against transformers', one actor step on a Qwen2.5-0.5B-shaped random model with
@@ -39,8 +39,18 @@ def _engine(path, optim=True):
     return ckpt, engine
 
 
+REPORT: dict = {}  # check -> its figures, printed as one JSON line when the module is done
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_json_line():
+    yield
+    print(json.dumps({"bench": "gpu_checks", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      **REPORT}), flush=True)
+
+
 def _report(check, **figures):
-    print(json.dumps({"check": check, **figures}), flush=True)
+    REPORT[check] = figures
 
 
 def test_bf16_logits_match_transformers(world, tmp_path):
