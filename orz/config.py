@@ -318,5 +318,12 @@ def stage_at(cfg: ExperimentConfig, iteration: int) -> tuple[int, ExperimentConf
     return len(cfg.stages) - 1, apply_overrides(cfg, cfg.stages[-1].overrides)
 
 
+def stage_configs(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
+    """(label for messages, config) of each stage: ("stage 0: ", ...), ...; ("", cfg) without stages."""
+    if not cfg.stages:
+        return [("", cfg)]
+    return [(f"stage {i}: ", apply_overrides(cfg, stage.overrides)) for i, stage in enumerate(cfg.stages)]
+
+
 def total_iterations(cfg: ExperimentConfig) -> int:
     return sum(s.iterations for s in cfg.stages) if cfg.stages else cfg.trainer.iterations

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from orz.config import ConfigError, ExperimentConfig, RoleConfig, apply_overrides, load_config
+from orz.config import ConfigError, ExperimentConfig, RoleConfig, apply_overrides, load_config, stage_configs
 
 NODE_RESOURCE = "slurm_node:"  # + Slurm node name: a custom Ray resource naming each node
 RESUMABLE_EXIT = 75  # EX_TEMPFAIL: the trainer saved a checkpoint and stopped early; requeue to go on
@@ -244,13 +244,6 @@ def gpu_demand(cfg: ExperimentConfig, with_critic: bool) -> dict[str, float]:
     return demand
 
 
-def _stage_configs(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
-    """The config of every stage (a stage's overrides may change parallel sizes), labelled."""
-    if not cfg.stages:
-        return [("", cfg)]
-    return [(f"stage {i}: ", apply_overrides(cfg, stage.overrides)) for i, stage in enumerate(cfg.stages)]
-
-
 def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_critic: bool) -> list[str]:
     """Why the recipe's parallel sizes cannot be placed on nodes × gpus_per_node GPUs; [] when they can.
 
@@ -260,7 +253,7 @@ def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_
     if gpus_per_node == 0:
         return []  # a CPU partition: roles reserve CPUs, which Ray shares out
     problems, total = [], nodes * gpus_per_node
-    for label, stage in _stage_configs(cfg):
+    for label, stage in stage_configs(cfg):
         demand, roles, r = gpu_demand(stage, with_critic), _roles(stage, with_critic), stage.rollout
         if sum(demand.values()) > total + 1e-9:
             parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers × "

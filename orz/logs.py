@@ -21,17 +21,21 @@ from typing import Iterator
 THIRD_PARTY_LOGGERS = ("ray", "vllm", "megatron", "transformers", "torch", "urllib3", "filelock", "py.warnings")
 
 
-def to_log_file(log_dir: str, name: str) -> None:
-    """Points this process's stdout and stderr, at the file-descriptor level, at log_dir/name.log."""
-    if not log_dir:
-        return
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
+def _point(fds: tuple[int, ...], path: Path) -> None:
+    """These file descriptors (1: stdout, 2: stderr) of this process, C++ writers included, append to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(Path(log_dir) / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in fds:
+        os.dup2(log, fd)
+    os.close(log)
+
+
+def to_log_file(log_dir: str, name: str) -> None:
+    """Points this process's stdout and stderr at log_dir/name.log for good ("" keeps them)."""
+    if log_dir:
+        _point((1, 2), Path(log_dir) / f"{name}.log")
 
 
 @contextlib.contextmanager
@@ -39,14 +43,8 @@ def output_to(path: Path, fds: tuple[int, ...] = (1, 2)) -> Iterator[None]:
     """While it lasts, these file descriptors of this process (stdout and stderr) go to `path`:
     for calls that print from C++ or reset the loggers, like `ray.init`; processes started
     meanwhile inherit them."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
     saved = [os.dup(fd) for fd in fds]
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for fd in fds:
-        os.dup2(log, fd)
-    os.close(log)
+    _point(fds, path)
     try:
         yield
     finally:

@@ -57,13 +57,14 @@ def test_recipes_state_orz_settings():
     assert SKYWORK.algorithm.entropy_target is not None
 
 
-def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tmp_path):
-    from orz.ppo.trainer import RayPPOTrainer
+def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tiny_model, tmp_path):
+    from orz.ppo.trainer import main as train
 
-    cfg = load_config(None, ["model.path=/nonexistent", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
+    cfg = load_config(None, [f"model.path={tiny_model}", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
                              f"trainer.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 \(got 1.0, 20\)"):
-        RayPPOTrainer(cfg)
+        train(cfg)
+    assert not (tmp_path / "config.yaml").exists()  # refused before anything started
 
 
 def test_unknown_keys_suggest_the_closest_valid_one():

@@ -164,8 +164,8 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
     ("algorithm.kl_target=0.1", "kl_target=0.1 does nothing with kl_coef=0.0"),
     ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),
-    ("actor.tp=3", r"actor.tp=3 does not divide the model's 4 attention heads"),
-    ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide the model's 2 layers"),
+    ("actor.tp=3", r"actor.tp=3 does not divide num_attention_heads=4 of the model; use a size that divides it"),
+    ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide num_hidden_layers=2 of the model"),
 ])
 def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=message):

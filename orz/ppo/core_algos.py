@@ -647,10 +647,7 @@ def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: 
                                                                clip_high, dual_clip, "ppo")
     log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    metrics = {"actor/clip_frac": _masked_mean((clipped > unclipped).float(), real)}
+    per_token, metrics = _clipped_surrogate(ratio, advantages, real, clip_low, clip_high)
     if dual_clip is not None:
         capped = (advantages < 0) & (per_token > -advantages * dual_clip)
         per_token = torch.where(capped, -advantages * dual_clip, per_token)
@@ -670,6 +667,14 @@ def _surrogate_inputs(old_logprob, logprob, advantages, mask, clip_low, clip_hig
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     return (real, _real_values("old_logprob", old_logprob, real), _real_values("logprob", logprob, real),
             _real_values("advantages", advantages, real))
+
+
+def _clipped_surrogate(ratio, advantages, real, clip_low, clip_high) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's lₜ = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)) and the fraction of real
+    tokens whose clipped branch is taken (actor/clip_frac)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), {"actor/clip_frac": _masked_mean((clipped > unclipped).float(), real)}
 
 
 def _weighted_and_aggregated(per_token, ratio, log_ratio, real, agg, is_weights, norm_len, denominator, metrics):
@@ -714,10 +719,7 @@ def gspo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, m
     lengths = real.sum(dim=1, keepdim=True).clamp_min(1)                                   # (B, 1)
     seq_log_ratio = (token_log_ratio.sum(dim=1, keepdim=True) / lengths).expand_as(logprob)  # (B, T)
     ratio = (seq_log_ratio.detach() + logprob - logprob.detach()).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    metrics = {"actor/clip_frac": _masked_mean((clipped > unclipped).float(), real)}
+    per_token, metrics = _clipped_surrogate(ratio, advantages, real, clip_low, clip_high)
     return _weighted_and_aggregated(per_token, ratio, seq_log_ratio, real, agg, is_weights, norm_len, denominator,
                                     metrics)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from fnmatch import fnmatch
 
-from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
+from orz.models.arch import ModelConfigError
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
@@ -60,17 +61,12 @@ def algorithm(cfg: ExperimentConfig) -> AlgorithmConfig:
                    is_correction=cfg.trainer.max_staleness > 0 if a.is_correction is None else a.is_correction)
 
 
-def stage_configs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
-    """The config of each stage (one for a run without stages)."""
-    return [apply_overrides(cfg, stage.overrides) for stage in cfg.stages] or [cfg]
-
-
 def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
     """Optimizer steps of the whole run for `role`, over every stage's iterations × steps."""
     if not cfg.stages:
         return cfg.trainer.iterations * getattr(cfg, role).steps_per_iteration
     return sum(stage.iterations * getattr(staged, role).steps_per_iteration
-               for stage, staged in zip(cfg.stages, stage_configs(cfg)))
+               for stage, (_, staged) in zip(cfg.stages, stage_configs(cfg)))
 
 
 def check(cfg: ExperimentConfig, arch=None) -> None:
@@ -79,7 +75,7 @@ def check(cfg: ExperimentConfig, arch=None) -> None:
     problems = [f"stages[{i}].overrides: {p}" for i, stage in enumerate(cfg.stages) for p in _stage_problems(cfg, stage)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
-    for label, staged in zip([f"stage {i}: " for i in range(len(cfg.stages))] or [""], stage_configs(cfg)):
+    for label, staged in stage_configs(cfg):
         problems += [label + p for p in _run_problems(staged, arch)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
@@ -132,13 +128,10 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                         f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
         if arch is not None:
-            for what, count in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)):
-                if count % role.tp:
-                    problems.append(f"{name}.tp={role.tp} does not divide the model's {count} {what}; "
-                                    f"use a TP size that divides {count}")
-            if arch.num_layers % role.pp:
-                problems.append(f"{name}.pp={role.pp} does not divide the model's {arch.num_layers} layers; "
-                                f"use a PP size that divides {arch.num_layers}")
+            try:
+                arch.check_parallel(role.tp, role.pp)
+            except ModelConfigError as err:
+                problems.append(f"{name}.{err} of the model; use a size that divides it")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
     return problems

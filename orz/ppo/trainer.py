@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orz.config import ExperimentConfig, save_config, stage_at, to_dict, total_iterations
+from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import load_prompts
 from orz.data.sampler import PromptLoader
 from orz.data.synthetic import arithmetic_rows
@@ -124,9 +124,7 @@ class RayPPOTrainer:
     def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric)."""
-        run_rules.check(cfg)  # the config alone, then against the model (main checks both first)
-        run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)
-        self.run_cfg = cfg
+        self.run_cfg = cfg  # main has run every refusal (run_rules.check) before Ray started
         self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +167,7 @@ class RayPPOTrainer:
         self.ref = WorkerGroup(self._role("ref", train=False)) if "ref" in roles else None
         r = cfg.rollout
         max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
-                                          for staged in run_rules.stage_configs(cfg))
+                                          for _, staged in stage_configs(cfg))
         engine_args = {"max_model_len": max_len}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
@@ -193,7 +191,7 @@ class RayPPOTrainer:
         across a stage boundary (step)."""
         previous = self.stage_cfg if self.loader is not None else None
         self.stage_index = index
-        self.stage_cfg = cfg = run_rules.stage_configs(self.run_cfg)[index]
+        self.stage_cfg = cfg = stage_configs(self.run_cfg)[index][1]
         self.algo = run_rules.algorithm(cfg)  # its None defaults decided
         d = cfg.data
         self.template = ThinkAnswerTemplate(d.instruction) if d.template == "think_answer" and d.instruction \
