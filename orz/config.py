@@ -129,11 +129,31 @@ class DataConfig:
 
 
 @dataclass
+class CodeScoringConfig:
+    """The sandbox that runs code rows' tests (orz.reward.code)."""
+
+    scoring: str = "all_pass"  # "all_pass" | "pass_fraction"
+    extraction: str = "last_fenced"  # "last_fenced": the last ```python block after </think> | "response": all of it
+    max_parallel: int = 4  # solutions judged at once
+    wall_s: float = 6.0  # per test case
+    cpu_s: int = 4
+    memory_mb: int = 1024
+    allow_weak_sandbox: bool = False  # run without uid or namespace isolation when neither is available
+
+
+@dataclass
 class RewardConfig:
+    """Each row's verifier scores it (orz.reward.router); `custom` adds rewards by name."""
+
     extraction: list[str] = field(default_factory=lambda: ["boxed", "answer_tag"])  # answer forms, by preference
     format_reward: float = 0.0
-    num_workers: int = 2
-    timeout_s: float = 5.0
+    num_workers: int = 2  # math-verify processes
+    timeout_s: float = 5.0  # per math item
+    code: CodeScoringConfig = field(default_factory=CodeScoringConfig)
+    custom: dict[str, str] = field(default_factory=dict)  # name -> "package.module:function" or an http(s) URL
+    weights: dict[str, float] = field(default_factory=dict)  # name -> weight; names besides a row's verifier apply to every row
+    custom_workers: int = 2
+    custom_timeout_s: float = 10.0  # per item (functions) or per batch (endpoints)
 
 
 @dataclass

@@ -42,6 +42,7 @@ class CliConfig:
 
 def parse_args(argv: list[str] | None = None):
     from orz.evaluation.runner import EvalConfig
+    from orz.reward.router import RouterConfig
 
     defaults = EvalConfig()
     p = argparse.ArgumentParser(prog="python -m orz.eval", description=__doc__.split("\n")[0])
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--stop", action="append", help="stop string (repeat); default: the template's")
     p.add_argument("--k", type=int, nargs="+", help="the k of pass@k and maj@k (default: 1, 2, 4, ..., n)")
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--custom", action="append", default=[], metavar="NAME=SPEC",
+                   help="a custom reward for rows whose verifier is NAME: package.module:function or an http(s) URL")
     p.add_argument("--chunk-samples", type=int, default=defaults.chunk_samples, help="samples per generate call")
     p.add_argument("--out", help="output directory (default: runs/eval/<model>-<time>)")
     p.add_argument("--engines", type=int, default=1, help="vLLM engines")
@@ -77,8 +80,9 @@ def parse_args(argv: list[str] | None = None):
     out = args.out or f"runs/eval/{Path(args.model).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
                     args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress)
+    custom = dict(item.partition("=")[::2] for item in args.custom)
     try:
-        cfg = EvalConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        cfg = EvalConfig(reward=RouterConfig(custom=custom), n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_new_tokens=args.max_tokens, stop=None if args.stop is None else tuple(args.stop),
                          seed=args.seed, ks=None if args.k is None else tuple(args.k), chunk_samples=args.chunk_samples)
     except ValueError as err:

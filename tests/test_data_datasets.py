@@ -1,4 +1,5 @@
-"""load_prompts: every accepted format and file type, real benchmark files, and precise errors."""
+"""load_rows: every accepted format and file type (Skywork-OR1's verl parquet included), the verifier
+each row names, real benchmark files, and precise errors."""
 import json
 import os
 
@@ -6,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orz.data.datasets import DatasetFormatError, load_prompts
+from orz.data.datasets import COMMON_IMPORTS, CodeTests, DatasetFormatError, load_rows, load_source
 
 CONVERSATION = [{"from": "human", "value": "What is 2+2?"},
                 {"from": "assistant", "ground_truth": {"value": "4"}}]
@@ -14,8 +15,14 @@ EVALUATION = {"prompt": [{"from": "user", "value": "What is 3+3?"}], "final_answ
 FLAT = {"prompt": "What is 4+4?", "answer": 8}
 VERL = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 5+5?"}],
         "reward_model": {"ground_truth": "10", "style": "rule"}, "data_source": "x"}
-EXPECTED = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+3?", "answer": "6"},
-            {"prompt": "What is 4+4?", "answer": "8"}, {"prompt": "What is 5+5?", "answer": "10"}]
+EXPECTED = [("What is 2+2?", "4"), ("What is 3+3?", "6"), ("What is 4+4?", "8"), ("What is 5+5?", "10")]
+
+
+def load_prompts(path):
+    """(prompt, answer) of every row, all of them math."""
+    rows = load_rows(path)
+    assert {r.verifier for r in rows} == {"math"}
+    return [(r.prompt, r.answer) for r in rows]
 
 
 def _write_jsonl(path, rows):
@@ -79,6 +86,79 @@ def test_invalid_json_line_and_wrong_top_level(tmp_path):
 def test_real_benchmark_files(shared_data, name, size):
     rows = load_prompts(os.path.join(shared_data, name))
     assert len(rows) == size
-    assert all(r["prompt"].strip() and r["answer"].strip() for r in rows)
+    assert all(prompt.strip() and answer.strip() for prompt, answer in rows)
     if name == "aime2024.json":
-        assert rows[0]["answer"] == "73" and "Aimeville" in rows[0]["prompt"]
+        assert rows[0][1] == "73" and "Aimeville" in rows[0][0]
+
+
+# ---- Skywork-OR1's rows as shipped (verl parquet) ---------------------------------------------
+
+def _skywork(source, truth, ability):
+    return {"data_source": source, "prompt": [{"role": "user", "content": f"{source} problem"}], "ability": ability,
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": 0}}
+
+
+SKYWORK = [
+    _skywork("train-math-deepscaler", "['3', '\\\\frac{6}{2}']", "math"),  # the string of a Python list
+    _skywork("train-math-interval", "[0, 1]", "math"),  # an interval, not a list of answers
+    _skywork("train-code-taco", json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]}), "code"),
+    _skywork("train-code-leetcode", json.dumps({"inputs": [[[1, 2], 3]], "outputs": [[0, 1]], "fn_name": "twoSum"}),
+             "code"),
+    _skywork("train-code-humaneval", json.dumps({"import_prefix": "import math\n", "entry_point": "add",
+                                                 "test_code": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                                                              "    assert candidate(0, 0) == 0\n"}), "code"),
+    _skywork("train-code-mbpp", json.dumps({"assert_case": ["assert add(1, 2) == 3"]}), "code"),
+]
+
+
+def test_skywork_or1_parquet_loads_as_shipped(tmp_path):
+    path = tmp_path / "skywork.parquet"
+    pq.write_table(pa.Table.from_pylist(SKYWORK), path)
+    rows = load_rows(path)
+    assert [r.verifier for r in rows] == ["math", "math", "code", "code", "code", "code"]
+    assert rows[0].answers == ("3", "\\frac{6}{2}") and rows[1].answers == ("[0, 1]",)
+    assert [r.data_source for r in rows][:2] == ["train-math-deepscaler", "train-math-interval"]
+    assert rows[0].prompt == "train-math-deepscaler problem" and rows[0].extra_info == {"index": 0}
+    assert rows[2].tests == CodeTests(["1 2\n"], ["3\n"])
+    assert rows[3].tests == CodeTests([[[1, 2], 3]], [[0, 1]], "twoSum")
+    assert rows[4].tests == CodeTests([], [], checks=(
+        "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)",
+        "def check(candidate):\n    assert candidate(0, 0) == 0\ncheck(add)"), prefix="import math\n")
+    assert rows[5].tests == CodeTests([], [], checks=("assert add(1, 2) == 3",), prefix=COMMON_IMPORTS)
+    assert rows[5].tests.mode == "check" and rows[3].tests.mode == "call" and rows[2].tests.mode == "stdio"
+
+
+def test_a_row_may_name_a_custom_verifier(tmp_path):
+    path = _write_jsonl(tmp_path / "custom.jsonl", [
+        {"prompt": "Say hi.", "verifier": "greeting", "answer": "hi", "data_source": "chat"},
+        {"prompt": "Anything.", "verifier": "brevity"},
+    ])
+    greeting, brevity = load_rows(path)
+    assert (greeting.verifier, greeting.answers, greeting.ground_truth, greeting.data_source) == \
+        ("greeting", ("hi",), "hi", "chat")
+    assert (brevity.verifier, brevity.answers) == ("brevity", ())
+    assert greeting.record()["answers"] == ["hi"] and json.dumps(greeting.record())
+
+
+@pytest.mark.parametrize("truth, problem", [
+    ({"import_prefix": "", "test_code": "def check(c):\n", "entry_point": "f"}, "no test case after its first line"),
+    ({"import_prefix": "", "test_code": "def check(c):\n    assert c()"}, "need 'entry_point'"),
+    ({"assert_case": []}, "non-empty list of assert lines"),
+    ({"tests": "nothing"}, "code tests need 'inputs' and 'outputs'"),
+])
+def test_bad_code_truths_name_the_row(tmp_path, truth, problem):
+    path = _write_jsonl(tmp_path / "code.jsonl", [_skywork("c", json.dumps(truth), "code")])
+    with pytest.raises(DatasetFormatError, match=problem) as error:
+        load_rows(path)
+    assert error.value.row == 1
+
+
+def test_synthetic_sources_split_and_name_their_verifier():
+    for spec, verifier in (("synthetic:arithmetic", "math"), ("synthetic:countdown", "countdown"),
+                           ("synthetic:code", "code")):
+        train = load_source(spec, split="train", size=50, seed=0, digits=(1, 2))
+        test = load_source(spec, split="test", size=20, seed=0, digits=(1, 2))
+        assert {r.verifier for r in train + test} == {verifier} and {r.data_source for r in train} == {spec}
+        assert not {r.prompt for r in train} & {r.prompt for r in test}
+    with pytest.raises(ValueError, match="unknown synthetic task 'synthetic:poetry'"):
+        load_source("synthetic:poetry", split="train", size=1, seed=0)

@@ -1,5 +1,5 @@
-"""Benchmark files (math, multiple choice, code) and reading a response's letter; bad rows stop
-loading with the file, the row and what is wrong."""
+"""Benchmark files through the one loader (math, multiple choice, code, in every shipped format) and
+reading a response's letter; bad rows stop loading with the file, the row and what is wrong."""
 import base64
 import json
 import os
@@ -8,9 +8,9 @@ import zlib
 
 import pytest
 
-from orz.data.datasets import DatasetFormatError
-from orz.evaluation.benchmarks import benchmark_from_rows, detect_kind, extract_choice, load_benchmark
-from orz.reward.code import CodeTests
+from orz.data.datasets import CodeTests, DatasetFormatError, parse_rows
+from orz.evaluation.benchmarks import benchmark_from_rows, load_benchmark
+from orz.reward.choice import extract_choice
 
 GPQA_ROW = {"Question": "Which particle is a lepton?", "Correct Answer": "electron",
             "Incorrect Answer 1": "proton", "Incorrect Answer 2": "neutron", "Incorrect Answer 3": "pion"}
@@ -33,7 +33,7 @@ def test_math_rows_in_every_dataset_format(tmp_path):
     ]
     bench = load_benchmark("mix", _write(tmp_path, "mix.json", rows))
     assert bench.kind == "math"
-    assert [(p.question, p.answer, p.row) for p in bench.problems] == [("1+1?", "2", 1), ("2+2?", "4", 2), ("3+3?", "6", 3)]
+    assert [(p.prompt, p.answer, p.number) for p in bench.problems] == [("1+1?", "2", 1), ("2+2?", "4", 2), ("3+3?", "6", 3)]
 
 
 def test_multiple_choice_letters_and_indices(tmp_path):
@@ -42,7 +42,7 @@ def test_multiple_choice_letters_and_indices(tmp_path):
     bench = load_benchmark("mc", _write(tmp_path, "mc.jsonl", rows))
     assert bench.kind == "multiple_choice"
     assert [p.answer for p in bench.problems] == ["B", "C"]
-    assert bench.problems[0].question == "Pick two.\n\nA) 1\nB) 2\nC) 3\n\nAnswer with the letter of the correct choice."
+    assert bench.problems[0].prompt == "Pick two.\n\nA) 1\nB) 2\nC) 3\n\nAnswer with the letter of the correct choice."
     assert bench.problems[1].choices == ("1", "2", "3", "4")
 
 
@@ -80,8 +80,8 @@ def test_code_tests_from_each_format(tmp_path):
     assert tests[1] == CodeTests([[1, 2]], [3], "add")
     assert tests[2] == CodeTests([[[2, 7, 11, 15], 9], [[3, 3], 6]], [[0, 1], [0, 1]], "twoSum")
     assert tests[3] == CodeTests(["x\n", "y\n"], ["x\n", "y\n"])
-    assert "reads the input from standard input" in bench.problems[0].question
-    assert "```python\ndef add(a, b):\n    pass\n```" in bench.problems[1].question
+    assert "reads the input from standard input" in bench.problems[0].prompt
+    assert "```python\ndef add(a, b):\n    pass\n```" in bench.problems[1].prompt
 
 
 class Boom:
@@ -93,7 +93,7 @@ def test_a_pickled_object_in_private_tests_is_refused_not_run(tmp_path):
     blob = base64.b64encode(zlib.compress(pickle.dumps(Boom()))).decode()
     row = {"question_content": "q", "public_test_cases": json.dumps([{"input": "", "output": "", "testtype": "stdin"}]),
            "private_test_cases": blob}
-    with pytest.raises(DatasetFormatError, match=r"row 1: code problem: 'private_test_cases' .*refusing to load"):
+    with pytest.raises(DatasetFormatError, match=r"row 1: 'private_test_cases' .*refusing to load"):
         load_benchmark("lcb", _write(tmp_path, "evil.jsonl", [row]))
 
 
@@ -104,13 +104,13 @@ def test_a_pickled_object_in_private_tests_is_refused_not_run(tmp_path):
         ("empty_answer.json", [{"prompt": "1+1?", "answer": " "}], 1, "the answer must be a non-empty"),
         ("not_a_row.jsonl", [{"prompt": "1+1?", "answer": "2"}, 17], 2, "must be an object or a conversation"),
         ("mc_no_answer.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": "A"},
-                                {"question": "q", "choices": ["a", "b"]}], 2, "multiple_choice problem: no answer"),
+                                {"question": "q", "choices": ["a", "b"]}], 2, "no answer"),
         ("mc_bad_letter.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": "C"}], 1, "a letter A-B or an index 0-1"),
         ("mc_one_choice.jsonl", [{"question": "q", "choices": ["a"], "answer": "A"}], 1, "list of 2 to 10"),
         ("gpqa_missing.jsonl", [GPQA_ROW, {k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 3"}], 2,
          "missing field 'Incorrect Answer 3'"),
         ("code_no_tests.jsonl", [{"question": "q", "tests": {"inputs": ["1"], "outputs": ["1"]}}, {"question": "q"}], 2,
-         "missing field 'public_test_cases'"),
+         "no 'prompt' field"),
         ("code_uneven.jsonl", [{"question": "q", "tests": {"inputs": ["1", "2"], "outputs": ["1"]}}], 1,
          "2 inputs, 1 outputs"),
         ("code_no_fn.jsonl", [{"question_content": "q", "public_test_cases": json.dumps(
@@ -132,25 +132,17 @@ def test_invalid_json_line_and_empty_file(tmp_path):
         load_benchmark("broken", path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError, match="empty.jsonl: holds no problems"):
+    with pytest.raises(ValueError, match="empty.jsonl: holds no rows"):
         load_benchmark("empty", empty)
-    with pytest.raises(ValueError, match="unknown benchmark kind 'essay'"):
-        load_benchmark("x", _write(tmp_path, "ok.jsonl", [{"prompt": "1+1?", "answer": "2"}]), kind="essay")
 
 
 def test_rows_in_memory_read_like_a_file(tmp_path):
     rows = [{"prompt": "1+1?", "answer": "2"}, {"question": "q", "choices": ["a", "b"], "answer": "A"}]
-    assert benchmark_from_rows("arith", rows[:1]).problems == load_benchmark("arith", _write(tmp_path, "a.json", rows[:1])).problems
-    with pytest.raises(DatasetFormatError, match=r"<arith rows>, row 2: math problem: no 'prompt' field"):
-        benchmark_from_rows("arith", rows)
-
-
-def test_kind_detection():
-    assert detect_kind({"prompt": "q", "answer": "1"}) == "math"
-    assert detect_kind([{"from": "human", "value": "q"}]) == "math"
-    assert detect_kind(GPQA_ROW) == "multiple_choice"
-    assert detect_kind({"question": "q", "choices": []}) == "multiple_choice"
-    assert detect_kind({"question": "q", "input_output": "{}"}) == "code"
+    in_memory = benchmark_from_rows("mix", parse_rows(str(tmp_path / "a.json"), enumerate(rows, start=1)))
+    assert in_memory.problems == load_benchmark("mix", _write(tmp_path, "a.json", rows)).problems
+    assert in_memory.kind == "mixed" and [p.verifier for p in in_memory.problems] == ["math", "multiple_choice"]
+    with pytest.raises(DatasetFormatError, match=r"<arith rows>, row 2: no 'prompt' field"):
+        parse_rows("<arith rows>", enumerate([rows[0], {"question": "q"}], start=1))
 
 
 @pytest.mark.parametrize(
@@ -177,4 +169,4 @@ def test_the_shared_benchmark_files_load(shared_data):
             pytest.skip(f"{path} is absent")
         bench = load_benchmark(name, path)
         assert bench.kind == "math" and len(bench.problems) == size
-        assert all(p.question and p.answer for p in bench.problems)
+        assert all(p.prompt and p.answer for p in bench.problems)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orz.reward.code import CodeReward, CodeRewardConfig, CodeTests, extract_code, outputs_match
+from orz.data.datasets import CodeTests
+from orz.reward.code import CodeReward, CodeRewardConfig, extract_code, outputs_match
 from orz.reward.sandbox import Sandbox, SandboxLimits, _pids_of
 
 # Tight limits for the hostile batch (their timeouts overlap); generous ones where a busy machine
@@ -213,7 +214,7 @@ def test_correct_and_wrong_solutions(reward):
 
 def test_pass_fraction_scoring():
     with CodeReward(CodeRewardConfig(scoring="pass_fraction", limits=GENEROUS)) as reward:
-        assert reward.judge("print(3)\n", ADD) == 0.5
+        assert reward.run_tests("print(3)\n", ADD).score == 0.5
 
 
 def test_call_based_function_and_solution_class(reward):
@@ -221,18 +222,18 @@ def test_call_based_function_and_solution_class(reward):
     function = "def sort_list(xs):\n    print('debug output is ignored')\n    return sorted(xs)\n"
     method = "class Solution:\n    def sort_list(self, xs):\n        return tuple(sorted(xs))\n"
     wrong = "def sort_list(xs):\n    return xs\n"
-    assert [reward.judge(s, tests) for s in (function, method, wrong)] == [1.0, 1.0, 0.0]
+    assert [reward.run_tests(s, tests).score for s in (function, method, wrong)] == [1.0, 1.0, 0.0]
 
 
 def test_environment_is_scrubbed(reward, monkeypatch):
     monkeypatch.setenv("ORZ_SECRET_TOKEN", "hunter2")
     tests = CodeTests(inputs=[""], outputs=["False"])
-    assert reward.judge("import os\nprint('ORZ_SECRET_TOKEN' in os.environ)\n", tests) == 1.0
+    assert reward.run_tests("import os\nprint('ORZ_SECRET_TOKEN' in os.environ)\n", tests).score == 1.0
 
 
 def test_a_solution_may_write_in_its_own_directory(reward):
     source = "open('scratch.txt', 'w').write('3')\nprint(open('scratch.txt').read())\n"
-    assert reward.judge(source, ONE_TEST) == 1.0
+    assert reward.run_tests(source, ONE_TEST).score == 1.0
 
 
 def test_isolation_is_recorded():

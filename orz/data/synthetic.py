@@ -1,12 +1,14 @@
 """Seeded, verifiable synthetic tasks for tests, benchmarks and the CPU demo.
 
     rows = arithmetic_rows(1000, seed=0, split="train")   # [{"prompt", "answer", "solution"}, ...]
-    rows = countdown_rows(1000, seed=0, split="test")      # + "numbers", "target"
+    rows = countdown_rows(1000, seed=0, split="test")      # verifier "countdown": countdown_reward
+    rows = code_rows(1000, seed=0, split="train")          # verifier "code": stdout tests
 
 Rows have the datasets' format (prompt, answer) plus `solution`, a worked solution ending in the
 chosen answer format, for pre-training. Which split a problem belongs to is a hash of the problem
 itself, so train and test never share a problem, whatever the seeds and sizes.
-Countdown answers are scored with `countdown_verify`, not by mathematical equivalence.
+Countdown answers are scored with `countdown_reward` (a custom reward the router registers), not
+by mathematical equivalence; code answers run in the sandbox.
 """
 from __future__ import annotations
 
@@ -155,6 +157,7 @@ def countdown_rows(
         question = (f"Using the numbers {listed}, each exactly once, with + - * / and parentheses, "
                     f"write an expression equal to {target}.")
         row = {"prompt": question, "answer": expression, "solution": respond("\n".join(steps), expression),
+               "verifier": "countdown", "extra_info": {"numbers": numbers, "target": target},
                "numbers": numbers, "target": target}
         return f"{sorted(numbers)}->{target}", row
 
@@ -173,6 +176,15 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, lis
         steps.append(f"{value}{op}{x}={new_value}")
         expression, value = f"({expression}){op}{x}" if len(steps) > 1 else f"{expression}{op}{x}", new_value
     return expression, steps, value
+
+
+def countdown_reward(response: str, row: dict) -> float:
+    """1 when the response's answer (<answer> tag or \\boxed) is a valid countdown expression."""
+    from orz.reward.math import extract_answer  # the reward package reads data, not the reverse
+
+    expression = extract_answer(response)
+    info = row["extra_info"]
+    return float(expression is not None and countdown_verify(expression, info["numbers"], info["target"]))
 
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
@@ -256,3 +268,27 @@ class _Parser:
             raise ValueError(f"expected a number, got {token!r}")
         self.used.append(int(token))
         return Fraction(int(token))
+
+
+# --------------------------------------------------------------------------------------------------
+# Code
+
+
+def code_rows(n: int, seed: int, split: str = "train", *, digits: tuple[int, int] = (1, 2),
+              ops: str = "+-*") -> list[dict]:
+    """Write a Python program that prints the value of `a op b op c`; judged by its stdout in the
+    sandbox. The solution is a fenced `print(...)` block, for pre-training."""
+    low, high = digits
+    if not 1 <= low <= high or not ops or set(ops) - set("+-*"):
+        raise ValueError(f"need 1 <= digits[0] <= digits[1] and ops from '+-*'; got {digits=}, {ops=}")
+
+    def make(rng: random.Random) -> tuple[str, dict]:
+        a, b, c = (_number(rng, rng.randint(low, high)) for _ in range(3))
+        expression = f"{a} {rng.choice(ops)} {b} {rng.choice(ops)} {c}"
+        value = str(_Parser(expression).parse()[0])
+        question = f"Write a Python program that prints the value of {expression}."
+        return expression, {"prompt": question, "verifier": "code", "answer": value,
+                            "tests": {"inputs": [""], "outputs": [value]},
+                            "solution": f" ```python\nprint({expression})\n```"}
+
+    return _generate(n, seed, split, "code", make)

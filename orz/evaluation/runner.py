@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from orz.data.templates import ANSWER_CLOSE, ChatTemplate, ThinkAnswerTemplate
 from orz.evaluation import metrics
-from orz.evaluation.benchmarks import Benchmark, Problem, cluster_math_answers, extract_choice
-from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
-from orz.reward.math import MathReward, MathRewardConfig, extract_answer
+from orz.data.datasets import Row
+from orz.evaluation.benchmarks import Benchmark, cluster_math_answers
 from orz.reward.pool import KillablePool
+from orz.reward.router import RewardRouter, RouterConfig
 from orz.rollout.engine import Sample, SamplingConfig
 
 
@@ -54,9 +54,8 @@ class EvalConfig:
     # Samples per generate call, rounded to whole problems. The progress bar moves once per chunk;
     # bigger chunks keep more engines busy.
     chunk_samples: int = 1024
-    # Verdicts are 0 or 1: no format bonus, and code must pass every test.
-    math: MathRewardConfig = field(default_factory=MathRewardConfig)
-    code: CodeRewardConfig = field(default_factory=lambda: CodeRewardConfig(scoring="all_pass"))
+    # How each row's verifier judges. A verdict is right or wrong: no format bonus, code passes every test.
+    reward: RouterConfig = field(default_factory=RouterConfig)
     # Wall-clock limit for clustering one problem's answers for maj@k (math-verify, pairwise). Past
     # it, that problem's answers are clustered by exact string instead (counted as
     # cluster_fallbacks).
@@ -68,9 +67,10 @@ class EvalConfig:
                              f"chunk_samples={self.chunk_samples}")
         if self.ks is not None and any(not 1 <= k <= self.n for k in self.ks):
             raise ValueError(f"every k must be in 1..n={self.n}; got ks={list(self.ks)}")
-        if self.math.format_reward != 0.0 or self.code.scoring != "all_pass":
-            raise ValueError(f"a verdict is right or wrong: need math.format_reward=0 and code.scoring='all_pass'; "
-                             f"got {self.math.format_reward} and {self.code.scoring!r}")
+        if self.reward.math.format_reward != 0.0 or self.reward.code.scoring != "all_pass" or self.reward.weights:
+            raise ValueError(f"a verdict is right or wrong: need math.format_reward=0, code.scoring='all_pass' and "
+                             f"no reward weights; got {self.reward.math.format_reward}, "
+                             f"{self.reward.code.scoring!r} and {self.reward.weights}")
 
     @property
     def pass_ks(self) -> tuple[int, ...]:
@@ -97,7 +97,7 @@ class Judged:
     extracted: list[str | None]  # the answer, letter or code read from each response
     verdicts: list[bool]
     clusters: list[int | None] | None  # per sample, its answer cluster within its problem; None: no voting (code)
-    judge_timeouts: int = 0  # math: samples whose verification was killed (judged wrong); code: test cases killed
+    judge_timeouts: int = 0  # samples whose verification was killed, failed or crashed, and code test cases killed
     cluster_fallbacks: int = 0  # problems clustered by exact string after a clustering timeout
 
 
@@ -160,22 +160,19 @@ class Evaluator:
             raise ValueError(f"need at least one benchmark and distinct names; got {names}")
         self.fleet, self.template, self.benchmarks, self.cfg = fleet, template, list(benchmarks), cfg
         self.progress = progress
-        self.prompts = {b.name: [template.prompt(p.question) for p in b.problems] for b in benchmarks}
+        self.prompts = {b.name: [template.prompt(p.prompt) for p in b.problems] for b in benchmarks}
         self.prompt_ids = {
-            b.name: [encode_prompt(tokenizer, template, p.question) for p in b.problems] for b in benchmarks
+            b.name: [encode_prompt(tokenizer, template, p.prompt) for p in b.problems] for b in benchmarks
         }
         stop = default_stop(template) if cfg.stop is None else cfg.stop
         self.sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                        max_new_tokens=cfg.max_new_tokens, stop=list(stop), n=cfg.n, seed=cfg.seed)
-        kinds = {b.kind for b in benchmarks}
-        self.math_reward = self.cluster_pool = self.code_reward = None
-        if "math" in kinds:
-            self.math_reward = MathReward(cfg.math)
-            self.cluster_pool = KillablePool(cluster_math_answers, cfg.math.num_workers, cfg.cluster_timeout_s,
-                                             chunk_size=1, memory_limit_mb=cfg.math.memory_limit_mb)
-        if "code" in kinds:
-            self.code_reward = CodeReward(cfg.code)
-        self._judges = {"math": self._judge_math, "multiple_choice": self._judge_choice, "code": self._judge_code}
+        self.router = RewardRouter(cfg.reward, [row for b in benchmarks for row in b.problems])
+        self.cluster_pool = None
+        if any(b.kind == "math" for b in benchmarks):
+            math = cfg.reward.math
+            self.cluster_pool = KillablePool(cluster_math_answers, math.num_workers, cfg.cluster_timeout_s,
+                                             chunk_size=1, memory_limit_mb=math.memory_limit_mb)
 
     def settings(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -186,9 +183,9 @@ class Evaluator:
             "template": type(self.template).__name__,
             "n": cfg.n, "ks": list(cfg.pass_ks), "seed": cfg.seed,
             "sampling": asdict(self.sampling),
-            "math_extraction": list(cfg.math.extraction),
+            "math_extraction": list(cfg.reward.math.extraction),
             "cluster_timeout_s": cfg.cluster_timeout_s,
-            **({"code_sandbox": self.code_reward.sandbox.isolation} if self.code_reward else {}),
+            **({"code_sandbox": self.router.sandbox_isolation} if self.router.sandbox_isolation else {}),
         }
 
     def run(self, min_version: int | None = None) -> EvalReport:
@@ -217,7 +214,7 @@ class Evaluator:
                 if i + 1 < len(starts):  # the engines work on the next chunk while this one is judged
                     pending = generator.submit(self._generate, bench, starts[i + 1], per_chunk, min_version)
                 problems = [bench.problems[first + s.index] for s in samples]
-                judged = self._judges[bench.kind](problems, samples)
+                judged = self._judge(bench.kind, problems, samples)
                 judge_timeouts += judged.judge_timeouts
                 cluster_fallbacks += judged.cluster_fallbacks
                 for j in range(0, len(samples), n):
@@ -252,7 +249,7 @@ class Evaluator:
         """The JSONL line of sample `k` of a chunk that starts at problem `first`."""
         problem_index = first + sample.index
         return {
-            "benchmark": bench.name, "problem": problem_index, "row": bench.problems[problem_index].row,
+            "benchmark": bench.name, "problem": problem_index, "row": bench.problems[problem_index].number,
             "sample": k % self.cfg.n, "prompt": self.prompts[bench.name][problem_index], "response": sample.text,
             "extracted": judged.extracted[k], "answer": bench.problems[problem_index].answer or None,
             "correct": judged.verdicts[k], "cluster": None if judged.clusters is None else judged.clusters[k],
@@ -267,39 +264,30 @@ class Evaluator:
         votes = [a if s.finish_reason == "stop" else None for s, a in zip(samples, extracted)]
         return [tuple(votes[j : j + self.cfg.n]) for j in range(0, len(votes), self.cfg.n)]
 
-    def _judge_math(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
-        texts = [s.text for s in samples]
-        extracted = [extract_answer(t, self.cfg.math.extraction) for t in texts]
-        finish_reasons = [s.finish_reason for s in samples]
-        scores, reward_metrics = self.math_reward.score(texts, [p.answer for p in problems], finish_reasons)
+    def _judge(self, kind: str, problems: Sequence[Row], samples: Sequence[Sample]) -> Judged:
+        """Verdicts by each row's verifier (the trainer's router); answers vote in maj@k for math
+        (clustered by equivalence) and multiple choice (by letter), not for code or custom rewards."""
+        verdicts = self.router.score([s.text for s in samples], problems, [s.finish_reason for s in samples])
+        extracted = [v.extracted for v in verdicts]
+        failures = sum(v.status in ("timeout", "crash", "error") for v in verdicts) + sum(v.test_timeouts for v in verdicts)
+        judged = Judged(extracted, [v.correct for v in verdicts], None, failures)
+        if kind not in ("math", "multiple_choice"):
+            return judged
         votes = self._votes(samples, extracted)
-        clusters, fallbacks = [], 0
+        if kind == "multiple_choice":  # letters are equal only when identical
+            judged.clusters = [c for answers in votes for c in metrics.cluster_answers(answers, _never)]
+            return judged
+        judged.clusters = []
         for answers, outcome in zip(votes, self.cluster_pool.map(votes)):
             if outcome.status == "ok":
-                clusters += outcome.value
+                judged.clusters += outcome.value
             else:  # identical strings still agree; nothing else is compared
-                clusters += metrics.cluster_answers(answers, _never)
-                fallbacks += 1
-        failures = sum(int(reward_metrics[f"reward/{k}"]) for k in ("timeouts", "crashes", "errors"))
-        return Judged(extracted, [s >= 1.0 for s in scores], clusters, failures, fallbacks)
-
-    def _judge_choice(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
-        extraction = self.cfg.math.extraction
-        extracted = [extract_choice(s.text, len(p.choices), extraction) for p, s in zip(problems, samples)]
-        verdicts = [s.finish_reason == "stop" and a == p.answer for p, s, a in zip(problems, samples, extracted)]
-        # Letters are equal only when identical.
-        clusters = [c for answers in self._votes(samples, extracted) for c in metrics.cluster_answers(answers, _never)]
-        return Judged(extracted, verdicts, clusters)
-
-    def _judge_code(self, problems: Sequence[Problem], samples: Sequence[Sample]) -> Judged:
-        texts = [s.text for s in samples]
-        finish_reasons = [s.finish_reason for s in samples]
-        scores, code_metrics = self.code_reward.score(texts, [p.tests for p in problems], finish_reasons)
-        timeouts = int(code_metrics["code/timeouts"])
-        return Judged([extract_code(t) for t in texts], [s >= 1.0 for s in scores], None, timeouts)
+                judged.clusters += metrics.cluster_answers(answers, _never)
+                judged.cluster_fallbacks += 1
+        return judged
 
     def close(self) -> None:
-        for closeable in (self.math_reward, self.cluster_pool, self.code_reward):
+        for closeable in (self.router, self.cluster_pool):
             if closeable is not None:
                 closeable.close()
 

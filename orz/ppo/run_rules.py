@@ -16,6 +16,7 @@ from fnmatch import fnmatch
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from orz.reward.router import RouterConfig
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -109,6 +110,10 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     elif a.policy_loss != "ppo" and a.dual_clip is not None:
         problems.append(f"algorithm.dual_clip caps PPO's per-token surrogate and has no meaning for "
                         f"policy_loss={a.policy_loss!r}; unset it")
+    try:
+        RouterConfig.from_config(cfg.reward)
+    except ValueError as err:
+        problems.append(str(err))
     k = cfg.trainer.max_staleness
     if k < 0:
         problems.append(f"trainer.max_staleness={k} must be >= 0 (0: on-policy; k: batches from up to k versions back)")

@@ -37,9 +37,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
-from orz.data.datasets import load_prompts
+from orz.data.datasets import Row, load_source
 from orz.data.sampler import PromptLoader
-from orz.data.synthetic import arithmetic_rows
 from orz.data.templates import ThinkAnswerTemplate, make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
@@ -62,7 +61,7 @@ from orz.ppo.core_algos import (
 )
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
-from orz.reward.math import MathReward, MathRewardConfig, merge_metrics
+from orz.reward.router import RewardRouter, RouterConfig, reward_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
@@ -86,12 +85,11 @@ class ActorWeightSource:
         return self.actor.put_weights(bucket_bytes, with_digests)
 
 
-def load_rows(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list[dict]:
-    """A data file, or `synthetic:arithmetic` (seeded; train and test never overlap)."""
-    if spec == "synthetic:arithmetic":
-        d = cfg.data
-        return arithmetic_rows(size, seed=cfg.trainer.seed, split=split, digits=d.synthetic_digits, ops=d.synthetic_ops)
-    return load_prompts(spec)
+def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list:
+    """The rows of a data file or synthetic task (orz.data.datasets.load_source)."""
+    d = cfg.data
+    return load_source(spec, split=split, size=size, seed=cfg.trainer.seed, digits=tuple(d.synthetic_digits),
+                       ops=d.synthetic_ops)
 
 
 class CheckpointError(RuntimeError):
@@ -197,17 +195,15 @@ class RayPPOTrainer:
         self.template = ThinkAnswerTemplate(d.instruction) if d.template == "think_answer" and d.instruction \
             else make_template(d.template, self.tokenizer)
         if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
-            train = [row for spec in d.train for row in load_rows(spec, cfg, "train", d.synthetic_train_size)]
-            if not train:
-                raise ValueError("data.train is empty: give data files or 'synthetic:arithmetic'")
+            if not d.train:
+                raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
+            train = [row for spec in d.train for row in load_data(spec, cfg, "train", d.synthetic_train_size)]
             self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         if self.reward is not None:
             self.reward.close()
-        self.reward = MathReward(MathRewardConfig(extraction=tuple(cfg.reward.extraction),
-                                                  format_reward=cfg.reward.format_reward,
-                                                  num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s))
+        self.reward = RewardRouter(RouterConfig.from_config(cfg.reward), self.loader.rows)
         self._setup_eval()
         for name, group in self._named_groups():
             group.configure(getattr(cfg, name))
@@ -320,10 +316,10 @@ class RayPPOTrainer:
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop=list(r.stop), n=r.n_samples, seed=seed)
 
-    def _prompt_ids(self, rows: list[dict]) -> list[tuple[dict, list[int]]]:
+    def _prompt_ids(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
         out = []
         for row in rows:
-            ids = encode_prompt(self.tokenizer, self.template, row["prompt"])
+            ids = encode_prompt(self.tokenizer, self.template, row.prompt)
             if len(ids) <= self.stage_cfg.data.prompt_max_tokens:
                 out.append((row, ids))
         return out
@@ -335,15 +331,15 @@ class RayPPOTrainer:
         start = time.perf_counter()
         algo, n = self.algo, self.stage_cfg.rollout.n_samples
         target = self.stage_cfg.trainer.prompts_per_iteration * n
-        kept, draws, dropped, first_group = [], [], 0, 0
+        kept, judged, dropped, first_group, draws = [], [], 0, 0, 0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
             samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(batch, draw), min_version=min_version)
-            answers = [prompts[s.index][0]["answer"] for s in samples]
-            scores, reward_metrics = self.reward.score([s.text for s in samples], answers,
-                                                       [s.finish_reason for s in samples])
-            draws.append((len(samples), reward_metrics))
-            scores = torch.tensor(scores)
+            rows = [prompts[s.index][0] for s in samples]
+            verdicts = self.reward.score([s.text for s in samples], rows, [s.finish_reason for s in samples])
+            judged += verdicts
+            draws += 1
+            scores = torch.tensor([v.score for v in verdicts])
             group = torch.tensor([first_group + s.index for s in samples])
             first_group += len(prompts)
             if algo.dynamic_sampling:
@@ -368,7 +364,7 @@ class RayPPOTrainer:
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
                              info={"response_length": lengths, "truncated": truncated,
                                    "weight_version": torch.tensor([s.weight_version for s in samples])})
-        metrics = merge_metrics(draws) | {  # reward/*: over every draw, kept or not
+        metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
             "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
             "rollout/samples": float(len(samples)),
@@ -376,7 +372,7 @@ class RayPPOTrainer:
             "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
         }
         if algo.dynamic_sampling:
-            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(len(draws)),
+            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draws),
                         "rollout/short_batch": float(len(samples) < target)}
         metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
         return experience, metrics
@@ -472,10 +468,12 @@ class RayPPOTrainer:
         t, r = cfg.trainer, cfg.rollout
         for evaluator in self.evaluators.values():
             evaluator.close()
-        benchmarks = [benchmark_from_rows(name, load_rows(spec, cfg, "test", cfg.data.synthetic_eval_size))
+        benchmarks = [benchmark_from_rows(name, load_data(spec, cfg, "test", cfg.data.synthetic_eval_size))
                       for name, spec in cfg.data.eval.items()]
+        verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass"),
+                           weights={})
         common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=self.run_cfg.trainer.seed,
-                      math=MathRewardConfig(extraction=tuple(cfg.reward.extraction), num_workers=1))
+                      reward=verdicts)
         settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
         if t.eval_n > 1:
             settings["eval"] = EvalConfig(n=t.eval_n, temperature=r.temperature, top_p=r.top_p, **common)

@@ -1,12 +1,15 @@
 """Code reward: Python solutions judged against test cases in the sandbox.
 
     reward = CodeReward(CodeRewardConfig(scoring="all_pass"))
-    scores, metrics = reward.score(responses, [CodeTests(inputs, outputs)], finish_reasons)
+    judgements = reward.judge(responses, [row.tests, ...], finish_reasons)   # per response
+    scores, metrics = reward.score(responses, tests, finish_reasons)
 
-Two test styles, as in TACO and LiveCodeBench: stdin/stdout (the solution is a script) and
-call-based (a function, or a method of LeetCode's `class Solution`, on JSON arguments). Each test
-case is one sandboxed process; solutions are judged in parallel threads, each run under its own
-dedicated uid (see sandbox.py).
+Three test modes (orz.data.datasets.CodeTests): stdin/stdout (the solution is a script),
+call-based (a function, or a method of LeetCode's `class Solution`, on JSON arguments), and checks
+(code run after the solution: Skywork-OR1's `check(fn)` harnesses and assert lines). Each test
+case is one sandboxed process; solutions are judged in parallel threads (see sandbox.py for what
+isolates them). The code is read as Skywork-OR1's scorer reads it: after `</think>`, the last
+fenced python block.
 """
 from __future__ import annotations
 
@@ -19,28 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from orz.data.datasets import CodeTests
+from orz.data.templates import THINK_CLOSE
 from orz.reward.sandbox import Sandbox, SandboxLimits
 
 _HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class CodeTests:
-    """The test cases of one problem.
-
-    stdin/stdout when `fn_name` is None: inputs[i] is the stdin text, outputs[i] the expected
-    stdout. Call-based otherwise: inputs[i] is the list of positional arguments of `fn_name` and
-    outputs[i] its expected return value (JSON-comparable)."""
-
-    inputs: list[Any]
-    outputs: list[Any]
-    fn_name: str | None = None
-
-    def __post_init__(self):
-        if len(self.inputs) != len(self.outputs) or not self.inputs:
-            raise ValueError(f"need as many outputs as inputs, at least one; got "
-                             f"{len(self.inputs)} inputs, {len(self.outputs)} outputs")
+EXTRACTIONS = ("last_fenced", "response")
 
 
 @dataclass(frozen=True)
@@ -48,13 +36,28 @@ class CodeRewardConfig:
     # "all_pass": 1 when every test passes (stops at the first failure); "pass_fraction": the
     # fraction passed, a denser but more hackable signal.
     scoring: Literal["all_pass", "pass_fraction"] = "all_pass"
-    max_parallel: int = 4  # solutions judged at once, each in its own thread and uid
+    # "last_fenced": the last ```python block after </think>; "response": everything after
+    # </think> is the program (for prompts that open the code block themselves).
+    extraction: Literal["last_fenced", "response"] = "last_fenced"
+    max_parallel: int = 4  # solutions judged at once, each in its own thread (and uid, as root)
     limits: SandboxLimits = field(default_factory=lambda: SandboxLimits(wall_s=6.0, cpu_s=4))
+    # Without root (a uid of its own) and without namespaces, a solution can write wherever the
+    # user can and reach the network through ctypes: refused unless this is set.
+    allow_weak_sandbox: bool = False
+
+    def __post_init__(self):
+        if self.extraction not in EXTRACTIONS or self.scoring not in ("all_pass", "pass_fraction"):
+            raise ValueError(f"code extraction must be one of {list(EXTRACTIONS)} and scoring 'all_pass' or "
+                             f"'pass_fraction'; got {self.extraction!r}, {self.scoring!r}")
 
 
-def extract_code(response: str) -> str | None:
-    """The last fenced code block (```python ... ```) of a response, or None."""
-    blocks = _FENCED.findall(response)
+def extract_code(response: str, extraction: str = "last_fenced") -> str | None:
+    """The program in a response: what follows `</think>` (the whole response without one), as its
+    last fenced python block, or all of it with extraction="response"; None when there is none."""
+    answer = response.split(THINK_CLOSE)[-1]
+    if extraction == "response":
+        return answer if answer.strip() else None
+    blocks = _FENCED.findall(answer)
     return blocks[-1] if blocks else None
 
 
@@ -74,11 +77,24 @@ def _tokens_match(got: str, want: str) -> bool:
         return False
 
 
+def returns_match(actual: Any, expected: Any) -> bool:
+    """A call's JSON result against the expected value; APPS and TACO often wrap that value in a
+    one-element list, which counts as the value itself."""
+    expected = json.loads(json.dumps(expected))
+    return actual == expected or (isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
+
+
 @dataclass(frozen=True)
-class _Judgement:
+class CodeJudgement:
+    """One response's verdict: `score` by the configured scoring, the code it ran (None: none found)."""
+
     score: float
-    extracted: bool
-    timeouts: int  # test cases killed for the wall clock
+    code: str | None
+    tests_passed: int = 0
+    tests_run: int = 0
+    timeouts: int = 0  # test cases killed for the wall clock
+    cpu_s: float = 0.0  # CPU seconds of every test process
+    wall_s: float = 0.0
 
 
 class CodeReward:
@@ -87,73 +103,79 @@ class CodeReward:
     def __init__(self, cfg: CodeRewardConfig = CodeRewardConfig()):
         self.cfg = cfg
         self.sandbox = Sandbox(cfg.limits)
+        if self.sandbox.weak and not cfg.allow_weak_sandbox:
+            raise RuntimeError(
+                "code scoring refused: the sandbox has neither a uid of its own nor namespaces here "
+                f"({'; '.join(self.sandbox.weak)}), so a solution could write anywhere this user can and open "
+                "sockets; run as root, allow user namespaces, or set reward.code.allow_weak_sandbox=true")
         self._threads = ThreadPoolExecutor(cfg.max_parallel, thread_name_prefix="orz-code-reward")
 
-    def score(
-        self,
-        responses: Sequence[str],
-        tests: Sequence[CodeTests],
-        finish_reasons: Sequence[str | None] | None = None,
-    ) -> tuple[list[float], dict[str, float]]:
-        """Per-response rewards and batch metrics; a truncated response (finish reason other
-        than "stop") scores 0 without running."""
+    def judge(self, responses: Sequence[str], tests: Sequence[CodeTests],
+              finish_reasons: Sequence[str | None] | None = None) -> list[CodeJudgement]:
+        """One judgement per response; a truncated response (finish reason other than "stop")
+        scores 0 without running."""
         if finish_reasons is None:
             finish_reasons = ["stop"] * len(responses)
         if not len(responses) == len(tests) == len(finish_reasons):
             raise ValueError(f"batch sizes differ: {len(responses)} responses, {len(tests)} test "
                              f"sets, {len(finish_reasons)} finish reasons")
-        judgements = list(self._threads.map(
-            lambda args: self._judge_response(*args), zip(responses, tests, finish_reasons)
-        ))
+        return list(self._threads.map(lambda args: self._judge_response(*args),
+                                      zip(responses, tests, finish_reasons)))
+
+    def score(self, responses: Sequence[str], tests: Sequence[CodeTests],
+              finish_reasons: Sequence[str | None] | None = None) -> tuple[list[float], dict[str, float]]:
+        """Per-response rewards and batch metrics."""
+        judgements = self.judge(responses, tests, finish_reasons)
         n = max(len(judgements), 1)
         scores = [j.score for j in judgements]
         return scores, {
             "code/score_mean": sum(scores) / n,
             "code/all_pass_rate": sum(s == 1.0 for s in scores) / n,
-            "code/extraction_failure_rate": sum(not j.extracted for j in judgements) / n,
+            "code/extraction_failure_rate": sum(j.code is None for j in judgements) / n,
             "code/timeouts": float(sum(j.timeouts for j in judgements)),
         }
 
-    def __call__(self, responses, tests, finish_reasons=None) -> list[float]:
-        return self.score(responses, tests, finish_reasons)[0]
-
-    def judge(self, solution: str, tests: CodeTests) -> float:
-        """Score of one solution's source code (no extraction)."""
-        return self._run_tests(solution, tests).score
-
-    def _judge_response(self, response: str, tests: CodeTests, finish_reason: str | None) -> _Judgement:
-        code = extract_code(response)
-        if code is None or finish_reason != "stop":
-            return _Judgement(0.0, code is not None, 0)
-        return self._run_tests(code, tests)
-
-    def _run_tests(self, solution: str, tests: CodeTests) -> _Judgement:
+    def run_tests(self, solution: str, tests: CodeTests) -> CodeJudgement:
+        """The judgement of one solution's source code (no extraction)."""
         passed = timeouts = 0
-        for test_input, expected in zip(tests.inputs, tests.outputs):
-            ok, timed_out = self._run_one(solution, tests.fn_name, test_input, expected)
+        cpu_s = wall_s = 0.0
+        cases = tests.checks or list(zip(tests.inputs, tests.outputs))
+        for run, case in enumerate(cases, start=1):
+            ok, result = self._run_one(solution, tests, case)
             passed += ok
-            timeouts += timed_out
+            timeouts += result.timed_out
+            cpu_s, wall_s = cpu_s + result.cpu_s, wall_s + result.wall_s
             if not ok and self.cfg.scoring == "all_pass":
-                return _Judgement(0.0, True, timeouts)
-        return _Judgement(passed / len(tests.inputs), True, timeouts)
+                return CodeJudgement(0.0, solution, passed, run, timeouts, cpu_s, wall_s)
+        return CodeJudgement(passed / len(cases), solution, passed, len(cases), timeouts, cpu_s, wall_s)
 
-    def _run_one(self, solution: str, fn_name: str | None, test_input: Any, expected: Any) -> tuple[bool, bool]:
+    def _judge_response(self, response: str, tests: CodeTests, finish_reason: str | None) -> CodeJudgement:
+        code = extract_code(response, self.cfg.extraction)
+        if code is None or finish_reason != "stop":
+            return CodeJudgement(0.0, code)
+        return self.run_tests(code, tests)
+
+    def _run_one(self, solution: str, tests: CodeTests, case: Any):
+        """(passed, sandbox result) of one test case."""
         files = {"harness.py": _HARNESS, "solution.py": solution}
-        if fn_name is None:
-            argv, stdin = [self.sandbox.python, "-I", "harness.py", "stdio"], str(test_input)
+        argv, stdin = [self.sandbox.python, "-I", "harness.py", "stdio"], ""
+        if tests.mode == "check":
+            files["solution.py"] = f"{tests.prefix}{solution}\n{case}\n"
+        elif tests.mode == "call":
+            files["args.json"] = json.dumps(case[0])
+            argv = [self.sandbox.python, "-I", "harness.py", "call", tests.fn_name]
         else:
-            files["args.json"] = json.dumps(test_input)
-            argv, stdin = [self.sandbox.python, "-I", "harness.py", "call", fn_name], ""
+            stdin = str(case[0])
         result = self.sandbox.run(argv, files, stdin)
-        if result.returncode != 0:
-            return False, result.timed_out
-        if fn_name is None:
-            return outputs_match(result.stdout, str(expected)), False
+        if result.returncode != 0 or tests.mode == "check":
+            return result.returncode == 0, result
+        if tests.mode == "stdio":
+            return outputs_match(result.stdout, str(case[1])), result
         lines = result.stdout.strip().splitlines()
         try:
-            return bool(lines) and json.loads(lines[-1]) == json.loads(json.dumps(expected)), False
+            return bool(lines) and returns_match(json.loads(lines[-1]), case[1]), result
         except json.JSONDecodeError:
-            return False, False
+            return False, result
 
     def close(self) -> None:
         self._threads.shutdown()

@@ -213,19 +213,24 @@ class MathRewardConfig:
 
 
 @dataclass(frozen=True)
-class _Verdict:
-    extracted: bool
+class MathVerdict:
+    answer: str | None  # the extracted answer
     correct: bool
     well_formatted: bool
 
+    @property
+    def extracted(self) -> bool:
+        return self.answer is not None
 
-def _judge(item: tuple[str, str, tuple[str, ...]]) -> _Verdict:
-    """Worker side: extraction, format check and verification of one response."""
-    response, ground_truth, extraction = item
+
+def _judge(item: tuple[str, tuple[str, ...], tuple[str, ...]]) -> MathVerdict:
+    """Worker side: extraction, format check and verification of one response against any of
+    its acceptable answers."""
+    response, ground_truths, extraction = item
     answer = extract_answer(response, extraction)
-    return _Verdict(
-        extracted=answer is not None,
-        correct=answer is not None and is_equivalent(answer, ground_truth),
+    return MathVerdict(
+        answer=answer,
+        correct=answer is not None and any(is_equivalent(answer, truth) for truth in ground_truths),
         well_formatted=_well_formatted(response),
     )
 
@@ -239,26 +244,6 @@ def _quantile(values: list[float], q: float) -> float:
     """The q-quantile by rank (no interpolation); 0 for no values."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
-_SUMMED = ("reward/timeouts", "reward/crashes", "reward/errors", "reward/verify_cpu_s")
-
-
-def merge_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """The metrics of several `score` calls as one batch: (batch size, metrics) each. Counts and
-    CPU seconds add up, the slowest item stays the slowest, rates are weighted by batch size
-    (so are the p50/p99 latencies, an approximation)."""
-    total = max(sum(n for n, _ in parts), 1)
-    merged = {}
-    for key in parts[0][1] if parts else ():
-        values = [(n, m[key]) for n, m in parts]
-        if key in _SUMMED:
-            merged[key] = sum(v for _, v in values)
-        elif key == "reward/verify_s_max":
-            merged[key] = max(v for _, v in values)
-        else:
-            merged[key] = sum(n * v for n, v in values) / total
-    return merged
 
 
 class MathReward:
@@ -278,14 +263,10 @@ class MathReward:
             memory_limit_mb=cfg.memory_limit_mb,
         )
 
-    def score(
-        self,
-        responses: Sequence[str],
-        ground_truths: Sequence[str],
-        finish_reasons: Sequence[str | None] | None = None,
-    ) -> tuple[list[float], dict[str, float]]:
-        """Per-response rewards and batch metrics. `finish_reasons` are vLLM's ("stop", "length",
-        ...); None means every response finished. Truncated responses are not verified."""
+    def judge(self, responses: Sequence[str], ground_truths: Sequence[str | Sequence[str]],
+              finish_reasons: Sequence[str | None] | None = None) -> list[ItemResult | None]:
+        """The pool's result per response (its value a MathVerdict when ok); None for a truncated
+        response, which is not verified. A ground truth is one answer or several acceptable ones."""
         if finish_reasons is None:
             finish_reasons = ["stop"] * len(responses)
         if not len(responses) == len(ground_truths) == len(finish_reasons):
@@ -294,15 +275,30 @@ class MathReward:
                 f"truths, {len(finish_reasons)} finish reasons"
             )
         finished = [i for i, reason in enumerate(finish_reasons) if reason == "stop"]
-        outcomes = self.pool.map(
-            [(responses[i], str(ground_truths[i]), self.cfg.extraction) for i in finished]
-        )
-        scores = [0.0] * len(responses)
+        truths = [(t,) if isinstance(t, str) else tuple(map(str, t)) for t in ground_truths]
+        outcomes = self.pool.map([(responses[i], truths[i], self.cfg.extraction) for i in finished])
+        results: list[ItemResult | None] = [None] * len(responses)
         for i, outcome in zip(finished, outcomes):
-            if outcome.status == "ok":
-                verdict = outcome.value
-                scores[i] = float(verdict.correct) + self.cfg.format_reward * verdict.well_formatted
-        return scores, self._metrics(len(responses), outcomes)
+            results[i] = outcome
+        return results
+
+    def reward_of(self, outcome: ItemResult | None) -> float:
+        """The reward of one judged response: 1 if right, plus the format bonus if well formed."""
+        if outcome is None or outcome.status != "ok":
+            return 0.0
+        return float(outcome.value.correct) + self.cfg.format_reward * outcome.value.well_formatted
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str | Sequence[str]],
+        finish_reasons: Sequence[str | None] | None = None,
+    ) -> tuple[list[float], dict[str, float]]:
+        """Per-response rewards and batch metrics. `finish_reasons` are vLLM's ("stop", "length",
+        ...); None means every response finished. Truncated responses are not verified."""
+        results = self.judge(responses, ground_truths, finish_reasons)
+        outcomes = [r for r in results if r is not None]
+        return [self.reward_of(r) for r in results], self._metrics(len(responses), outcomes)
 
     def __call__(self, responses, ground_truths, finish_reasons=None) -> list[float]:
         return self.score(responses, ground_truths, finish_reasons)[0]

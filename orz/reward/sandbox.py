@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import marshal
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,7 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     wall_s: float
+    cpu_s: float = 0.0  # user + system CPU of the program and every process it waited for
 
 
 @dataclass
@@ -103,6 +105,13 @@ class Sandbox:
     def python(self) -> str:
         """An interpreter the sandboxed uid can execute (the venv's may sit in an unreadable home)."""
         return self._isolation.python
+
+    @property
+    def weak(self) -> list[str]:
+        """Why no isolation beyond rlimits holds here (empty when a uid or namespaces do)."""
+        iso = self._isolation
+        return [] if iso.uids or iso.namespaces else [f"user: {iso.reasons['user']}",
+                                                      f"namespaces: {iso.reasons['namespaces']}"]
 
     @property
     def isolation(self) -> dict[str, str]:
@@ -172,10 +181,8 @@ class Sandbox:
                 start_new_session=True,
             )
             try:
-                returncode = process.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                returncode, timed_out = None, True
+                returncode, cpu_s = _wait(process, limits.wall_s)
+                timed_out = returncode is None
             finally:
                 _kill_group(process)
         cap = limits.file_size_mb * 2**20
@@ -185,6 +192,7 @@ class Sandbox:
             stderr=_read(paths["stderr"], cap),
             timed_out=timed_out,
             wall_s=time.monotonic() - start,
+            cpu_s=cpu_s,
         )
 
     def _probe_namespaces(self) -> None:
@@ -234,6 +242,20 @@ class _UidLease:
     def __exit__(self, *exc) -> None:
         if self.lock_file is not None:
             self.lock_file.close()
+
+
+def _wait(process: subprocess.Popen, timeout_s: float) -> tuple[int | None, float]:
+    """(exit code, CPU seconds) of the launcher once it exits, or (None, 0) past `timeout_s`.
+    os.wait4 reports the CPU time of the launcher and of what it waited for: the whole program."""
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            return None, 0.0
+    finally:
+        os.close(pidfd)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _kill_group(process: subprocess.Popen) -> None:
