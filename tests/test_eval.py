@@ -14,6 +14,7 @@ from orz.data.tokenizers import char_tokenizer, load_tokenizer
 from orz.eval import main, resolve_model
 from orz.evaluation.benchmarks import load_benchmark
 from orz.evaluation.runner import EvalConfig, Evaluator
+from orz.reward.router import RouterConfig
 from orz.models.arch import ModelConfigError
 from orz.rollout.engine import Sample
 
@@ -75,7 +76,7 @@ def scripted(tmp_path_factory):
     paths = _write_benchmarks(tmp_path)
     benchmarks = [load_benchmark(name, path) for name, path in paths.items()]
     template = make_template("think_answer")
-    texts = [template.prompt(p.question) for b in benchmarks for p in b.problems]
+    texts = [template.prompt(p.prompt) for b in benchmarks for p in b.problems]
     tokenizer = char_tokenizer(texts + [r for responses in SCRIPT.values() for r, _ in responses])
     fleet = ScriptedFleet(tokenizer)
     evaluator = Evaluator(fleet, tokenizer, template, benchmarks, EvalConfig(n=4, seed=10), progress=False)
@@ -182,7 +183,7 @@ def test_config_checks_name_the_offending_values():
     from orz.reward.math import MathRewardConfig
 
     with pytest.raises(ValueError, match="format_reward=0"):
-        EvalConfig(math=MathRewardConfig(format_reward=0.1))
+        EvalConfig(reward=RouterConfig(math=MathRewardConfig(format_reward=0.1)))
 
 
 def _without_time(figures):
@@ -197,7 +198,7 @@ def test_bad_benchmark_file_stops_before_any_engine_starts(tiny_model, tmp_path,
     bad.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2?"}) + "\n")
     assert main(["--model", tiny_model, "--data", f"aime={bad}", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert f"error: {bad}, row 2: math problem: no answer" in err
+    assert f"error: {bad}, row 2: no answer" in err
 
 
 def test_bad_settings_are_usage_errors(tiny_model, tmp_path, capsys):

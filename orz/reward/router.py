@@ -28,8 +28,8 @@ from orz.config import RewardConfig
 from orz.data.datasets import BUILTIN_VERIFIERS, DatasetFormatError, Row
 from orz.reward import custom
 from orz.reward.choice import extract_choice
-from orz.reward.code import CodeReward, CodeRewardConfig
-from orz.reward.math import MathReward, MathRewardConfig, _quantile
+from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
+from orz.reward.math import MathReward, MathRewardConfig, _quantile, extract_answer
 from orz.reward.sandbox import SandboxLimits
 
 
@@ -176,10 +176,23 @@ class RewardRouter:
         for (name, indices), future in zip(runs, futures):
             for i, part in zip(indices, future.result()):
                 parts[i][name] = part
-        return [self._verdict(row, reason, parts[i]) for i, (row, reason) in enumerate(zip(rows, finish_reasons))]
+        for i, row in enumerate(rows):
+            if row.verifier not in parts[i]:  # truncated: scores 0, but what it holds is still recorded
+                parts[i][row.verifier] = _Part(0.0, "truncated", extracted=self._extract(row, responses[i]))
+        return [self._verdict(row, parts[i]) for i, row in enumerate(rows)]
 
-    def _verdict(self, row: Row, finish_reason: str | None, parts: dict[str, _Part]) -> Verdict:
-        own = parts.setdefault(row.verifier, _Part(0.0, "truncated"))
+    def _extract(self, row: Row, response: str) -> str | None:
+        """What a built-in verifier reads from a response (answer, code or letter), unjudged."""
+        if row.verifier == "math":
+            return extract_answer(response, self.cfg.math.extraction)
+        if row.verifier == "code":
+            return extract_code(response, self.cfg.code.extraction)
+        if row.verifier == "multiple_choice":
+            return extract_choice(response, len(row.choices), self.cfg.math.extraction)
+        return None
+
+    def _verdict(self, row: Row, parts: dict[str, _Part]) -> Verdict:
+        own = parts[row.verifier]
         components = {name: part.value for name, part in parts.items()}
         score = sum(self.cfg.weights.get(name, 1.0) * value for name, value in components.items())
         extras = {f"{name}/{key}": v for name, part in parts.items() for key, v in part.extras.items()}
