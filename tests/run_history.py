@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 # Timings differ from run to run; everything else must not.
-NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "sync_seconds", "wall_s")
+NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "cpu_s", "sync_seconds", "wall_s")
 
 
 def history(out) -> list[dict]:

@@ -166,6 +166,8 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),
     ("actor.tp=3", r"actor.tp=3 does not divide num_attention_heads=4 of the model; use a size that divides it"),
     ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide num_hidden_layers=2 of the model"),
+    ("reward.custom={judge: 'no_such_module:score'}", r"reward.custom.judge: cannot import module 'no_such_module'"),
+    ("reward.weights={length: 0.1}", r"reward.weights names \['length'\], which no verifier"),
 ])
 def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=message):
