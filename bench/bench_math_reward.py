@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import emit, machine  # noqa: E402
 
-from orz.data.datasets import load_prompts  # noqa: E402
+from orz.data.datasets import load_rows  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
 from orz.reward.math import MathReward, MathRewardConfig, extract_answer, is_equivalent  # noqa: E402
 
@@ -46,7 +46,7 @@ PATHOLOGICAL = [
 def ground_truths() -> tuple[list[str], str]:
     names = ("math500.json", "aime2024.json")
     if all(os.path.exists(os.path.join(SHARED_DATA, n)) for n in names):
-        return [r["answer"] for n in names for r in load_prompts(os.path.join(SHARED_DATA, n))], "math500+aime2024"
+        return [r.answer for n in names for r in load_rows(os.path.join(SHARED_DATA, n))], "math500+aime2024"
     return [r["answer"] for r in arithmetic_rows(500, seed=0)], "synthetic arithmetic"
 
 
