@@ -248,6 +248,8 @@ def test_output_comparison():
     assert outputs_match("3\n4  \n\n", "3\n4")
     assert outputs_match("0.3333333", "0.33333333")
     assert not outputs_match("3 4", "3 5")
+    assert not outputs_match("123456790", "123456789")  # integers exactly, not within 1e-6 relative
+    assert outputs_match("-7", "-07") and outputs_match("1e9", "1000000000.0")
     assert extract_code("```py\nx = 1\n```\ntext\n```python\ny = 2\n```") == "y = 2\n"
 
 

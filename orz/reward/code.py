@@ -63,14 +63,19 @@ def extract_code(response: str, extraction: str = "last_fenced") -> str | None:
 
 def outputs_match(actual: str, expected: str) -> bool:
     """stdout comparison, as most judges do it: equal token by token, whitespace and line breaks
-    aside, with numbers equal to within 1e-6 (relative or absolute)."""
+    aside; decimals equal to within 1e-6 (relative or absolute), integers exactly."""
     got, want = actual.split(), expected.split()
     return len(got) == len(want) and all(_tokens_match(g, w) for g, w in zip(got, want))
+
+
+_INTEGER = re.compile(r"[-+]?\d+")
 
 
 def _tokens_match(got: str, want: str) -> bool:
     if got == want:
         return True
+    if _INTEGER.fullmatch(got) and _INTEGER.fullmatch(want):
+        return int(got) == int(want)  # 123456790 is not 123456789, however close relatively
     try:
         return math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-6)
     except ValueError:
