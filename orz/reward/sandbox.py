@@ -70,6 +70,7 @@ class _Isolation:
 
     uids: tuple[int, int] | None = None  # [first, last) dedicated uids, or None
     namespaces: bool = False
+    userns: bool = False  # not root: namespaces inside a user namespace, the program keeping our uid
     python: str = sys.executable
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -94,10 +95,15 @@ class Sandbox:
             os.makedirs(self.workdir_root, mode=0o711, exist_ok=True)
         else:
             self._isolation.reasons["user"] = "not root: cannot switch to a dedicated uid"
-            self.workdir_root = workdir_root or tempfile.gettempdir()
+            self._isolation.userns = True
+            self.workdir_root = workdir_root or _private_workdirs()
         self._probe_namespaces()
         hidden = [d for d in _WORLD_WRITABLE if _is_within(self.workdir_root, d)]
-        if self._isolation.namespaces and hidden:
+        if self._isolation.namespaces and hidden and self._isolation.userns and workdir_root is None:
+            self._isolation.namespaces = False
+            self._isolation.reasons["namespaces"] = (f"no private work directory outside {hidden[0]} (set "
+                                                     "XDG_RUNTIME_DIR or give the user a writable home)")
+        elif self._isolation.namespaces and hidden:
             raise ValueError(f"workdir_root {self.workdir_root} is under {hidden[0]}, which the sandbox hides")
         self._pick_python(python_candidates)
 
@@ -121,7 +127,8 @@ class Sandbox:
             "limits": ", ".join(f"{k}={v}" for k, v in asdict(self.limits).items()),
             "user": f"dedicated uids {iso.uids[0]}..{iso.uids[1] - 1}" if iso.uids else
                     f"off: {iso.reasons['user']}",
-            "namespaces": "network, mount (read-only tmpfs over world-writable dirs), pid"
+            "namespaces": ("user (our own uid; the file system read-only but for the work dir), " if iso.userns else "")
+                          + "network, mount (read-only tmpfs over world-writable dirs), pid"
                           if iso.namespaces else f"off: {iso.reasons['namespaces']}",
             "python": iso.python,
         }
@@ -159,6 +166,7 @@ class Sandbox:
             "env": _ENV,
             "uid": uid,
             "namespaces": self._isolation.namespaces,
+            "userns": self._isolation.userns,
             "hide": [d for d in _WORLD_WRITABLE if os.path.isdir(d)],
             "rlimits": {
                 "RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1],
@@ -297,6 +305,23 @@ def _pids_of(uid: int) -> list[int]:
         if state != "Z":
             pids.append(int(name))
     return pids
+
+
+def _private_workdirs() -> str:
+    """Not root: work directories outside the world-writable ones the sandbox hides, in the user's
+    runtime directory or cache (made private to the user)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    candidates = [os.path.join(runtime, "orz-sandbox")] if runtime else []
+    candidates.append(os.path.join(os.path.expanduser("~"), ".cache", "orz-sandbox"))
+    for path in candidates:
+        if any(_is_within(path, d) for d in _WORLD_WRITABLE):
+            continue
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            return path
+        except OSError:
+            continue
+    return tempfile.gettempdir()  # the namespace probe then says why namespaces are off
 
 
 def _is_within(path: str, directory: str) -> bool:

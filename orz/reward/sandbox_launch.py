@@ -1,6 +1,8 @@
 """The sandbox's launcher: run by a fresh interpreter (`python -I -S sandbox_launch.py SPEC`, SPEC
 a hex-encoded marshal of a dict from sandbox.py), as the parent's user, in its own session. It
-enters new namespaces, applies limits, drops to the sandbox uid and execs the program.
+enters new namespaces (as an ordinary user, a user namespace first: the program keeps that user's uid
+on a read-only file system but for its directory), applies limits, drops to the sandbox uid (as
+root) and execs the program.
 
 Single-threaded and short-lived, it is where the work between fork and exec can safely happen.
 It imports as little as possible: it starts once per test case.
@@ -12,8 +14,9 @@ import resource
 import signal
 import sys
 
-_CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 0x4000, 0x40000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 LAUNCH_FAILED = 125  # exit code when the sandbox cannot be set up; the reason goes to stderr
 
@@ -25,8 +28,14 @@ def launch(spec: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core files, the launcher's included
     if not spec["namespaces"]:
         _become_program(libc, spec)
-    if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID) != 0:
+    flags = _CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID | (_CLONE_NEWUSER if spec["userns"] else 0)
+    uid, gid = os.getuid(), os.getgid()  # before unshare: unmapped, they read as the overflow id
+    if libc.unshare(flags) != 0:
         _fail(f"unshare: {os.strerror(ctypes.get_errno())}")
+    if spec["userns"]:  # our own ids only (all an unprivileged user may map): no privilege gained
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
     status_r, status_w = os.pipe()
     init = os.fork()
     if init == 0:
@@ -48,6 +57,12 @@ def _namespace_init(libc, spec: dict, status_w: int) -> None:
         flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
         _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, b"size=4k"), f"hide {path}")
     _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
+    if spec["userns"]:  # the program keeps the user's uid: nothing but its directory may be written
+        workdir = os.getcwd().encode()
+        _check(libc.mount(workdir, workdir, None, _MS_BIND, None), "bind the work directory")
+        os.chdir(workdir)  # into the bind mount, which now covers the directory
+        _set_read_only(libc, b"/", True, _AT_RECURSIVE)
+        _set_read_only(libc, workdir, False, 0)
     program = os.fork()
     if program == 0:
         os.close(status_w)
@@ -57,6 +72,20 @@ def _namespace_init(libc, spec: dict, status_w: int) -> None:
         if pid == program:
             os.write(status_w, str(status).encode())
             os._exit(0)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+def _set_read_only(libc, path: bytes, read_only: bool, flags: int) -> None:
+    """mount_setattr(2) (Linux 5.12+): the mounts at `path` (and below, with AT_RECURSIVE)."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY if read_only else 0, 0 if read_only else _MOUNT_ATTR_RDONLY, 0, 0)
+    long = ctypes.c_long  # syscall(2) is variadic: every argument a full register
+    rc = libc.syscall(long(_SYS_MOUNT_SETATTR), long(_AT_FDCWD), path, long(flags), ctypes.byref(attr),
+                      long(ctypes.sizeof(attr)))
+    _check(rc, f"make {path.decode()} {'read-only' if read_only else 'writable'}")
 
 
 def _become_program(libc, spec: dict) -> None:

@@ -1,0 +1,145 @@
+"""The sandbox as an ordinary user, the usual case on a Slurm cluster: user, network, mount and pid
+namespaces (the program keeps the user's uid on a read-only file system but for its directory).
+The escape battery of test_reward_code.py runs again as a user this test creates; each escape
+scores 0 and leaves nothing behind, and a fork bomb in the sandbox does not stop that user's
+other processes (the trainer, Ray, vLLM) from starting new ones."""
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from test_reward_code import HOSTILE, ONE_TEST, fenced
+
+REPO = Path(__file__).resolve().parent.parent
+USER = "orz-sandbox-test"
+ROOT = os.geteuid() == 0
+
+pytestmark = pytest.mark.skipif(not ROOT or not shutil.which("useradd") or not os.path.exists("/usr/bin/python3"),
+                                reason="needs root, useradd and /usr/bin/python3 to create and become a user")
+
+# As that user: the battery through CodeReward, then, while a fork bomb runs in the sandbox, new
+# processes started by this (the "trainer's") process, under a realistic `ulimit -u`.
+SCRIPT = """
+import json, resource, subprocess, sys, threading, time
+sys.path.insert(0, ".")
+from orz.data.datasets import CodeTests
+from orz.reward.code import CodeReward, CodeRewardConfig
+from orz.reward.sandbox import SandboxLimits
+
+job = json.load(open("job.json"))
+tests = CodeTests(*job["tests"])
+limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
+with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward:
+    isolation = reward.sandbox.isolation
+    scores, metrics = reward.score(job["responses"], [tests] * len(job["responses"]))
+    procs = int(subprocess.run(["ps", "-u", str(__import__("os").getuid()), "-L", "--no-headers"],
+                               capture_output=True, text=True).stdout.count("\\n"))
+    resource.setrlimit(resource.RLIMIT_NPROC, (procs + 64, procs + 64))  # the user's ulimit -u
+    bomb = threading.Thread(target=reward.score, args=([job["bomb"]], [tests]))
+    bomb.start()
+    time.sleep(1.5)  # the bomb is at its limit by now
+    started = 0
+    for _ in range(20):
+        started += subprocess.run(["/bin/true"]).returncode == 0
+    bomb.join()
+print(json.dumps({"isolation": isolation, "scores": scores, "started_during_bomb": started,
+                  "timeouts": metrics["code/timeouts"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def unprivileged():
+    """A fresh system user, its home outside the directories the sandbox hides, and the package
+    copied where it can read it."""
+    created = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                             capture_output=True, text=True)
+    assert created.returncode in (0, 9), created.stderr  # 9: already there (an earlier, killed run)
+    user = pwd.getpwnam(USER)
+    home = Path(f"/run/{USER}-{uuid.uuid4().hex[:8]}")
+    home.mkdir(mode=0o700)
+    shutil.copytree(REPO / "orz", home / "orz", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, user.pw_uid, user.pw_gid)
+    yield user, home
+    shutil.rmtree(home, ignore_errors=True)
+    subprocess.run(["userdel", USER], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def outside(unprivileged):
+    """What a solution must not touch: the user's own home (writable outside the sandbox), the
+    shared temporary directories, and a service on the host's loopback."""
+    user, home = unprivileged
+    tag = uuid.uuid4().hex[:8]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    places = {"other": str(home / f"pwned-{tag}"), "tmp": f"/tmp/pwned-{tag}", "shm": f"/dev/shm/pwned-{tag}",
+              "repo": str(home / "orz" / f"pwned-{tag}"), "port": listener.getsockname()[1]}
+    yield places, listener
+    listener.close()
+
+
+@pytest.fixture(scope="module")
+def battery(unprivileged, outside):
+    user, home = unprivileged
+    places, _ = outside
+    names = list(HOSTILE)
+    responses = [fenced(HOSTILE[n].format(**places)) for n in names] + [fenced("print(3)\n")]
+    bomb = fenced(HOSTILE["ctypes_fork_bomb"])
+    (home / "job.json").write_text(json.dumps({"responses": responses, "bomb": bomb,
+                                               "tests": [ONE_TEST.inputs, ONE_TEST.outputs]}))
+    (home / "run.py").write_text(textwrap.dedent(SCRIPT))
+    result = subprocess.run(["/usr/bin/python3", "-I", "run.py"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+                            cwd=home, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    return dict(zip([*names, "correct"], report["scores"])), report
+
+
+def test_user_namespaces_are_on_for_an_ordinary_user(battery):
+    _, report = battery
+    assert report["isolation"]["user"].startswith("off: not root")
+    assert report["isolation"]["namespaces"].startswith("user (our own uid; the file system read-only")
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE if n != "leaves_a_daemon"])
+def test_escape_scores_zero_as_an_ordinary_user(battery, name):
+    scores, _ = battery
+    assert scores[name] == 0.0
+    assert scores["correct"] == 1.0
+
+
+def test_nothing_is_left_behind_as_an_ordinary_user(battery, unprivileged, outside):
+    user, _ = unprivileged
+    places, listener = outside
+    for key in ("other", "tmp", "shm", "repo"):
+        assert not os.path.exists(places[key]), key
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    deadline = time.monotonic() + 5  # a namespace the kernel is still tearing down
+    while (left := _processes_of(user.pw_uid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []  # the pid namespaces took every sandboxed process down, the daemon included
+
+
+def _processes_of(uid: int) -> list[str]:
+    out = subprocess.run(["ps", "-u", str(uid), "-o", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if not line.strip().startswith("Z")]
+
+
+def test_a_fork_bomb_does_not_stop_the_users_other_processes(battery):
+    """RLIMIT_NPROC counts every process of the user: the sandbox's own limit is what the user runs
+    now plus `processes`, so a bomb stops there, below the user's ulimit -u."""
+    _, report = battery
+    assert report["started_during_bomb"] == 20
