@@ -142,6 +142,15 @@ class CodeScoringConfig:
 
 
 @dataclass
+class RewardModelConfig(RoleConfig):
+    """A learned reward model, an HF sequence-classification checkpoint (num_labels=1), run as a
+    Megatron role like the critic; its score, read at the last token, enters every row's reward
+    with reward.weights.model (default 1)."""
+
+    path: str = ""  # "" : no reward model
+
+
+@dataclass
 class RewardConfig:
     """Each row's verifier scores it (orz.reward.router); `custom` adds rewards by name."""
 
@@ -154,6 +163,7 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=dict)  # name -> weight; names besides a row's verifier apply to every row
     custom_workers: int = 2
     custom_timeout_s: float = 10.0  # per item (functions) or per batch (endpoints)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

@@ -14,7 +14,9 @@ class ModelConfigError(ValueError):
 
 
 # HF `architectures` entry -> family; both families share one layer layout.
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            # reward models: the same trunk, a scalar `score` head (read by critic-like roles)
+            "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
-from orz.models.convert import OUTPUT, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
+from orz.models.convert import HF_SCORE, OUTPUT, VALUE_HEAD, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
 
 # A per-micro-batch loss: (model output of the last stage, micro-batch) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -113,8 +113,9 @@ class ModelEngine:
         return {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
 
     def load_hf(self, ckpt: HFCheckpoint) -> None:
-        """Copies this rank's shard of an HF checkpoint into the model (the critic's value head
-        keeps its initialisation)."""
+        """Copies this rank's shard of an HF checkpoint into the model. A value head takes a
+        sequence-classification checkpoint's scalar `score` head (a reward model; OpenRLHF also
+        starts critics from one), and keeps its zero initialisation otherwise."""
         expected = hf_to_megatron(ckpt.get, self.arch, self.layout)
         own = self.local_state()
         trainable = {r.megatron for r in param_rules(self.arch, self.layout)}
@@ -129,6 +130,13 @@ class ModelEngine:
                         f"model expects {tuple(own[name].shape)}"
                     )
                 own[name].copy_(tensor)
+            if self.layout.critic and self.layout.last_stage and HF_SCORE in ckpt.keys():
+                score = ckpt.get(HF_SCORE)
+                if tuple(score.shape) != (1, self.arch.hidden_size):
+                    raise ModelConfigError(f"{ckpt.dir}: {HF_SCORE} has shape {tuple(score.shape)}; a reward "
+                                           f"model's head must be scalar: (1, {self.arch.hidden_size}), num_labels=1")
+                own[VALUE_HEAD + ".weight"].copy_(score)
+                own[VALUE_HEAD + ".bias"].zero_()  # HF's score head has no bias
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state, strict=False)

@@ -37,7 +37,7 @@ from orz.ppo.replay_buffer import Experience, MiniBatch
 class RoleSpec:
     """What a worker needs to build its part of a role."""
 
-    name: str  # "actor" | "critic" | "ref"
+    name: str  # "actor" | "critic" | "ref" | "reward_model"
     model_path: str  # HF directory the weights start from
     cfg: RoleConfig
     critic: bool = False  # value head instead of the LM head
@@ -77,6 +77,17 @@ def _shift_right(per_position: torch.Tensor) -> torch.Tensor:
 def _token_values(values: torch.Tensor, exp: Experience) -> torch.Tensor:
     """The value head's (B, S, 1) output -> (B, T) V(sₜ) at the position before each response token."""
     return exp.gather_response(_shift_right(values[:, :-1, 0].float())[:, : exp.sequences.shape[1]])
+
+
+def _last_token_values(values: torch.Tensor, exp: Experience) -> torch.Tensor:
+    """The head's (B, S, 1) output -> (B, T) holding its value at each sequence's last token (a
+    reward model's score, as HF's sequence classifiers read it), on that token; 0 elsewhere."""
+    per_token = exp.gather_response(values[:, : exp.sequences.shape[1], 0].float())
+    last = (exp.response_mask.long().sum(1) - 1).clamp(min=0)
+    rows = torch.arange(per_token.shape[0])
+    out = torch.zeros_like(per_token)
+    out[rows, last] = per_token[rows, last]
+    return out
 
 
 class MegatronWorker:
@@ -206,6 +217,10 @@ class MegatronWorker:
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
 
         return self._forward(experience, lambda values, batch: _token_values(values, batch["micro"].experience))
+
+    def scores(self, experience: Experience):
+        """(dp_rank, (B_shard, T)): a reward model's score on each sequence's last token."""
+        return self._forward(experience, lambda values, batch: _last_token_values(values, batch["micro"].experience))
 
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, minibatches: list[MiniBatch], loss_fn) -> dict | None:
@@ -484,6 +499,10 @@ class WorkerGroup:
     def values_async(self, experience: ray.ObjectRef) -> PendingRows:
         """(B, T) V(sₜ) of the critic, in row order, once `.get()`."""
         return PendingRows(self._call("values", experience))
+
+    def scores_async(self, experience: ray.ObjectRef) -> PendingRows:
+        """(B, T) a reward model's score on each row's last response token, once `.get()`."""
+        return PendingRows(self._call("scores", experience))
 
     def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingMetrics:
         """One optimizer step per mini-batch; the merged `actor/*` metrics once `.get()`."""

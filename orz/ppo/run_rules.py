@@ -10,8 +10,10 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from fnmatch import fnmatch
+from pathlib import Path
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError
@@ -44,6 +46,8 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
         out["critic"] = cfg.critic
     if cfg.algorithm.kl_coef > 0:
         out["ref"] = cfg.ref
+    if cfg.reward.model.path:
+        out["reward_model"] = cfg.reward.model
     return out
 
 
@@ -85,7 +89,7 @@ def check(cfg: ExperimentConfig, arch=None) -> None:
 def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
     problems = []
     for key in stage.overrides:
-        if key in _RUN_ONLY or not any(fnmatch(key, pattern) for pattern in STAGE_KEYS):
+        if key in _RUN_ONLY or fnmatch(key, "reward.model.*") or not any(fnmatch(key, p) for p in STAGE_KEYS):
             problems.append(f"{key!r} cannot change between stages (it would need new workers or reset "
                             f"state); set it for the whole run. A stage may change: {', '.join(STAGE_KEYS)}")
     try:
@@ -114,6 +118,7 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         RouterConfig.from_config(cfg.reward)
     except ValueError as err:
         problems.append(str(err))
+    problems += _reward_model_problems(cfg.reward)
     k = cfg.trainer.max_staleness
     if k < 0:
         problems.append(f"trainer.max_staleness={k} must be >= 0 (0: on-policy; k: batches from up to k versions back)")
@@ -140,3 +145,23 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
     return problems
+
+
+def _reward_model_problems(reward) -> list[str]:
+    """A reward model must be an HF sequence classifier with one label; weights.model needs one."""
+    path = reward.model.path
+    if not path:
+        return [f"reward.weights.model={reward.weights['model']} weighs a reward model, but reward.model.path is "
+                "not set"] if "model" in reward.weights else []
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return [f"reward.model.path={path}: cannot read its config.json ({err})"]
+    archs = config.get("architectures") or []
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        return [f"reward.model.path={path}: architectures={archs} is not a sequence classifier "
+                "(LlamaForSequenceClassification, Qwen2ForSequenceClassification)"]
+    if labels != 1:
+        return [f"reward.model.path={path}: num_labels={labels}; a reward model's head must be scalar (1 label)"]
+    return []

@@ -61,7 +61,7 @@ from orz.ppo.core_algos import (
 )
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
-from orz.reward.router import RewardRouter, RouterConfig, reward_metrics
+from orz.reward.router import MODEL, RewardRouter, RouterConfig, reward_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
@@ -147,12 +147,12 @@ class RayPPOTrainer:
     # ---- setup -------------------------------------------------------------------------------
     def _role(self, name: str, **kwargs) -> RoleSpec:
         cfg = self.run_cfg
-        role_cfg = getattr(self.stage_cfg, name)
         kwargs.setdefault("model_path", cfg.model.path)
+        trained = kwargs.get("train", True)
         return RoleSpec(
-            name=name, cfg=role_cfg, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            name=name, cfg=run_rules.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
-            total_steps=run_rules.optimizer_steps(cfg, name) if name != "ref" else 1, log_dir=self.log_dir, **kwargs,
+            total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
         )
 
     def _setup_roles(self):
@@ -163,6 +163,12 @@ class RayPPOTrainer:
         self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path)) \
             if "critic" in roles else None
         self.ref = WorkerGroup(self._role("ref", train=False)) if "ref" in roles else None
+        rm = cfg.reward.model
+        self.reward_model = WorkerGroup(self._role("reward_model", critic=True, train=False, model_path=rm.path)) \
+            if "reward_model" in roles else None
+        # The reward model reads text in its own tokens when its vocabulary is not the policy's.
+        rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
+        self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
         r = cfg.rollout
         max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
                                           for _, staged in stage_configs(cfg))
@@ -205,8 +211,9 @@ class RayPPOTrainer:
             self.reward.close()
         self.reward = RewardRouter(RouterConfig.from_config(cfg.reward), self.loader.rows)
         self._setup_eval()
+        roles = run_rules.roles(cfg)
         for name, group in self._named_groups():
-            group.configure(getattr(cfg, name))
+            group.configure(roles[name])
         if self.run_cfg.stages:
             console.print(f"orz: stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
 
@@ -331,7 +338,7 @@ class RayPPOTrainer:
         start = time.perf_counter()
         algo, n = self.algo, self.stage_cfg.rollout.n_samples
         target = self.stage_cfg.trainer.prompts_per_iteration * n
-        kept, judged, dropped, first_group, draws = [], [], 0, 0, 0
+        kept, judged, dropped, first_group, draws, model_score_sum = [], [], 0, 0, 0, 0.0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
             samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(batch, draw), min_version=min_version)
@@ -340,6 +347,10 @@ class RayPPOTrainer:
             judged += verdicts
             draws += 1
             scores = torch.tensor([v.score for v in verdicts])
+            if self.reward_model is not None:
+                model_scores = self._model_scores(samples)
+                model_score_sum += model_scores.sum().item()
+                scores = scores + self.stage_cfg.reward.weights.get(MODEL, 1.0) * model_scores
             group = torch.tensor([first_group + s.index for s in samples])
             first_group += len(prompts)
             if algo.dynamic_sampling:
@@ -371,11 +382,26 @@ class RayPPOTrainer:
             # What the engines report they generated with (the fleet refuses anything older).
             "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
         }
+        if self.reward_model is not None:
+            metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*
         if algo.dynamic_sampling:
             metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draws),
                         "rollout/short_batch": float(len(samples) < target)}
         metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
         return experience, metrics
+
+    def _model_scores(self, samples: list) -> torch.Tensor:
+        """(B,) the reward model's score of each sample, read in the reward model's own tokens
+        when its vocabulary differs from the policy's (the text is re-tokenized, as verl does)."""
+        prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+        tok = self.rm_tokenizer
+        if tok is not None:
+            texts = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+            prompts = [tok(t)["input_ids"] for t in texts]
+            responses = [tok(s.text, add_special_tokens=False)["input_ids"] or [tok.eos_token_id] for s in samples]
+        view = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses],
+                                        pad_id=(tok or self.tokenizer).pad_token_id or 0)
+        return self.reward_model.scores_async(ray.put(view)).get().sum(1)
 
     def _forward(self, experience: Experience) -> Experience:
         ref = ray.put(experience)
@@ -546,8 +572,8 @@ class RayPPOTrainer:
         console.print(f"orz: resumed from {ckpt} at iteration {self.iteration}")
 
     def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
-        return [(name, group) for name, group in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref))
-                if group is not None]
+        groups = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward_model", self.reward_model))
+        return [(name, group) for name, group in groups if group is not None]
 
     def _groups(self) -> list[WorkerGroup]:
         return [group for _, group in self._named_groups()]

@@ -32,6 +32,10 @@ from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
 from orz.reward.math import MathReward, MathRewardConfig, _quantile, extract_answer
 from orz.reward.sandbox import SandboxLimits
 
+# The reward-model role's score (added by the trainer, which runs that role); a row whose verifier
+# is "model" has no verifiable reward.
+MODEL = "model"
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -51,7 +55,7 @@ class RouterConfig:
                 raise ValueError(f"reward.custom.{name}: '{name}' is a built-in verifier; pick another name")
             if not custom.is_endpoint(spec):
                 custom.resolve(name, spec)
-        unknown = sorted(set(self.weights) - set(BUILTIN_VERIFIERS) - set(specs))
+        unknown = sorted(set(self.weights) - {*BUILTIN_VERIFIERS, MODEL} - set(specs))
         if unknown:
             raise ValueError(f"reward.weights names {unknown}, which no verifier or reward.custom entry defines; "
                              f"known: {sorted({*BUILTIN_VERIFIERS, *specs})}")
@@ -139,7 +143,7 @@ class RewardRouter:
     def check(self, rows: Sequence[Row]) -> None:
         """Refuses a row whose verifier no built-in or reward.custom entry defines."""
         for row in rows:
-            if row.verifier not in BUILTIN_VERIFIERS and row.verifier not in self.specs:
+            if row.verifier not in (*BUILTIN_VERIFIERS, MODEL) and row.verifier not in self.specs:
                 raise DatasetFormatError(row.source, row.number, f"unknown verifier {row.verifier!r}; known: "
                                          f"{sorted({*BUILTIN_VERIFIERS, *self.specs})} (add it to reward.custom)")
 
@@ -211,6 +215,8 @@ class RewardRouter:
             judged = self.code.judge(texts, [rows[i].tests for i in indices])
             return [_Part(j.score, "ok", j.score == 1.0, j.code, j.wall_s, j.cpu_s,
                           (j.tests_passed, j.tests_run, j.timeouts)) for j in judged]
+        if name == MODEL:  # scored by the reward-model role only
+            return [_Part(0.0) for _ in indices]
         if name == "multiple_choice":
             letters = [extract_choice(t, len(rows[i].choices), self.cfg.math.extraction) for t, i in zip(texts, indices)]
             return [_Part(float(a == rows[i].answer), "ok", a == rows[i].answer, a) for a, i in zip(letters, indices)]
