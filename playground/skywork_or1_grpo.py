@@ -1,7 +1,9 @@
 """A Skywork-OR1-style GRPO recipe: adaptive entropy control and multi-stage context growth
-(8k -> 16k -> 32k tokens), on a 7B model.
+(8k -> 16k -> 32k tokens), on a 7B model, on Skywork-OR1's math + code mixture. Its parquet files
+load as shipped: each row's verifier (math-verify, or the sandbox for code) is read from it.
 
-    python playground/skywork_or1_grpo.py model.path=/models/DeepSeek-R1-Distill-Qwen-7B data.train=[...] data.template=chat
+    python playground/skywork_or1_grpo.py model.path=/models/DeepSeek-R1-Distill-Qwen-7B data.template=chat \
+        data.train=[/data/skywork_or1/math.parquet,/data/skywork_or1/code.parquet]
 """
 import sys
 from dataclasses import replace
