@@ -58,7 +58,7 @@ class RouterConfig:
         unknown = sorted(set(self.weights) - {*BUILTIN_VERIFIERS, MODEL} - set(specs))
         if unknown:
             raise ValueError(f"reward.weights names {unknown}, which no verifier or reward.custom entry defines; "
-                             f"known: {sorted({*BUILTIN_VERIFIERS, *specs})}")
+                             f"known: {sorted({*BUILTIN_VERIFIERS, MODEL, *specs})}")
 
     @property
     def specs(self) -> dict[str, str]:
@@ -123,14 +123,16 @@ class _Part:
 class RewardRouter:
     """Holds the verifier pools a set of rows needs; `close()` when done."""
 
-    def __init__(self, cfg: RouterConfig, rows: Sequence[Row] = (), *, verifiers: Sequence[str] = ()):
+    def __init__(self, cfg: RouterConfig, rows: Sequence[Row]):
+        """Starts what `rows` (every row it will score) and the weights need, nothing more."""
         self.cfg = cfg
         self.specs = cfg.specs
-        self.check(rows)
         # Rewards named in weights besides a row's own verifier apply to every row.
         self.every_row = [name for name in cfg.weights if name in self.specs]
-        needed = {row.verifier for row in rows} | set(verifiers) | set(self.every_row)
-        self.math = MathReward(cfg.math) if needed & {"math"} else None
+        self.needed = {row.verifier for row in rows} | set(self.every_row)
+        self.check(rows)
+        needed = self.needed
+        self.math = MathReward(cfg.math) if "math" in needed else None
         self.code = CodeReward(cfg.code) if "code" in needed else None
         functions = {n: self.specs[n] for n in needed if n in self.specs and not custom.is_endpoint(self.specs[n])}
         self.functions = custom.FunctionRewards(functions, cfg.custom_workers, cfg.custom_timeout_s,
@@ -141,11 +143,15 @@ class RewardRouter:
         self._backends = ThreadPoolExecutor(8, thread_name_prefix="orz-reward-backend")
 
     def check(self, rows: Sequence[Row]) -> None:
-        """Refuses a row whose verifier no built-in or reward.custom entry defines."""
+        """Refuses a row whose verifier no built-in or reward.custom entry defines, or one this
+        router was not built for."""
         for row in rows:
             if row.verifier not in (*BUILTIN_VERIFIERS, MODEL) and row.verifier not in self.specs:
                 raise DatasetFormatError(row.source, row.number, f"unknown verifier {row.verifier!r}; known: "
-                                         f"{sorted({*BUILTIN_VERIFIERS, *self.specs})} (add it to reward.custom)")
+                                         f"{sorted({*BUILTIN_VERIFIERS, MODEL, *self.specs})} (add it to reward.custom)")
+            if row.verifier not in self.needed:
+                raise ValueError(f"{row.source}, row {row.number}: verifier {row.verifier!r} was not started; "
+                                 f"build the router with every row it will score (it has {sorted(self.needed)})")
 
     @property
     def sandbox_isolation(self) -> dict[str, str] | None:
