@@ -23,9 +23,15 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from orz.data.datasets import DatasetFormatError
+    from orz.models.arch import ModelConfigError
     from orz.ppo.trainer import main as train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (ConfigError, DatasetFormatError, ModelConfigError) as err:  # refused before anything started
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(result, default=str))
     # 75 (EX_TEMPFAIL): stopped by SIGUSR1 with a checkpoint; scripts/slurm requeues the job.
     return 75 if result.get("preempted") else 0

@@ -2,6 +2,7 @@
 command line without conversion; each source's rewards are logged, code responses really run in
 the sandbox, and a code evaluation set reports pass@k beside the math one."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,3 +53,18 @@ def test_skywork_math_and_code_mixture_trains_through_the_cli(ray_cluster, tiny_
     samples = [json.loads(line) for line in (out / "eval/eval_greedy_iter_000000/samples.jsonl").read_text().splitlines()]
     code_samples = [s for s in samples if s["benchmark"] == "code"]
     assert code_samples and all(s["extracted"] is not None or s["finish_reason"] != "stop" for s in code_samples)
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "q", "verifier": "poetry"}, r"row 2: unknown verifier 'poetry'"),
+    ({"prompt": "q", "verifier": "code"}, r"row 2: a code row needs tests"),
+    ({"prompt": [{"role": "user", "content": "q"}], "ability": "code",
+      "reward_model": {"ground_truth": json.dumps({"inputs": ["1"]})}}, r"row 2: code tests need 'inputs' and 'outputs'"),
+])
+def test_a_bad_row_stops_the_run_before_anything_starts(tiny_run, tmp_path, capsys, row, problem):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps(row) + "\n")
+    out = tmp_path / "run"
+    assert cli([*tiny_run(out, "grpo"), f"data.train=[{data}]"]) == 2
+    assert re.search(f"error: {re.escape(str(data))}, {problem}", capsys.readouterr().err)
+    assert not out.exists()  # no output directory, no worker, no Ray

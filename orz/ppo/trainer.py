@@ -61,7 +61,7 @@ from orz.ppo.core_algos import (
 )
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
-from orz.reward.router import MODEL, RewardRouter, RouterConfig, reward_metrics
+from orz.reward.router import MODEL, RewardRouter, RouterConfig, check_verifiers, reward_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
@@ -90,6 +90,21 @@ def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list:
     d = cfg.data
     return load_source(spec, split=split, size=size, seed=cfg.trainer.seed, digits=tuple(d.synthetic_digits),
                        ops=d.synthetic_ops)
+
+
+def check_data(cfg: ExperimentConfig) -> None:
+    """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
+    whose verifier nothing defines, stops the run here, naming its file and row."""
+    loaded = {}
+    for _, staged in stage_configs(cfg):
+        d, router = staged.data, RouterConfig.from_config(staged.reward)
+        sources = [(s, "train", d.synthetic_train_size) for s in d.train] + \
+                  [(s, "test", d.synthetic_eval_size) for s in d.eval.values()]
+        for spec, split, size in sources:
+            key = (spec, split, size, tuple(d.synthetic_digits), d.synthetic_ops)
+            if key not in loaded:
+                loaded[key] = load_data(spec, staged, split, size)
+            check_verifiers(loaded[key], router)
 
 
 class CheckpointError(RuntimeError):
@@ -608,6 +623,7 @@ def main(cfg: ExperimentConfig) -> dict:
     SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
     call started it: no agent or worker process of the run is left behind."""
     run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
+    check_data(cfg)
     t = cfg.trainer
     log_dir = Path(t.output_dir) / "logs"
     if not t.verbose:

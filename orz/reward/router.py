@@ -143,12 +143,9 @@ class RewardRouter:
         self._backends = ThreadPoolExecutor(8, thread_name_prefix="orz-reward-backend")
 
     def check(self, rows: Sequence[Row]) -> None:
-        """Refuses a row whose verifier no built-in or reward.custom entry defines, or one this
-        router was not built for."""
+        """Refuses a row whose verifier nothing defines, or one this router was not built for."""
+        check_verifiers(rows, self.cfg)
         for row in rows:
-            if row.verifier not in (*BUILTIN_VERIFIERS, MODEL) and row.verifier not in self.specs:
-                raise DatasetFormatError(row.source, row.number, f"unknown verifier {row.verifier!r}; known: "
-                                         f"{sorted({*BUILTIN_VERIFIERS, MODEL, *self.specs})} (add it to reward.custom)")
             if row.verifier not in self.needed:
                 raise ValueError(f"{row.source}, row {row.number}: verifier {row.verifier!r} was not started; "
                                  f"build the router with every row it will score (it has {sorted(self.needed)})")
@@ -243,6 +240,15 @@ class RewardRouter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_verifiers(rows: Sequence[Row], cfg: RouterConfig) -> None:
+    """Refuses, naming its file and row, a row whose verifier no built-in or reward.custom entry defines."""
+    known = {*BUILTIN_VERIFIERS, MODEL, *cfg.specs}
+    for row in rows:
+        if row.verifier not in known:
+            raise DatasetFormatError(row.source, row.number, f"unknown verifier {row.verifier!r}; known: "
+                                     f"{sorted(known)} (add it to reward.custom)")
 
 
 def _custom_part(outcome: Any) -> _Part:
