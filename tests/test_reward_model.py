@@ -1,6 +1,6 @@
 """The reward-model role: an HF sequence-classification checkpoint (Llama, Qwen2) loaded as a
 Megatron role with its scalar head, its score read at each sequence's last token, equal to
-transformers' own score at TP 1 and 2; a head that is not scalar is refused by name."""
+transformers' own score at TP 1 and 2 and at PP 2; a head that is not scalar is refused by name."""
 import pytest
 import torch
 
@@ -35,10 +35,10 @@ def _rollouts():
     return prompts, responses
 
 
-def _scores(rank, world, path, tp):
+def _scores(rank, world, path, tp, pp=1):
     prompts, responses = _rollouts()
     exp = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
-    spec = RoleSpec(name="reward_model", model_path=path, cfg=RoleConfig(tp=tp, micro_batch_size=4), critic=True,
+    spec = RoleSpec(name="reward_model", model_path=path, cfg=RoleConfig(tp=tp, pp=pp, micro_batch_size=4), critic=True,
                     train=False)
     import os
 
@@ -48,10 +48,10 @@ def _scores(rank, world, path, tp):
     return None if out is None else (out[1], exp.response_mask)
 
 
-@pytest.mark.parametrize("family, tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
-def test_scores_equal_transformers_at_tp(tmp_path, family, tp):
+@pytest.mark.parametrize("family, tp, pp", [("llama", 1, 1), ("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2)])
+def test_scores_equal_transformers_at_tp_and_pp(tmp_path, family, tp, pp):
     model = make_reward_model(tmp_path / "rm", family)
-    by_token, mask = next(r for r in run_world(_scores, tp, str(tmp_path / "rm"), tp) if r is not None)
+    by_token, mask = next(r for r in run_world(_scores, tp * pp, str(tmp_path / "rm"), tp, pp) if r is not None)
     last = mask.long().sum(1) - 1
     assert (by_token != 0).sum(1).le(1).all()  # the score sits on the last response token only
     assert torch.equal(by_token.abs().argmax(1), last)
