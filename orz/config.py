@@ -120,7 +120,7 @@ class DataConfig:
     train: list[str] = field(default_factory=list)  # files (jsonl/json/parquet) or "synthetic:arithmetic" / "synthetic:countdown"
     eval: dict[str, str] = field(default_factory=dict)  # name -> file or synthetic spec
     template: str = "think_answer"  # "think_answer" (base models) | "chat"
-    instruction: str = ""  # replaces the think_answer template's instruction when set
+    instruction: str = ""  # replaces the template's instruction when set (think_answer and chat)
     prompt_max_tokens: int = 1024  # longer prompts are skipped
     synthetic_train_size: int = 20000
     synthetic_eval_size: int = 200

@@ -25,6 +25,9 @@ def test_chat_template_uses_the_tokenizer():
     assert template.prompt("What is 2 + 2?") == ("<|user|>What is 2 + 2?\nPut the final answer in "
                                                  "\\boxed{}.\n<|assistant|>")
     assert extract_answer(template.response("2+2=4", "4")) == "4"
+    own = make_template("chat", tokenizer, "Answer in one word.")  # data.instruction, with chat too
+    assert own.prompt("Why?") == "<|user|>Why?\nAnswer in one word.\n<|assistant|>"
+    assert make_template("think_answer", instruction="Compute.").prompt("1+1?").startswith("Compute.\nUser: 1+1?")
 
 
 def test_template_errors():

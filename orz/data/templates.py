@@ -67,12 +67,13 @@ class ChatTemplate:
         return boxed_response(reasoning, answer)
 
 
-def make_template(name: str, tokenizer: Any = None) -> ThinkAnswerTemplate | ChatTemplate:
-    """The template called `name`: "think_answer" or "chat" (which needs the tokenizer)."""
+def make_template(name: str, tokenizer: Any = None, instruction: str = "") -> ThinkAnswerTemplate | ChatTemplate:
+    """The template called `name`: "think_answer" or "chat" (which needs the tokenizer), with
+    `instruction` in place of its default one when given (data.instruction)."""
     if name == "think_answer":
-        return ThinkAnswerTemplate()
+        return ThinkAnswerTemplate(instruction) if instruction else ThinkAnswerTemplate()
     if name == "chat":
         if tokenizer is None:
             raise ValueError("the 'chat' template needs the model's tokenizer")
-        return ChatTemplate(tokenizer)
+        return ChatTemplate(tokenizer, instruction) if instruction else ChatTemplate(tokenizer)
     raise ValueError(f"unknown template {name!r}; valid: ['chat', 'think_answer']")

@@ -39,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import Row, load_source
 from orz.data.sampler import PromptLoader
-from orz.data.templates import ThinkAnswerTemplate, make_template
+from orz.data.templates import make_template
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
@@ -213,8 +213,7 @@ class RayPPOTrainer:
         self.stage_cfg = cfg = stage_configs(self.run_cfg)[index][1]
         self.algo = run_rules.algorithm(cfg)  # its None defaults decided
         d = cfg.data
-        self.template = ThinkAnswerTemplate(d.instruction) if d.template == "think_answer" and d.instruction \
-            else make_template(d.template, self.tokenizer)
+        self.template = make_template(d.template, self.tokenizer, d.instruction)
         if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
             if not d.train:
                 raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
