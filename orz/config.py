@@ -71,6 +71,7 @@ class RolloutConfig:
     transport: str = "collective"  # weight sync: "collective" | "object_store"
     check: str = "received"  # digest check after each sync: "off" | "received" | "held"
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
+    sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
 
 
 @dataclass

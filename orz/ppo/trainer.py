@@ -193,7 +193,7 @@ class RayPPOTrainer:
         self.fleet = EngineFleet(cfg.model.path, FleetConfig(
             num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
             engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
-            request_timeout_s=r.request_timeout_s, log_dir=self.log_dir,
+            request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=self.log_dir,
         ), seed=cfg.trainer.seed)
         self.weights = ActorWeightSource(self.actor)
 

@@ -99,10 +99,10 @@ class VLLMEngine:
         return samples
 
     # ---- weights ---------------------------------------------------------------------------
-    def init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
-        self.llm.collective_rpc(
-            "orz_init_weight_group", args=(backend, master_addr, master_port, rank_offset, world_size, group_name)
-        )
+    def init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s):
+        """Joins a weight group (kept until close_weight_group: one per fleet membership)."""
+        self.llm.collective_rpc("orz_init_weight_group",
+                                args=(backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s))
 
     def close_weight_group(self):
         self.llm.collective_rpc("orz_close_weight_group")

@@ -26,8 +26,8 @@ from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
 from orz.models.local_world import free_port
 from orz.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
+    BroadcastSender,
     GroupSpec,
-    broadcast_weights,
     new_staging,
     to_object_store_buckets,
 )
@@ -46,6 +46,7 @@ class FleetConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
     request_timeout_s: float = 1800.0  # no batch back from any engine for this long: declared hung, restarted
+    sync_timeout_s: float = 600.0  # a weight broadcast not done by then fails; the hung engine is restarted
     max_restarts: int = 3  # per generate call
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
 
@@ -76,15 +77,27 @@ class TensorSource:
     def __init__(self, named: dict[str, torch.Tensor]):
         self.named = named
         self.staging = new_staging()
+        self.sender = BroadcastSender()
 
     def address(self):
         return free_address()
 
     def send(self, spec, bucket_bytes, with_digests):
-        return broadcast_weights(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
+        return self.sender.send(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
 
     def put(self, bucket_bytes, with_digests):
         return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
+
+
+def _actor_lost(ref) -> bool:
+    """Whether a finished call failed because its actor is gone (not because the call raised)."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - the call itself failed (a broken group): the actor lives
+        return False
+    return False
 
 
 class EngineFleet:
@@ -92,9 +105,12 @@ class EngineFleet:
         self.model_dir, self.cfg, self.seed = model_dir, cfg or FleetConfig(), seed
         self.weight_version = 0
         self.source: WeightSource | None = None
-        self.metrics = {"rollout/engine_restarts": 0}
+        self.metrics = {"rollout/engine_restarts": 0, "rollout/weight_groups": 0}
         self.sent_digests: dict[str, str] = {}
-        self._syncs = 0
+        # The weight group: which source and engines it joins. Kept across syncs.
+        self._group: GroupSpec | None = None
+        self._group_source: WeightSource | None = None
+        self._group_ids: list[int] = []
         on_gpu = torch.cuda.is_available()
         bundle = {"CPU": self.cfg.cpus_per_engine, **({"GPU": self.cfg.tensor_parallel_size} if on_gpu else {})}
         self.placement = placement_group([bundle] * self.cfg.num_engines, strategy="PACK")
@@ -122,22 +138,21 @@ class EngineFleet:
         return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
 
     # ---- weights ---------------------------------------------------------------------------
-    def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None) -> dict:
-        """Puts `source`'s weights into the engines (all by default) as `version`; returns timings."""
+    def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None, _attempt: int = 0) -> dict:
+        """Puts `source`'s weights into the engines (all by default) as `version`; returns timings.
+        A collective sync that an engine does not finish within `sync_timeout_s` names the engine
+        and the version, restarts that engine and syncs again, up to `max_restarts` times."""
         ids = list(range(len(self.engines))) if engine_ids is None else engine_ids
         engines = [self.engines[i] for i in ids]
         start = time.perf_counter()
         if self.cfg.transport == "collective":
-            ip, port = source.address()
-            self._syncs += 1
-            tp = self.cfg.tensor_parallel_size
-            spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(engines) * tp, f"orz-weights-{self._syncs}")
-            for k, e in enumerate(engines):
-                e.init_weight_group.remote(spec.backend, ip, port, 1 + k * tp, spec.world_size, spec.group_name)
-            received = [e.receive_broadcast.remote(version, self.cfg.check == "received") for e in engines]
-            sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.check != "off")
-            received = ray.get(received)
-            ray.get([e.close_weight_group.remote() for e in engines])
+            spec = self._weight_group(source, ids)
+            pending = [e.receive_broadcast.remote(version, self.cfg.check == "received") for e in engines]
+            try:
+                sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.check != "off")
+                received = ray.get(pending, timeout=self.cfg.sync_timeout_s)
+            except Exception as err:  # noqa: BLE001 - a timeout or a dead member, on either side
+                return self._recover_sync(source, version, ids, pending, err, _attempt)
         elif self.cfg.transport == "object_store":
             refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.check != "off")
             received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.check == "received")
@@ -152,6 +167,49 @@ class EngineFleet:
         self.source, self.weight_version, self.sent_digests = source, version, sent
         return {"rollout/sync_seconds": seconds, "rollout/weight_version": version}
 
+    def _weight_group(self, source: WeightSource, ids: list[int]) -> GroupSpec:
+        """The group of `source` (rank 0) and engines `ids`: made once, and again only when the
+        source or the engines change (a restart)."""
+        if self._group is not None and self._group_source is source and self._group_ids == ids:
+            return self._group
+        self._close_group()
+        ip, port = source.address()
+        tp = self.cfg.tensor_parallel_size
+        self.metrics["rollout/weight_groups"] += 1
+        spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(ids) * tp,
+                         f"orz-weights-{self.metrics['rollout/weight_groups']}", self.cfg.sync_timeout_s)
+        for k, i in enumerate(ids):
+            self.engines[i].init_weight_group.remote(spec.backend, ip, port, 1 + k * tp, spec.world_size,
+                                                     spec.group_name, spec.timeout_s)
+        self._group, self._group_source, self._group_ids = spec, source, list(ids)
+        return spec
+
+    def _close_group(self) -> None:
+        if self._group is None:
+            return
+        closing = [self.engines[i].close_weight_group.remote() for i in self._group_ids]
+        for ref in closing:
+            try:
+                ray.get(ref, timeout=30)
+            except (RayActorError, GetTimeoutError):  # gone or hung: its restart replaces it
+                pass
+        self._group = self._group_source = None
+        self._group_ids = []
+
+    def _recover_sync(self, source, version: int, ids: list[int], pending: list, err: Exception, attempt: int) -> dict:
+        """After a failed collective sync: the engines that never answered are restarted; then
+        every engine of the sync is synced again over a new group (the others may hold part of it)."""
+        _, hung = ray.wait(pending, num_returns=len(pending), timeout=self.cfg.sync_timeout_s)
+        hung_ids = [i for i, ref in zip(ids, pending) if ref in hung or _actor_lost(ref)]
+        what = f"weight sync of version {version}"
+        if attempt >= self.cfg.max_restarts or not hung_ids:
+            raise WeightSyncError(f"{what} failed (engines {hung_ids or ids}; attempt {attempt + 1}): {err}") from err
+        log.warning("%s: engine(s) %s did not finish within %.0f s (%s); restarting them", what, hung_ids,
+                    self.cfg.sync_timeout_s, err)
+        self._group_source = None  # spent: the next sync closes it on every member and makes a new one
+        for i in hung_ids:
+            self._replace(i)
+        return self.sync(source, version, ids, attempt + 1)
     def verify(self) -> None:
         """Reads back what every engine holds and compares it with the last sync's digests."""
         if not self.sent_digests:
@@ -203,14 +261,19 @@ class EngineFleet:
 
     def restart(self, engine_id: int) -> None:
         """Replaces an engine and brings it to the fleet's current weight version."""
-        ray.kill(self.engines[engine_id], no_restart=True)
-        self.engines[engine_id] = self._start(engine_id)
-        ray.get(self.engines[engine_id].pid.remote())
-        self.metrics["rollout/engine_restarts"] += 1
+        self._replace(engine_id)
         if self.weight_version > 0:
             if self.source is None:
                 raise WeightSyncError(f"engine {engine_id} restarted but no weight source is known to re-sync it")
             self.sync(self.source, self.weight_version, engine_ids=[engine_id])
+
+    def _replace(self, engine_id: int) -> None:
+        """Kills an engine (dead, hung or stopped) and starts a fresh one in its place."""
+        self._group_source = None  # a member is gone: the next sync closes the group and makes a new one
+        ray.kill(self.engines[engine_id], no_restart=True)
+        self.engines[engine_id] = self._start(engine_id)
+        ray.get(self.engines[engine_id].pid.remote())
+        self.metrics["rollout/engine_restarts"] += 1
 
     def shutdown(self) -> None:
         for e in self.engines:

@@ -198,13 +198,32 @@ class GroupSpec:
     master_port: int
     world_size: int
     group_name: str
+    timeout_s: float = 600.0  # a broadcast that does not complete by then raises, on every member
 
 
-def broadcast_weights(spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                      staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
-    """The source side of a collective sync (the actor's rank 0), as rank 0 of a fresh group."""
-    group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0, spec.world_size, spec.group_name)
-    try:
-        return send_broadcast(group, named, bucket_bytes, staging, with_digests)
-    finally:
-        destroy(group)
+class BroadcastSender:
+    """The source side of collective syncs (the actor's rank 0, or a TensorSource): joins the
+    fleet's group as its rank 0 once and keeps it (on GPU, an NCCL communicator is seconds to
+    build), and joins a new one only when the fleet makes one (its name changes)."""
+
+    def __init__(self):
+        self.spec: GroupSpec | None = None
+        self.group = None
+
+    def send(self, spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
+        if spec != self.spec:
+            self.close()
+            self.group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0,
+                                                   spec.world_size, spec.group_name, spec.timeout_s)
+            self.spec = spec
+        try:
+            return send_broadcast(self.group, named, bucket_bytes, staging, with_digests)
+        except Exception:  # a member timed out or died: this group is spent
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.group is not None:
+            destroy(self.group)
+        self.spec = self.group = None

@@ -12,9 +12,10 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 class WorkerExtension:
-    def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name):
+    def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s):
         rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine
-        self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name)
+        self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name,
+                                                    timeout_s)
         if not hasattr(self, "_orz_buffers"):  # kept across syncs; per bucket where memory allows (CPU)
             self._orz_buffers = ReceiveBuffers(self.device, per_bucket=self.device.type == "cpu")
 
