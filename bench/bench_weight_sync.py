@@ -149,7 +149,7 @@ def wire_and_group(fleet: EngineFleet, sizes: list[int], repeats: int) -> dict:
     start = time.perf_counter()
     ip, port = free_address()
     name = "bench-raw"
-    engine.init_weight_group.remote("gloo", ip, port, 1, 2, name)
+    engine.init_weight_group.remote("gloo", ip, port, 1, 2, name, 600.0)
     group = init_custom_process_group("gloo", ip, port, 0, 2, name)
     group_open = time.perf_counter() - start
     buffer = torch.zeros(max(sizes), dtype=torch.uint8)
