@@ -221,6 +221,8 @@ def _roles(cfg: ExperimentConfig, with_critic: bool) -> dict[str, RoleConfig]:
         roles["critic"] = cfg.critic
     if cfg.algorithm.kl_coef > 0:
         roles["ref"] = cfg.ref
+    if cfg.reward.model.path:
+        roles["reward_model"] = cfg.reward.model
     return roles
 
 

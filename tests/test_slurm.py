@@ -421,3 +421,15 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
             or f"--port={port}" in " ".join(p.info["cmdline"] or [])]
     assert left == []
     shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+
+
+def test_the_slurm_check_counts_the_roles_the_trainer_starts(in_repo):
+    """launch_slurm keeps a torch-free copy of run_rules.roles; they must agree, reward model included."""
+    from orz.config import RewardModelConfig
+    from orz.ppo import run_rules
+
+    cfg = load_recipe(RECIPE)
+    with_rm = replace(cfg, reward=replace(cfg.reward, model=RewardModelConfig(path="/models/rm", tp=2, dp=2)))
+    for variant in (cfg, replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01, advantage="grpo")), with_rm):
+        assert launch_slurm._roles(variant, launch_slurm.needs_critic(variant)) == run_rules.roles(variant)
+    assert launch_slurm.gpu_demand(with_rm, True)["reward_model"] == 4
