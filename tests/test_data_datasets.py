@@ -120,10 +120,10 @@ def test_skywork_or1_parquet_loads_as_shipped(tmp_path):
     assert [r.data_source for r in rows][:2] == ["train-math-deepscaler", "train-math-interval"]
     assert rows[0].prompt == "train-math-deepscaler problem" and rows[0].extra_info == {"index": 0}
     assert rows[2].tests == CodeTests(["1 2\n"], ["3\n"])
-    assert rows[3].tests == CodeTests([[[1, 2], 3]], [[0, 1]], "twoSum")
-    assert rows[4].tests == CodeTests([], [], checks=(
-        "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)",
-        "def check(candidate):\n    assert candidate(0, 0) == 0\ncheck(add)"), prefix="import math\n")
+    assert rows[3].tests == CodeTests([[[1, 2], 3]], [[0, 1]], "twoSum", wrapped_returns=True)
+    assert rows[4].tests == CodeTests([], [], checks=(  # one per statement of check(), whole
+        "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)\n",
+        "def check(candidate):\n    assert candidate(0, 0) == 0\ncheck(add)\n"), prefix="import math\n")
     assert rows[5].tests == CodeTests([], [], checks=("assert add(1, 2) == 3",), prefix=COMMON_IMPORTS)
     assert rows[5].tests.mode == "check" and rows[3].tests.mode == "call" and rows[2].tests.mode == "stdio"
 
@@ -141,7 +141,8 @@ def test_a_row_may_name_a_custom_verifier(tmp_path):
 
 
 @pytest.mark.parametrize("truth, problem", [
-    ({"import_prefix": "", "test_code": "def check(c):\n", "entry_point": "f"}, "no test case after its first line"),
+    ({"import_prefix": "", "test_code": "def check(c):\n", "entry_point": "f"}, "not valid Python"),
+    ({"import_prefix": "", "test_code": "assert f(1) == 1", "entry_point": "f"}, "no 'def check\\(candidate\\)'"),
     ({"import_prefix": "", "test_code": "def check(c):\n    assert c()"}, "need 'entry_point'"),
     ({"assert_case": []}, "non-empty list of assert lines"),
     ({"tests": "nothing"}, "code tests need 'inputs' and 'outputs'"),

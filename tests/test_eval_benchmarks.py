@@ -77,7 +77,7 @@ def test_code_tests_from_each_format(tmp_path):
     assert bench.kind == "code"
     tests = [p.tests for p in bench.problems]
     assert tests[0] == CodeTests(["1 2\n"], ["3\n"])
-    assert tests[1] == CodeTests([[1, 2]], [3], "add")
+    assert tests[1] == CodeTests([[1, 2]], [3], "add", wrapped_returns=True)  # APPS: [value] may stand for value
     assert tests[2] == CodeTests([[[2, 7, 11, 15], 9], [[3, 3], 6]], [[0, 1], [0, 1]], "twoSum")
     assert tests[3] == CodeTests(["x\n", "y\n"], ["x\n", "y\n"])
     assert "reads the input from standard input" in bench.problems[0].prompt

@@ -64,6 +64,13 @@ def test_known_responses_score_right_and_wrong_for_every_verifier(router):
     assert metrics["reward/code/cpu_s"] > 0 and metrics["reward/math/errors"] == 0.0
 
 
+def test_a_solution_that_exits_early_does_not_pass_check_tests(router):
+    """Check-mode tests pass when the check code runs to its end, not when the process exits 0."""
+    rows = [ROWS[4], ROWS[5]]  # a check(fn) harness, assert lines
+    for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit"):
+        assert [v.score for v in router.score([_code(cheat)] * 2, rows)] == [0.0, 0.0], cheat
+
+
 def test_truncated_responses_score_zero_without_running(router):
     verdicts = router.score(RIGHT, ROWS, ["length"] * len(ROWS))
     assert [v.score for v in verdicts] == [0.0] * len(ROWS)
@@ -87,6 +94,10 @@ def user_rewards(tmp_path_factory):
         def brevity(response, row):
             return {"score": float(len(response) <= 20), "chars": len(response)}
 
+        def numpy_score(response, row):
+            import numpy
+            return {"score": numpy.float32(1.0), "passed": True}
+
         def crashes(response, row):
             raise RuntimeError("a bug in the user's reward")
 
@@ -107,22 +118,24 @@ def user_rewards(tmp_path_factory):
 def test_custom_functions_weights_errors_and_timeouts(user_rewards):
     rows = _rows({"prompt": "q", "verifier": "verl", "answer": "42", "data_source": "verl"},
                  {"prompt": "q", "verifier": "crashes"}, {"prompt": "q", "verifier": "sleeps"},
-                 {"prompt": "1+1?", "answer": "2"})
+                 {"prompt": "1+1?", "answer": "2"}, {"prompt": "q", "verifier": "numpy"})
     cfg = RouterConfig(custom={"verl": "my_rewards:compute_score", "crashes": "my_rewards:crashes",
-                               "sleeps": "my_rewards:sleeps", "brevity": "my_rewards:brevity"},
+                               "sleeps": "my_rewards:sleeps", "brevity": "my_rewards:brevity",
+                               "numpy": "my_rewards:numpy_score"},
                        weights={"brevity": 0.5, "math": 2.0}, custom_timeout_s=3.0)
-    responses = ["it is 42", "x", "y", "<answer>2</answer> and a long tail of words"]
+    responses = ["it is 42", "x", "y", "<answer>2</answer> and a long tail of words", "a long response, not brief"]
     start = time.monotonic()
     with RewardRouter(cfg, rows) as router:
         verdicts = router.score(responses, rows)
     assert time.monotonic() - start < 20  # the sleeper was killed at its timeout
-    # verl: 1 + 0.5 brevity; crash: 0 + 0.5; timeout: 0 + 0.5; math: 2·1 + 0 (long response)
-    assert [v.score for v in verdicts] == [1.5, 0.5, 0.5, 2.0]
-    assert [v.status for v in verdicts] == ["ok", "error", "timeout", "ok"]
+    # verl: 1 + 0.5 brevity; crash: 0 + 0.5; timeout: 0 + 0.5; math: 2·1 + 0 (long response); numpy: 1 + 0
+    assert [v.score for v in verdicts] == [1.5, 0.5, 0.5, 2.0, 1.0]
+    assert [v.status for v in verdicts] == ["ok", "error", "timeout", "ok", "ok"]
     metrics = reward_metrics(verdicts)
     assert metrics["reward/crashes/errors"] == 1.0 and metrics["reward/sleeps/timeouts"] == 1.0
-    assert metrics["reward/brevity/mean"] == 0.75 and metrics["reward/brevity/chars/mean"] == pytest.approx(
-        sum(map(len, responses)) / 4)
+    assert metrics["reward/brevity/mean"] == 0.6 and metrics["reward/brevity/chars/mean"] == pytest.approx(
+        sum(map(len, responses)) / 5)
+    assert metrics["reward/brevity/timeouts"] == 0.0 and metrics["reward/numpy/passed/mean"] == 1.0
 
 
 def test_custom_reward_refusals_name_the_key_and_module(user_rewards):

@@ -50,8 +50,27 @@ with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward:
     for _ in range(20):
         started += subprocess.run(["/bin/true"]).returncode == 0
     bomb.join()
+    locked = reward.run_tests(job["locks_its_directory"], tests).score  # leaves a `chmod 0` directory
+    left = __import__("os").listdir(reward.sandbox.workdir_root)
 print(json.dumps({"isolation": isolation, "scores": scores, "started_during_bomb": started,
-                  "timeouts": metrics["code/timeouts"]}))
+                  "timeouts": metrics["code/timeouts"], "locked": locked, "left_in_workdirs": left}))
+"""
+# A host service on a Unix socket under /run (where systemd --user and D-Bus listen), reached
+# through libc, past the harness's audit hook: only hiding /run stops it.
+UNIX_CONNECT = """
+    import ctypes, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.socket(1, 1, 0)  # AF_UNIX, SOCK_STREAM
+    address = struct.pack("=H", 1) + {unix!r}.encode().ljust(108, b"\\0")
+    if libc.connect(fd, address, len(address)) == 0:
+        print(3)
+"""
+LOCKS_ITS_DIRECTORY = """
+import os
+os.makedirs("a/b")
+open("a/b/f", "w").write("x" * 1000)
+os.chmod("a", 0)
+print(3)
 """
 
 
@@ -63,7 +82,7 @@ def unprivileged():
                              capture_output=True, text=True)
     assert created.returncode in (0, 9), created.stderr  # 9: already there (an earlier, killed run)
     user = pwd.getpwnam(USER)
-    home = Path(f"/run/{USER}-{uuid.uuid4().hex[:8]}")
+    home = Path(f"/var/lib/{USER}-{uuid.uuid4().hex[:8]}")  # not under /tmp or /run, which the sandbox hides
     home.mkdir(mode=0o700)
     shutil.copytree(REPO / "orz", home / "orz", ignore=shutil.ignore_patterns("__pycache__"))
     for path in [home, *home.rglob("*")]:
@@ -83,20 +102,32 @@ def outside(unprivileged):
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
+    unix_dir = Path(f"/run/orz-sandbox-test-socket-{tag}")
+    unix_dir.mkdir(mode=0o755)
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(unix_dir / "bus"))
+    os.chmod(unix_dir / "bus", 0o777)  # anyone may connect, as to a session bus
+    unix.listen()
+    unix.setblocking(False)
     places = {"other": str(home / f"pwned-{tag}"), "tmp": f"/tmp/pwned-{tag}", "shm": f"/dev/shm/pwned-{tag}",
-              "repo": str(home / "orz" / f"pwned-{tag}"), "port": listener.getsockname()[1]}
-    yield places, listener
+              "repo": str(home / "orz" / f"pwned-{tag}"), "port": listener.getsockname()[1],
+              "unix": str(unix_dir / "bus")}
+    yield places, (listener, unix)
     listener.close()
+    unix.close()
+    shutil.rmtree(unix_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def battery(unprivileged, outside):
     user, home = unprivileged
     places, _ = outside
-    names = list(HOSTILE)
-    responses = [fenced(HOSTILE[n].format(**places)) for n in names] + [fenced("print(3)\n")]
+    hostile = {**HOSTILE, "unix_socket_in_run": UNIX_CONNECT}
+    names = list(hostile)
+    responses = [fenced(hostile[n].format(**places)) for n in names] + [fenced("print(3)\n")]
     bomb = fenced(HOSTILE["ctypes_fork_bomb"])
     (home / "job.json").write_text(json.dumps({"responses": responses, "bomb": bomb,
+                                               "locks_its_directory": LOCKS_ITS_DIRECTORY,
                                                "tests": [ONE_TEST.inputs, ONE_TEST.outputs]}))
     (home / "run.py").write_text(textwrap.dedent(SCRIPT))
     result = subprocess.run(["/usr/bin/python3", "-I", "run.py"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
@@ -113,7 +144,7 @@ def test_user_namespaces_are_on_for_an_ordinary_user(battery):
     assert report["isolation"]["namespaces"].startswith("user (our own uid; the file system read-only")
 
 
-@pytest.mark.parametrize("name", [n for n in HOSTILE if n != "leaves_a_daemon"])
+@pytest.mark.parametrize("name", [*(n for n in HOSTILE if n != "leaves_a_daemon"), "unix_socket_in_run"])
 def test_escape_scores_zero_as_an_ordinary_user(battery, name):
     scores, _ = battery
     assert scores[name] == 0.0
@@ -122,11 +153,12 @@ def test_escape_scores_zero_as_an_ordinary_user(battery, name):
 
 def test_nothing_is_left_behind_as_an_ordinary_user(battery, unprivileged, outside):
     user, _ = unprivileged
-    places, listener = outside
+    places, listeners = outside
     for key in ("other", "tmp", "shm", "repo"):
         assert not os.path.exists(places[key]), key
-    with pytest.raises(BlockingIOError):
-        listener.accept()
+    for listener in listeners:  # neither the loopback service nor the Unix socket was reached
+        with pytest.raises(BlockingIOError):
+            listener.accept()
     deadline = time.monotonic() + 5  # a namespace the kernel is still tearing down
     while (left := _processes_of(user.pw_uid)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -136,6 +168,11 @@ def test_nothing_is_left_behind_as_an_ordinary_user(battery, unprivileged, outsi
 def _processes_of(uid: int) -> list[str]:
     out = subprocess.run(["ps", "-u", str(uid), "-o", "stat=,args="], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if not line.strip().startswith("Z")]
+
+
+def test_a_locked_directory_is_removed_too(battery):
+    _, report = battery
+    assert report["locked"] == 1.0 and report["left_in_workdirs"] == []
 
 
 def test_a_fork_bomb_does_not_stop_the_users_other_processes(battery):

@@ -73,6 +73,7 @@ class CodeTests:
     fn_name: str | None = None
     checks: tuple[str, ...] = ()
     prefix: str = ""
+    wrapped_returns: bool = False  # call-based: outputs[i] may be [value] for value (APPS, TACO)
 
     def __post_init__(self):
         if self.checks and (self.inputs or self.outputs):
@@ -288,10 +289,7 @@ def _tests_from_truth(truth: Any) -> CodeTests:
         for key in ("test_code", "entry_point"):
             if not truth.get(key):
                 raise ValueError(f"code tests with 'import_prefix' need '{key}'")
-        header, *cases = [line for line in str(truth["test_code"]).split("\n") if line.strip()]
-        if not cases:
-            raise ValueError("'test_code' holds no test case after its first line")
-        checks = tuple(f"{header}\n{case}\ncheck({truth['entry_point']})" for case in cases)
+        checks = _split_check(str(truth["test_code"]), str(truth["entry_point"]))
         return CodeTests([], [], checks=checks, prefix=str(truth.get("import_prefix") or ""))
     if "assert_case" in truth:
         asserts = truth["assert_case"]
@@ -301,7 +299,36 @@ def _tests_from_truth(truth: Any) -> CodeTests:
     if "inputs" not in truth or "outputs" not in truth:
         raise ValueError(f"code tests need 'inputs' and 'outputs', 'import_prefix' + 'test_code', or 'assert_case'"
                          f" (fields: {sorted(truth)})")
-    return CodeTests(list(truth["inputs"]), list(truth["outputs"]), truth.get("fn_name") or None)
+    fn_name = truth.get("fn_name") or None
+    inputs, outputs = list(truth["inputs"]), list(truth["outputs"])
+    if fn_name is None:  # APPS sometimes gives a case's stdin or stdout as a list of lines
+        inputs, outputs = [_lines(x) for x in inputs], [_lines(x) for x in outputs]
+    # APPS, TACO and Skywork-OR1 wrap a call's expected value in a one-element list.
+    return CodeTests(inputs, outputs, fn_name, wrapped_returns=fn_name is not None)
+
+
+def _lines(text: Any) -> str:
+    return "\n".join(map(str, text)) if isinstance(text, list) else str(text)
+
+
+def _split_check(test_code: str, entry_point: str) -> tuple[str, ...]:
+    """One check per statement of `def check(candidate)`, each with the code around it (helpers,
+    constants), then `check(entry_point)`: a test case per process, as Skywork-OR1 runs them, but
+    split by the syntax tree, so statements over several lines stay whole."""
+    try:
+        tree = ast.parse(test_code)
+    except SyntaxError as error:
+        raise ValueError(f"'test_code' is not valid Python: {error}") from None
+    check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    if check is None or not check.body:
+        raise ValueError("'test_code' has no 'def check(candidate)' with test cases in it")
+    around = [n for n in tree.body if n is not check]
+    checks = []
+    for statement in check.body:
+        one = ast.FunctionDef(**{**{f: getattr(check, f) for f in check._fields}, "body": [statement]})
+        module = ast.fix_missing_locations(ast.Module(body=[*around, one], type_ignores=[]))
+        checks.append(f"{ast.unparse(module)}\ncheck({entry_point})\n")
+    return tuple(checks)
 
 
 def _code(raw: dict, common: dict) -> Row:
@@ -318,7 +345,7 @@ def _code(raw: dict, common: dict) -> Row:
     else:
         raise ValueError(f"a code row needs tests: 'tests', 'input_output', 'public_test_cases' or "
                          f"'reward_model.ground_truth' (fields: {sorted(raw)})")
-    if "reward_model" in raw or "verifier" in raw:
+    if "reward_model" in raw or ("verifier" in raw and "prompt" in raw):
         return Row(_question(raw), "code", tests=tests, ground_truth=truth, **common)
     question = next((raw[f] for f in ("question", "question_content", "prompt") if f in raw), None)
     question = _text(question, "the question ('question', 'question_content' or 'prompt')")

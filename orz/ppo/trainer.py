@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
-from orz.data.datasets import Row, load_source
+from orz.data.datasets import DatasetFormatError, Row, load_source
 from orz.data.sampler import PromptLoader
 from orz.data.templates import make_template
 from orz.data.tokenizers import load_tokenizer
@@ -105,6 +105,10 @@ def check_data(cfg: ExperimentConfig) -> None:
             if key not in loaded:
                 loaded[key] = load_data(spec, staged, split, size)
             check_verifiers(loaded[key], router)
+            scored_by_model = next((r for r in loaded[key] if r.verifier == MODEL), None)
+            if scored_by_model is not None and not staged.reward.model.path:
+                raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
+                                         "(the reward model's score alone), but reward.model.path is not set")
 
 
 class CheckpointError(RuntimeError):

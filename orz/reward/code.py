@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,11 +83,12 @@ def _tokens_match(got: str, want: str) -> bool:
         return False
 
 
-def returns_match(actual: Any, expected: Any) -> bool:
-    """A call's JSON result against the expected value; APPS and TACO often wrap that value in a
-    one-element list, which counts as the value itself."""
+def returns_match(actual: Any, expected: Any, wrapped: bool = False) -> bool:
+    """A call's JSON result against the expected value. `wrapped` (APPS, TACO): a one-element list
+    also stands for the value itself."""
     expected = json.loads(json.dumps(expected))
-    return actual == expected or (isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
+    return actual == expected or (wrapped and isinstance(expected, list) and len(expected) == 1
+                                  and actual == expected[0])
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class CodeJudgement:
     timeouts: int = 0  # test cases killed for the wall clock
     cpu_s: float = 0.0  # CPU seconds of every test process
     wall_s: float = 0.0
+    launch_failures: int = 0  # test cases whose sandbox could not be set up (judged 0, but no verdict)
 
 
 class CodeReward:
@@ -142,17 +145,18 @@ class CodeReward:
 
     def run_tests(self, solution: str, tests: CodeTests) -> CodeJudgement:
         """The judgement of one solution's source code (no extraction)."""
-        passed = timeouts = 0
+        passed = timeouts = failures = 0
         cpu_s = wall_s = 0.0
         cases = tests.checks or list(zip(tests.inputs, tests.outputs))
         for run, case in enumerate(cases, start=1):
             ok, result = self._run_one(solution, tests, case)
             passed += ok
             timeouts += result.timed_out
+            failures += result.launch_failed
             cpu_s, wall_s = cpu_s + result.cpu_s, wall_s + result.wall_s
             if not ok and self.cfg.scoring == "all_pass":
-                return CodeJudgement(0.0, solution, passed, run, timeouts, cpu_s, wall_s)
-        return CodeJudgement(passed / len(cases), solution, passed, len(cases), timeouts, cpu_s, wall_s)
+                return CodeJudgement(0.0, solution, passed, run, timeouts, cpu_s, wall_s, failures)
+        return CodeJudgement(passed / len(cases), solution, passed, len(cases), timeouts, cpu_s, wall_s, failures)
 
     def _judge_response(self, response: str, tests: CodeTests, finish_reason: str | None) -> CodeJudgement:
         code = extract_code(response, self.cfg.extraction)
@@ -165,20 +169,24 @@ class CodeReward:
         files = {"harness.py": _HARNESS, "solution.py": solution}
         argv, stdin = [self.sandbox.python, "-I", "harness.py", "stdio"], ""
         if tests.mode == "check":
-            files["solution.py"] = f"{tests.prefix}{solution}\n{case}\n"
+            token = secrets.token_hex(16)
+            files.update({"solution.py": f"{tests.prefix}{solution}\n", "check.py": case, "token": token})
+            argv = [self.sandbox.python, "-I", "harness.py", "check"]
         elif tests.mode == "call":
             files["args.json"] = json.dumps(case[0])
             argv = [self.sandbox.python, "-I", "harness.py", "call", tests.fn_name]
         else:
             stdin = str(case[0])
         result = self.sandbox.run(argv, files, stdin)
-        if result.returncode != 0 or tests.mode == "check":
-            return result.returncode == 0, result
+        if result.returncode != 0:
+            return False, result
+        if tests.mode == "check":
+            return result.stdout.rstrip().endswith(token), result
         if tests.mode == "stdio":
             return outputs_match(result.stdout, str(case[1])), result
         lines = result.stdout.strip().splitlines()
         try:
-            return bool(lines) and returns_match(json.loads(lines[-1]), case[1]), result
+            return bool(lines) and returns_match(json.loads(lines[-1]), case[1], tests.wrapped_returns), result
         except json.JSONDecodeError:
             return False, result
 

@@ -2,6 +2,7 @@
 
     python -I harness.py stdio          # solution.py as a script on this process's stdin
     python -I harness.py call NAME      # NAME(*args.json), or Solution().NAME(*args); prints JSON
+    python -I harness.py check          # solution.py, then check.py in its namespace; prints token
 
 Before the solution runs, an audit hook refuses sockets and new processes, so a solution that
 tries either fails with PermissionError. That is the first wall only; the sandbox's uid, rlimits
@@ -23,13 +24,30 @@ def _refuse(event, args):
         raise PermissionError(f"sandbox: {event} is not allowed")
 
 
-def _load_solution():
+def _load_solution(namespace=None):
     with open("solution.py") as f:
         code = compile(f.read(), "solution.py", "exec")
     sys.argv = ["solution.py"]
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    namespace = namespace if namespace is not None else {"__name__": "__main__", "__builtins__": __builtins__}
     exec(code, namespace)
     return namespace
+
+
+def _check():
+    """Passes only if the check code runs to its end after the solution: the token, read and
+    deleted before the solution starts, is printed last, so a solution that exits early (exit
+    code 0 included) prints no token."""
+    import os
+
+    with open("token") as f:
+        token = f.read()
+    os.remove("token")
+    with open("check.py") as f:
+        check = compile(f.read(), "check.py", "exec")
+    real_stdout = sys.stdout
+    namespace = _load_solution()
+    exec(check, namespace)
+    real_stdout.write("\n" + token + "\n")
 
 
 def _call(name):
@@ -49,5 +67,7 @@ if __name__ == "__main__":
     sys.addaudithook(_refuse)
     if sys.argv[1] == "stdio":
         _load_solution()
+    elif sys.argv[1] == "check":
+        _check()
     else:
         _call(sys.argv[2])

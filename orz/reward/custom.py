@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import numbers
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -77,7 +78,8 @@ def call(item: tuple[str, str, dict]) -> dict[str, float]:
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"a reward's dict result needs 'score', got keys {sorted(result)}")
-        return {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
+        return {"score": float(result["score"]), **extras}  # bool, numpy and torch scalars too
     return {"score": float(result)}
 
 
@@ -96,25 +98,30 @@ class FunctionRewards:
 
 
 class EndpointReward:
-    """An HTTP reward: batches of `batch_size`, each answered within `timeout_s` or scored 0."""
+    """An HTTP reward: batches of `batch_size`, sent at once (up to `max_parallel`), each answered
+    within `timeout_s` of being sent or scored 0."""
 
-    def __init__(self, name: str, url: str, batch_size: int, timeout_s: float, max_parallel: int = 4):
+    def __init__(self, name: str, url: str, batch_size: int, timeout_s: float, max_parallel: int = 64):
         self.name, self.url, self.batch_size, self.timeout_s = name, url, batch_size, timeout_s
-        self._threads = ThreadPoolExecutor(max_parallel, thread_name_prefix=f"orz-reward-{name}")
+        self.max_parallel = max_parallel
 
     def run(self, responses: Sequence[str], records: Sequence[dict]) -> list[ItemResult]:
         starts = range(0, len(responses), self.batch_size)
         batches = [(list(responses[i : i + self.batch_size]), list(records[i : i + self.batch_size])) for i in starts]
-        futures = [self._threads.submit(self._post, *batch) for batch in batches]
-        deadline = time.monotonic() + self.timeout_s
         results = []
-        for future, (batch, _) in zip(futures, batches):
-            try:
-                results += future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                results += [ItemResult("timeout", None, self.timeout_s)] * len(batch)
-            except Exception as error:  # unreachable, refused, a bad answer: the batch scores 0
-                results += [ItemResult("error", f"{type(error).__name__}: {error}"[:300])] * len(batch)
+        for first in range(0, len(batches), self.max_parallel):  # each wave gets the whole timeout
+            wave = batches[first : first + self.max_parallel]
+            threads = ThreadPoolExecutor(len(wave), thread_name_prefix=f"orz-reward-{self.name}")
+            futures = [threads.submit(self._post, *batch) for batch in wave]
+            deadline = time.monotonic() + self.timeout_s
+            for future, (batch, _) in zip(futures, wave):
+                try:
+                    results += future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    results += [ItemResult("timeout", None, self.timeout_s)] * len(batch)
+                except Exception as error:  # unreachable, refused, a bad answer: the batch scores 0
+                    results += [ItemResult("error", f"{type(error).__name__}: {error}"[:300])] * len(batch)
+            threads.shutdown(wait=False, cancel_futures=True)  # a late answer is dropped, its socket times out
         return results
 
     def _post(self, responses: list[str], records: list[dict]) -> list[ItemResult]:
@@ -129,6 +136,3 @@ class EndpointReward:
             raise ValueError(f"{self.url} answered {str(reply)[:120]!r}; expected {{'scores': [{len(responses)} numbers]}}")
         seconds = (time.monotonic() - start) / len(responses)
         return [ItemResult("ok", {"score": float(s)}, seconds) for s in scores]
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)

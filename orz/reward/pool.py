@@ -268,10 +268,12 @@ class _Worker:
                 self.conn.send(None)
             except OSError:
                 pass
-        if kill or not select.select([self.pidfd], [], [], 1.0)[0]:
+        poller = select.poll()  # not select(): descriptors may number over 1024 in a trainer
+        poller.register(self.pidfd, select.POLLIN)
+        if kill or not poller.poll(1000):
             with contextlib.suppress(ProcessLookupError):  # already dead
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            select.select([self.pidfd], [], [])
+            poller.poll()
         os.close(self.pidfd)
         self.conn.close()
 

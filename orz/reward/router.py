@@ -132,15 +132,20 @@ class RewardRouter:
         self.needed = {row.verifier for row in rows} | set(self.every_row)
         self.check(rows)
         needed = self.needed
-        self.math = MathReward(cfg.math) if "math" in needed else None
-        self.code = CodeReward(cfg.code) if "code" in needed else None
-        functions = {n: self.specs[n] for n in needed if n in self.specs and not custom.is_endpoint(self.specs[n])}
-        self.functions = custom.FunctionRewards(functions, cfg.custom_workers, cfg.custom_timeout_s,
-                                                cfg.math.memory_limit_mb) if functions else None
-        self.endpoints = {n: custom.EndpointReward(n, self.specs[n], cfg.endpoint_batch_size, cfg.custom_timeout_s)
-                          for n in needed if n in self.specs and custom.is_endpoint(self.specs[n])}
+        self.math = self.code = self.functions = None
         self._jobs = ThreadPoolExecutor(4, thread_name_prefix="orz-reward-job")
         self._backends = ThreadPoolExecutor(8, thread_name_prefix="orz-reward-backend")
+        try:  # a backend that fails to start (a refused sandbox) leaves none of the others running
+            self.math = MathReward(cfg.math) if "math" in needed else None
+            self.code = CodeReward(cfg.code) if "code" in needed else None
+            functions = {n: self.specs[n] for n in needed if n in self.specs and not custom.is_endpoint(self.specs[n])}
+            self.functions = custom.FunctionRewards(functions, cfg.custom_workers, cfg.custom_timeout_s,
+                                                    cfg.math.memory_limit_mb) if functions else None
+        except BaseException:
+            self.close()
+            raise
+        self.endpoints = {n: custom.EndpointReward(n, self.specs[n], cfg.endpoint_batch_size, cfg.custom_timeout_s)
+                          for n in needed if n in self.specs and custom.is_endpoint(self.specs[n])}
 
     def check(self, rows: Sequence[Row]) -> None:
         """Refuses a row whose verifier nothing defines, or one this router was not built for."""
@@ -213,10 +218,11 @@ class RewardRouter:
         if name == "math":
             outcomes = self.math.judge(texts, [rows[i].answers for i in indices])
             return [_Part(self.math.reward_of(o), o.status, o.status == "ok" and o.value.correct,
-                          o.value.answer if o.status == "ok" else None, o.seconds, o.cpu_seconds) for o in outcomes]
+                          o.value.answer if o.status == "ok" else self._extract(rows[i], responses[i]),
+                          o.seconds, o.cpu_seconds) for o, i in zip(outcomes, indices)]
         if name == "code":
             judged = self.code.judge(texts, [rows[i].tests for i in indices])
-            return [_Part(j.score, "ok", j.score == 1.0, j.code, j.wall_s, j.cpu_s,
+            return [_Part(j.score, "error" if j.launch_failures else "ok", j.score == 1.0, j.code, j.wall_s, j.cpu_s,
                           (j.tests_passed, j.tests_run, j.timeouts)) for j in judged]
         if name == MODEL:  # scored by the reward-model role only
             return [_Part(0.0) for _ in indices]
@@ -231,7 +237,7 @@ class RewardRouter:
     def close(self) -> None:
         self._jobs.shutdown()
         self._backends.shutdown()
-        for backend in (self.math, self.code, self.functions, *self.endpoints.values()):
+        for backend in (self.math, self.code, self.functions):  # endpoints hold nothing between calls
             if backend is not None:
                 backend.close()
 
@@ -268,7 +274,7 @@ def reward_metrics(verdicts: Sequence[Verdict]) -> dict[str, float]:
     source (`reward/source/<source>/...`): accuracy, scores, failures, time and CPU seconds."""
     finished = [v for v in verdicts if v.status != "truncated"]
     metrics = {
-        "reward/accuracy": _mean([v.correct for v in verdicts]),
+        "reward/accuracy": _mean([v.correct for v in verdicts if v.verifier != MODEL]),  # what is verifiable
         "reward/truncated_rate": 1 - len(finished) / max(len(verdicts), 1),
         "reward/extraction_failure_rate": _mean([v.extracted is None for v in finished if v.verifier in BUILTIN_VERIFIERS]),
         **_failures("reward", verdicts, None),
@@ -303,8 +309,9 @@ def reward_metrics(verdicts: Sequence[Verdict]) -> dict[str, float]:
 def _failures(prefix: str, verdicts: Sequence[Verdict], name: str | None) -> dict[str, float]:
     """Timeouts (and code test cases killed), crashes and errors of reward `name` (None: all)."""
     statuses = [s for v in verdicts for n, s in v.statuses.items() if name in (None, n)]
+    test_timeouts = sum(v.test_timeouts for v in verdicts) if name in (None, "code") else 0
     return {
-        f"{prefix}/timeouts": float(statuses.count("timeout") + sum(v.test_timeouts for v in verdicts)),
+        f"{prefix}/timeouts": float(statuses.count("timeout") + test_timeouts),
         f"{prefix}/crashes": float(statuses.count("crash")),
         f"{prefix}/errors": float(statuses.count("error")),
     }

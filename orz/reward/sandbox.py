@@ -21,6 +21,7 @@ threaded process.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import marshal
 import os
@@ -34,8 +35,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+LAUNCH_FAILED = 125  # sandbox_launch.py's exit code when it cannot set the sandbox up
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
+_RUN = ("/run", "/var/run")  # hidden as an ordinary user (see _run_in)
 _ROOT_WORKDIRS = "/run/orz-sandbox"  # as root: private directories, and the uid locks beside them
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent", "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -62,6 +65,11 @@ class SandboxResult:
     timed_out: bool
     wall_s: float
     cpu_s: float = 0.0  # user + system CPU of the program and every process it waited for
+
+    @property
+    def launch_failed(self) -> bool:
+        """The sandbox could not be set up (the program never ran): not the program's fault."""
+        return self.returncode == LAUNCH_FAILED and self.stderr.startswith("sandbox launcher:")
 
 
 @dataclass
@@ -97,14 +105,16 @@ class Sandbox:
             self._isolation.reasons["user"] = "not root: cannot switch to a dedicated uid"
             self._isolation.userns = True
             self.workdir_root = workdir_root or _private_workdirs()
-        self._probe_namespaces()
-        hidden = [d for d in _WORLD_WRITABLE if _is_within(self.workdir_root, d)]
-        if self._isolation.namespaces and hidden and self._isolation.userns and workdir_root is None:
-            self._isolation.namespaces = False
-            self._isolation.reasons["namespaces"] = (f"no private work directory outside {hidden[0]} (set "
-                                                     "XDG_RUNTIME_DIR or give the user a writable home)")
-        elif self._isolation.namespaces and hidden:
+        hides = (*_WORLD_WRITABLE, *(_RUN if self._isolation.userns else ()))
+        hidden = [d for d in hides if _is_within(self.workdir_root, d)]
+        if hidden and workdir_root is not None:
             raise ValueError(f"workdir_root {self.workdir_root} is under {hidden[0]}, which the sandbox hides")
+        if hidden:  # not root, and no home outside the hidden directories
+            self._isolation.namespaces = False
+            self._isolation.reasons["namespaces"] = (f"no private work directory outside {hidden[0]} (give "
+                                                     "the user a writable home: ~/.cache/orz-sandbox)")
+        else:
+            self._probe_namespaces()
         self._pick_python(python_candidates)
 
     @property
@@ -158,7 +168,7 @@ class Sandbox:
             finally:
                 if uid is not None:  # also a pid namespace still being torn down after a kill
                     _kill_uid(uid)
-                shutil.rmtree(workdir, ignore_errors=True)
+                _remove(workdir)
 
     def _run_in(self, workdir, io_dir, uid, argv, stdin, limits) -> SandboxResult:
         spec = {
@@ -167,7 +177,10 @@ class Sandbox:
             "uid": uid,
             "namespaces": self._isolation.namespaces,
             "userns": self._isolation.userns,
-            "hide": [d for d in _WORLD_WRITABLE if os.path.isdir(d)],
+            # As an ordinary user the program keeps our uid, so /run's sockets (systemd --user,
+            # D-Bus, docker) would answer it: hidden too. As root, /run holds the work directories.
+            "hide": _outermost(d for d in (*_WORLD_WRITABLE, *(_RUN if self._isolation.userns else ()))
+                               if os.path.isdir(d)),
             "rlimits": {
                 "RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1],
                 "RLIMIT_AS": [limits.memory_mb * 2**20] * 2,
@@ -253,17 +266,22 @@ class _UidLease:
 
 
 def _wait(process: subprocess.Popen, timeout_s: float) -> tuple[int | None, float]:
-    """(exit code, CPU seconds) of the launcher once it exits, or (None, 0) past `timeout_s`.
-    os.wait4 reports the CPU time of the launcher and of what it waited for: the whole program."""
+    """(exit code, CPU seconds) of the launcher once it exits; past `timeout_s` its session is
+    killed and the code is None. os.wait4 reports the CPU time of the launcher and of what it
+    waited for: the whole program (a killed one's too)."""
     pidfd = os.pidfd_open(process.pid)
     try:
-        if not select.select([pidfd], [], [], timeout_s)[0]:
-            return None, 0.0
+        poller = select.poll()  # not select(): the trainer's descriptors may number over 1024
+        poller.register(pidfd, select.POLLIN)
+        timed_out = not poller.poll(timeout_s * 1000)
     finally:
         os.close(pidfd)
+    if timed_out:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, usage.ru_utime + usage.ru_stime
+    return None if timed_out else process.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -308,20 +326,34 @@ def _pids_of(uid: int) -> list[int]:
 
 
 def _private_workdirs() -> str:
-    """Not root: work directories outside the world-writable ones the sandbox hides, in the user's
-    runtime directory or cache (made private to the user)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    candidates = [os.path.join(runtime, "orz-sandbox")] if runtime else []
-    candidates.append(os.path.join(os.path.expanduser("~"), ".cache", "orz-sandbox"))
-    for path in candidates:
-        if any(_is_within(path, d) for d in _WORLD_WRITABLE):
-            continue
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            return path
-        except OSError:
-            continue
-    return tempfile.gettempdir()  # the namespace probe then says why namespaces are off
+    """Not root: work directories in the user's cache (made private to the user), outside every
+    directory the sandbox hides; the temporary directory where there is no writable home (the
+    namespace check then says why namespaces are off)."""
+    path = os.path.join(os.path.expanduser("~"), ".cache", "orz-sandbox")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+    except OSError:
+        return tempfile.gettempdir()
+
+
+def _outermost(directories) -> list[str]:
+    """The directories (symlinks resolved) that lie inside no other one of them: hiding /run
+    hides /run/lock."""
+    real = sorted({os.path.realpath(d) for d in directories})
+    return [d for d in real if not any(d != other and _is_within(d, other) for other in real)]
+
+
+def _remove(directory: str) -> None:
+    """Deletes a work directory whatever its program did to it: subdirectories it made
+    unreadable (`chmod 0`) are made ours again first (symlinks are never followed)."""
+    for root, subdirectories, _ in os.walk(directory):  # top-down: a directory is fixed before it is entered
+        for name in subdirectories:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _is_within(path: str, directory: str) -> bool:

@@ -18,7 +18,7 @@ _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-LAUNCH_FAILED = 125  # exit code when the sandbox cannot be set up; the reason goes to stderr
+LAUNCH_FAILED = 125  # exit code when the sandbox cannot be set up; the reason goes to stderr (sandbox.py reads both)
 
 
 def launch(spec: dict) -> None:

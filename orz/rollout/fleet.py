@@ -89,6 +89,11 @@ class TensorSource:
         return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
 
 
+def _timed_out(err: Exception) -> bool:
+    """Whether a failed broadcast timed out (gloo: "Timed out ..."; NCCL: "... timeout ...")."""
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
 def _actor_lost(ref) -> bool:
     """Whether a finished call failed because its actor is gone (not because the call raised)."""
     try:
@@ -148,11 +153,18 @@ class EngineFleet:
         if self.cfg.transport == "collective":
             spec = self._weight_group(source, ids)
             pending = [e.receive_broadcast.remote(version, self.cfg.check == "received") for e in engines]
+            deadline = time.monotonic() + self.cfg.sync_timeout_s
             try:
                 sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.check != "off")
-                received = ray.get(pending, timeout=self.cfg.sync_timeout_s)
-            except Exception as err:  # noqa: BLE001 - a timeout or a dead member, on either side
-                return self._recover_sync(source, version, ids, pending, err, _attempt)
+            except Exception as err:  # noqa: BLE001 - on the source's side
+                if not _timed_out(err):  # its own failure (out of memory, a bug): no engine to blame
+                    self._group_source = None
+                    raise WeightSyncError(f"weight sync of version {version}: the source failed: {err}") from err
+                return self._recover_sync(source, version, ids, pending, err, _attempt, deadline)
+            try:
+                received = ray.get(pending, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as err:  # noqa: BLE001 - an engine timed out, died or failed
+                return self._recover_sync(source, version, ids, pending, err, _attempt, deadline)
         elif self.cfg.transport == "object_store":
             refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.check != "off")
             received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.check == "received")
@@ -196,17 +208,20 @@ class EngineFleet:
         self._group = self._group_source = None
         self._group_ids = []
 
-    def _recover_sync(self, source, version: int, ids: list[int], pending: list, err: Exception, attempt: int) -> dict:
-        """After a failed collective sync: the engines that never answered are restarted; then
-        every engine of the sync is synced again over a new group (the others may hold part of it)."""
-        _, hung = ray.wait(pending, num_returns=len(pending), timeout=self.cfg.sync_timeout_s)
+    def _recover_sync(self, source, version: int, ids: list[int], pending: list, err: Exception, attempt: int,
+                      deadline: float) -> dict:
+        """After a failed collective sync: the engines that had not answered by its deadline (plus
+        a grace for the others' own group timeouts to fire) are restarted; then every engine of
+        the sync is synced again over a new group (the others may hold part of it)."""
+        grace = min(30.0, self.cfg.sync_timeout_s)
+        _, hung = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()) + grace)
         hung_ids = [i for i, ref in zip(ids, pending) if ref in hung or _actor_lost(ref)]
         what = f"weight sync of version {version}"
+        self._group_source = None  # spent: the next sync closes it on every member and makes a new one
         if attempt >= self.cfg.max_restarts or not hung_ids:
             raise WeightSyncError(f"{what} failed (engines {hung_ids or ids}; attempt {attempt + 1}): {err}") from err
         log.warning("%s: engine(s) %s did not finish within %.0f s (%s); restarting them", what, hung_ids,
                     self.cfg.sync_timeout_s, err)
-        self._group_source = None  # spent: the next sync closes it on every member and makes a new one
         for i in hung_ids:
             self._replace(i)
         return self.sync(source, version, ids, attempt + 1)

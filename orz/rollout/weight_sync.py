@@ -224,6 +224,6 @@ class BroadcastSender:
             raise
 
     def close(self) -> None:
-        if self.group is not None:
-            destroy(self.group)
-        self.spec = self.group = None
+        group, self.spec, self.group = self.group, None, None
+        if group is not None:
+            destroy(group)
