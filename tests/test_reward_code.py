@@ -4,11 +4,9 @@ The hostile solutions run as one parallel batch (a module fixture), so their tim
 each test then checks one of them.
 """
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid

@@ -148,5 +148,5 @@ def test_reward_model_settings_are_refused_before_any_worker(tmp_path, arith_mod
         check("reward.weights={model: 1.0}")
     make_reward_model(tmp_path / "rm")
     with pytest.raises(ConfigError, match="'reward.model.path' cannot change between stages"):
-        check(f"reward.model.path={tmp_path / 'rm'}", f"stages=[{{iterations: 1, overrides: {{reward.model.path: x}}}}]")
+        check(f"reward.model.path={tmp_path / 'rm'}", "stages=[{iterations: 1, overrides: {reward.model.path: x}}]")
     check(f"reward.model.path={tmp_path / 'rm'}", "reward.weights={model: 0.5, math: 1.0}")  # accepted
