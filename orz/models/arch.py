@@ -83,6 +83,11 @@ def _field(cfg: dict, key: str, path: Path, kind=int, default=None):
 
 def read_arch(model_dir: str | Path) -> ModelArch:
     """Reads `model_dir/config.json`; raises ModelConfigError naming the file and field."""
+    return arch_from_dict(read_hf_config(model_dir), Path(model_dir) / "config.json")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    """`model_dir/config.json` as a dict; ModelConfigError naming the file when it is not one."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelConfigError(f"{model_dir}: not a directory")
@@ -94,7 +99,7 @@ def read_arch(model_dir: str | Path) -> ModelArch:
         raise ModelConfigError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{path}: expected a JSON object")
-    return arch_from_dict(cfg, path)
+    return cfg
 
 
 def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:

@@ -10,13 +10,11 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from fnmatch import fnmatch
-from pathlib import Path
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
-from orz.models.arch import ModelConfigError
+from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from orz.reward.router import RouterConfig
 
@@ -154,9 +152,9 @@ def _reward_model_problems(reward) -> list[str]:
         return [f"reward.weights.model={reward.weights['model']} weighs a reward model, but reward.model.path is "
                 "not set"] if "model" in reward.weights else []
     try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return [f"reward.model.path={path}: cannot read its config.json ({err})"]
+        config = read_hf_config(path)
+    except ModelConfigError as err:
+        return [f"reward.model.path={path}: {err}"]
     archs = config.get("architectures") or []
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
     if not any(a.endswith("ForSequenceClassification") for a in archs):

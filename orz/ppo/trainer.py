@@ -85,30 +85,34 @@ class ActorWeightSource:
         return self.actor.put_weights(bucket_bytes, with_digests)
 
 
-def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int) -> list:
-    """The rows of a data file or synthetic task (orz.data.datasets.load_source)."""
+def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int, loaded: dict) -> list[Row]:
+    """The rows of a data file or synthetic task (orz.data.datasets.load_source), read once per
+    run: `loaded` keeps what was read (check_data fills it before the trainer starts)."""
     d = cfg.data
-    return load_source(spec, split=split, size=size, seed=cfg.trainer.seed, digits=tuple(d.synthetic_digits),
-                       ops=d.synthetic_ops)
+    key = (spec, split, size, cfg.trainer.seed, tuple(d.synthetic_digits), d.synthetic_ops)
+    if key not in loaded:
+        loaded[key] = load_source(spec, split=split, size=size, seed=cfg.trainer.seed,
+                                  digits=tuple(d.synthetic_digits), ops=d.synthetic_ops)
+    return loaded[key]
 
 
-def check_data(cfg: ExperimentConfig) -> None:
+def check_data(cfg: ExperimentConfig) -> dict:
     """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
-    whose verifier nothing defines, stops the run here, naming its file and row."""
+    whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
+    read, for the trainer (load_data)."""
     loaded = {}
     for _, staged in stage_configs(cfg):
         d, router = staged.data, RouterConfig.from_config(staged.reward)
         sources = [(s, "train", d.synthetic_train_size) for s in d.train] + \
                   [(s, "test", d.synthetic_eval_size) for s in d.eval.values()]
         for spec, split, size in sources:
-            key = (spec, split, size, tuple(d.synthetic_digits), d.synthetic_ops)
-            if key not in loaded:
-                loaded[key] = load_data(spec, staged, split, size)
-            check_verifiers(loaded[key], router)
-            scored_by_model = next((r for r in loaded[key] if r.verifier == MODEL), None)
+            rows = load_data(spec, staged, split, size, loaded)
+            check_verifiers(rows, router)
+            scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
             if scored_by_model is not None and not staged.reward.model.path:
                 raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
                                          "(the reward model's score alone), but reward.model.path is not set")
+    return loaded
 
 
 class CheckpointError(RuntimeError):
@@ -138,9 +142,11 @@ class RayPPOTrainer:
     change (run_rules.STAGE_KEYS: LR, micro-batching, sampling, data, reward, algorithm switches)
     and `run_cfg` for everything else (layouts, output, seeds, checkpoint cadence)."""
 
-    def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0):
+    def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0,
+                 data: dict | None = None):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
-        run was rebuilt after a lost worker (the `fault/restarts` metric)."""
+        run was rebuilt after a lost worker (the `fault/restarts` metric); data: rows already
+        read (check_data), kept across restarts."""
         self.run_cfg = cfg  # main has run every refusal (run_rules.check) before Ray started
         self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
         self.out = Path(cfg.trainer.output_dir)
@@ -152,6 +158,7 @@ class RayPPOTrainer:
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.data = {} if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.reward, self.evaluators, self.loader = None, {}, None
         self._setup_roles()
@@ -221,7 +228,8 @@ class RayPPOTrainer:
         if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
             if not d.train:
                 raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
-            train = [row for spec in d.train for row in load_data(spec, cfg, "train", d.synthetic_train_size)]
+            train = [row for spec in d.train
+                     for row in load_data(spec, cfg, "train", d.synthetic_train_size, self.data)]
             self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
@@ -512,7 +520,7 @@ class RayPPOTrainer:
         t, r = cfg.trainer, cfg.rollout
         for evaluator in self.evaluators.values():
             evaluator.close()
-        benchmarks = [benchmark_from_rows(name, load_data(spec, cfg, "test", cfg.data.synthetic_eval_size))
+        benchmarks = [benchmark_from_rows(name, load_data(spec, cfg, "test", cfg.data.synthetic_eval_size, self.data))
                       for name, spec in cfg.data.eval.items()]
         verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass"),
                            weights={})
@@ -626,7 +634,7 @@ def main(cfg: ExperimentConfig) -> dict:
     SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
     call started it: no agent or worker process of the run is left behind."""
     run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
-    check_data(cfg)
+    data = check_data(cfg)
     t = cfg.trainer
     log_dir = Path(t.output_dir) / "logs"
     if not t.verbose:
@@ -643,7 +651,7 @@ def main(cfg: ExperimentConfig) -> dict:
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
         try:
-            return _train_with_restarts(cfg)
+            return _train_with_restarts(cfg, data)
         finally:
             if owns_ray:
                 ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
@@ -651,10 +659,10 @@ def main(cfg: ExperimentConfig) -> dict:
                 signal.signal(signal.SIGTERM, previous)
 
 
-def _train_with_restarts(cfg: ExperimentConfig) -> dict:
+def _train_with_restarts(cfg: ExperimentConfig, data: dict) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
-        trainer = RayPPOTrainer(cfg, resume_from, restarts)
+        trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
         try:
             return trainer.fit() | {"restarts": restarts}
         except Exception as err:

@@ -209,8 +209,9 @@ class RewardRouter:
         score = sum(self.cfg.weights.get(name, 1.0) * value for name, value in components.items())
         extras = {f"{name}/{key}": v for name, part in parts.items() for key, v in part.extras.items()}
         passed, run, timeouts = own.tests
+        statuses = {name: part.status for name, part in parts.items()}
         return Verdict(row.verifier, row.data_source or row.source, score, own.correct, own.extracted, components,
-                       {name: part.status for name, part in parts.items()}, own.seconds, sum(p.cpu_s for p in parts.values()), passed, run, timeouts, extras)
+                       statuses, own.seconds, sum(p.cpu_s for p in parts.values()), passed, run, timeouts, extras)
 
     def _run(self, name: str, indices: list[int], responses: list[str], rows: list[Row],
              finish_reasons: list[str | None]) -> list[_Part]:
@@ -227,7 +228,7 @@ class RewardRouter:
         if name == MODEL:  # scored by the reward-model role only
             return [_Part(0.0) for _ in indices]
         if name == "multiple_choice":
-            letters = [extract_choice(t, len(rows[i].choices), self.cfg.math.extraction) for t, i in zip(texts, indices)]
+            letters = [self._extract(rows[i], responses[i]) for i in indices]
             return [_Part(float(a == rows[i].answer), "ok", a == rows[i].answer, a) for a, i in zip(letters, indices)]
         records = [{**rows[i].record(), "finish_reason": finish_reasons[i]} for i in indices]
         outcomes = (self.endpoints[name].run(texts, records) if name in self.endpoints
