@@ -65,28 +65,29 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     reference = _check_run(whole, arith_model, 3)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal
 
-    # The same run in other processes: first stopped by SIGUSR1 (Slurm's time-limit warning) once
-    # iteration 1's checkpoint exists — it ends its iteration with a checkpoint and exits 75 —, then
-    # resumed and killed (SIGKILL) as soon as iteration 2's checkpoint exists, then resumed here.
+    # The same run in other processes: first stopped by SIGUSR1 (Slurm's time-limit warning) while
+    # its roles start — it ends iteration 1 with a checkpoint and exits 75 —, then resumed and killed
+    # (SIGKILL) as soon as iteration 2's checkpoint exists, then resumed here.
     killed = tmp_path / "killed"
     latest = killed / "checkpoints/latest"
     cmd = [sys.executable, "-m", "orz.train", *tiny_run(killed, "grpo")]
+    console = tmp_path / "console.txt"
 
-    def start_and_wait_for(checkpoint):
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def start_and_wait_for(ready):
+        proc = subprocess.Popen(cmd, stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 600
-        while not (latest.exists() and latest.read_text() >= checkpoint):
-            assert proc.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
+        while not ready():
+            assert proc.poll() is None and time.time() < deadline, console.read_text()
             time.sleep(0.2)
         return proc
 
-    proc = start_and_wait_for("iter_000001")
+    proc = start_and_wait_for((killed / "logs").exists)  # made once the SIGUSR1 handler is in place
     os.kill(proc.pid, signal.SIGUSR1)
-    assert proc.wait(timeout=600) == 75
-    assert latest.read_text() in ("iter_000001", "iter_000002")
+    assert proc.wait(timeout=600) == 75, console.read_text()
+    assert latest.read_text() == "iter_000001"
     _kill_ray_cluster_of(proc.pid)
 
-    proc = start_and_wait_for("iter_000002")
+    proc = start_and_wait_for(lambda: latest.read_text() >= "iter_000002")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     _kill_ray_cluster_of(proc.pid)

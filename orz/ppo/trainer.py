@@ -244,14 +244,13 @@ class RayPPOTrainer:
             console.print(f"orz: stage {index + 1} of {len(self.run_cfg.stages)} from iteration {self.iteration + 1}")
 
     # ---- the loop ----------------------------------------------------------------------------
-    def fit(self) -> dict:
-        """Trains to the last iteration, or until SIGUSR1 (Slurm's warning before a time limit):
-        then the current iteration ends with a checkpoint and fit returns with `preempted`."""
+    def fit(self, stop: threading.Event | None = None) -> dict:
+        """Trains to the last iteration, or until `stop` is set (main sets it on SIGUSR1, Slurm's
+        warning before a time limit): then the current iteration ends with a checkpoint and fit
+        returns with `preempted`."""
         cfg = self.run_cfg.trainer
         start = time.time()
-        preempted = []
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, lambda *_: preempted.append(True))
+        stop = stop or threading.Event()
         if self.iteration == 0:
             self.logger.log(0, self.evaluate())
         with Progress(TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -269,10 +268,10 @@ class RayPPOTrainer:
                     metrics |= self.evaluate()
                 self.logger.log(self.iteration, metrics)
                 progress.update(task, advance=1, description=_summary(metrics))
-                if (cfg.save_every and self.iteration % cfg.save_every == 0) or last or preempted:
+                if (cfg.save_every and self.iteration % cfg.save_every == 0) or last or stop.is_set():
                     progress.update(task, description="checkpoint")
                     self.save_checkpoint()
-                if preempted and not last:
+                if stop.is_set() and not last:
                     console.print(f"orz: SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         if cfg.export_hf:
@@ -632,7 +631,12 @@ def _exit_on_sigterm(signum, frame):
 def main(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
     SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
-    call started it: no agent or worker process of the run is left behind."""
+    call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
+    start on and across restarts, ends the run after the current iteration with a checkpoint."""
+    stop = threading.Event()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGUSR1, lambda *_: stop.set())
     run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
     data = check_data(cfg)
     t = cfg.trainer
@@ -648,10 +652,9 @@ def main(cfg: ExperimentConfig) -> dict:
                      configure_logging=False, **local)
     with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
         # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
-        in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
         try:
-            return _train_with_restarts(cfg, data)
+            return _train_with_restarts(cfg, data, stop)
         finally:
             if owns_ray:
                 ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
@@ -659,12 +662,12 @@ def main(cfg: ExperimentConfig) -> dict:
                 signal.signal(signal.SIGTERM, previous)
 
 
-def _train_with_restarts(cfg: ExperimentConfig, data: dict) -> dict:
+def _train_with_restarts(cfg: ExperimentConfig, data: dict, stop: threading.Event) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
         trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
         try:
-            return trainer.fit() | {"restarts": restarts}
+            return trainer.fit(stop) | {"restarts": restarts}
         except Exception as err:
             lost = trainer.lost_workers()
             if not lost or restarts == cfg.trainer.max_restarts:
