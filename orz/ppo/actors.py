@@ -170,9 +170,8 @@ class MegatronWorker:
         """Last pipeline stage, TP rank 0: the rank whose results the group keeps."""
         return self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
 
-    def _micro_batches(self, minibatch: MiniBatch) -> list:
+    def _micro_batches(self, shard: MiniBatch) -> list:
         """This DP rank's share, by the role's token budget or row count."""
-        shard = minibatch.shard(*self._dp)
         cfg = self.spec.cfg
         if cfg.micro_batch_tokens > 0:
             return shard.micro_batches(max_tokens=cfg.micro_batch_tokens)
@@ -200,14 +199,14 @@ class MegatronWorker:
 
     # ---- forward passes ----------------------------------------------------------------------
     def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
-        micro = self._micro_batches(MiniBatch.of(experience))
+        shard = MiniBatch.of(experience).shard(*self._dp)
+        micro = self._micro_batches(shard)
         self.engine.model.eval()
         with torch.no_grad():
             outputs = self.engine.run(self._inputs(micro), collect=per_micro_batch)
         if not self._reports:
             return None
-        width = experience.response_mask.shape[1]
-        return self._dp[0], torch.cat([F.pad(o, (0, width - o.shape[1])) for o in outputs])
+        return self._dp[0], shard.in_row_order(micro, outputs)
 
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
@@ -226,7 +225,7 @@ class MegatronWorker:
     def _train(self, minibatches: list[MiniBatch], loss_fn) -> dict | None:
         steps = []
         for minibatch in minibatches:
-            micro = self._micro_batches(minibatch)
+            micro = self._micro_batches(minibatch.shard(*self._dp))
             out = self.engine.train_step(self._inputs(micro), loss_fn)
             self.scheduler.step(increment=1)
             step = combine_metrics(out["metrics"]) if self._reports else {}

@@ -230,6 +230,7 @@ class MicroBatch:
 
     experience: Experience
     loss_denominators: Mapping[str, Tensor]  # aggregation mode → 0-d normaliser D of the mini-batch
+    rows: Tensor  # (B_micro,) int64: where its rows sit in the (sharded) mini-batch it was cut from
 
     def denominator(self, mode: str) -> Tensor:
         """D for ``aggregate(..., mode, denominator=D)``; the sum over micro-batches is the mini-batch loss."""
@@ -260,17 +261,29 @@ class MiniBatch:
         return MiniBatch(self.experience.select(rows), self.loss_denominators)
 
     def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:
-        """Split by row count (``size``) or by a token budget (``max_tokens``, dynamic batching:
-        rows grouped first-fit decreasing by prompt + response length). Padding columns are trimmed."""
+        """Split by row count (``size``: rows sorted by prompt + response length, so that each
+        micro-batch pads to lengths like its own) or by a token budget (``max_tokens``, dynamic
+        batching: rows grouped first-fit decreasing by length). Padding columns are trimmed; each
+        micro-batch's ``rows`` say where its results go back (``MiniBatch.in_row_order``)."""
         if (size is None) == (max_tokens is None):
             raise ValueError("pass exactly one of size or max_tokens")
+        lengths = self.experience.sequence_lengths()
         if size is not None:
             if size <= 0:
                 raise ValueError(f"size must be positive, got {size}")
-            bins = torch.arange(self.experience.batch_size).split(size)
+            bins = torch.argsort(lengths, stable=True).split(size)
         else:
-            bins = _first_fit_decreasing(self.experience.sequence_lengths().tolist(), max_tokens)
-        return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators) for rows in bins if len(rows)]
+            bins = [torch.tensor(b, dtype=torch.long) for b in _first_fit_decreasing(lengths.tolist(), max_tokens)]
+        return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators, rows)
+                for rows in bins if len(rows)]
+
+    def in_row_order(self, micro_batches: list[MicroBatch], results: list[Tensor]) -> Tensor:
+        """(B, T) from each micro-batch's (B_micro, ≤ T) results: rows back in place, 0-padded."""
+        width = self.experience.response_mask.shape[1]
+        out = results[0].new_zeros((self.experience.batch_size, width))
+        for micro, result in zip(micro_batches, results):
+            out[micro.rows, : result.shape[1]] = result
+        return out
 
 
 class ReplayBuffer:
