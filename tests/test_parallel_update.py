@@ -167,3 +167,51 @@ def test_the_logprob_pass_returns_rows_in_their_order(layout, model):
         n = int(experience.response_mask[row].sum())
         torch.testing.assert_close(got[row, :n], token_logprobs[row, start - 1:start - 1 + n], atol=1e-4, rtol=1e-4)
         assert not got[row, n:].any()
+
+
+def _update_with_and_without_old(rank, world, role, model):
+    """Two optimizer steps from the same weights: once with π_old from a separate pass, once
+    with none given (the actor reads it in its update); metrics and weights of both."""
+    def worker():
+        w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=2, seed=3), rank, world)
+        w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        return w
+
+    def train(w, minibatches):
+        out = w.train_actor(minibatches, ActorStep(ALGO, 0.7, 0.0, 0.0))
+        parts = [None] * world
+        dist.all_gather_object(parts, out)
+        return combine_metrics([p for p in parts if p]), dict(w.engine.hf_tensors())
+
+    minibatches = [replace(mb, experience=replace(mb.experience, old_logprobs=None)) for mb in _minibatches()]
+    separate = worker()
+    parts = [None] * world
+    dist.all_gather_object(parts, separate.logprobs(_whole(minibatches), temperature=0.7))
+    old = torch.cat([rows for _, rows in sorted(p for p in parts if p)])
+    given = [replace(mb, experience=replace(mb.experience, old_logprobs=rows[:, :mb.experience.response_mask.shape[1]]))
+             for mb, rows in zip(minibatches, old.split(8))]
+    with_pass = train(separate, given)
+    in_update = train(worker(), minibatches)
+    return (with_pass, in_update) if rank == 0 else None
+
+
+def _whole(minibatches: list[MiniBatch]):
+    from orz.ppo.replay_buffer import ReplayBuffer
+
+    buffer = ReplayBuffer()
+    for mb in minibatches:
+        buffer.append(mb.experience)
+    return buffer.experience
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens", "tp2pp2"])
+def test_pi_old_read_in_the_update_equals_a_separate_pass(layout, model):
+    workers, role = LAYOUTS[layout]
+    (pass_metrics, pass_weights), (metrics, weights) = run_world(_update_with_and_without_old, workers, role, model,
+                                                                  timeout=300)[0]
+    assert metrics.keys() == pass_metrics.keys()
+    for key in pass_metrics:
+        assert _close(metrics[key], pass_metrics[key]), (key, metrics[key], pass_metrics[key])
+    assert pass_metrics["actor/clip_frac"] > 0 or pass_metrics["actor/approx_kl"] > 0  # step 2 is off-policy
+    for name, w in pass_weights.items():  # 1e-5: the separate pass cuts other micro-batches
+        assert (weights[name] - w).abs().max() <= 1e-5, name

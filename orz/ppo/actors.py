@@ -198,15 +198,17 @@ class MegatronWorker:
         return logprob, entropy
 
     # ---- forward passes ----------------------------------------------------------------------
-    def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
-        shard = MiniBatch.of(experience).shard(*self._dp)
+    def _no_grad(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
+        """(B_shard, T) per_micro_batch(output, batch) in row order on the last stage, else None."""
         micro = self._micro_batches(shard)
         self.engine.model.eval()
         with torch.no_grad():
             outputs = self.engine.run(self._inputs(micro), collect=per_micro_batch)
-        if not self._reports:
-            return None
-        return self._dp[0], shard.in_row_order(micro, outputs)
+        return shard.in_row_order(micro, outputs) if outputs else None
+
+    def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
+        rows = self._no_grad(MiniBatch.of(experience).shard(*self._dp), per_micro_batch)
+        return (self._dp[0], rows) if self._reports else None
 
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
@@ -222,10 +224,11 @@ class MegatronWorker:
         return self._forward(experience, lambda values, batch: _last_token_values(values, batch["micro"].experience))
 
     # ---- updates -----------------------------------------------------------------------------
-    def _train(self, minibatches: list[MiniBatch], loss_fn) -> dict | None:
+    def _train(self, shards: list[MiniBatch], loss_fn) -> dict | None:
+        """One optimizer step per mini-batch, given as this DP rank's shards."""
         steps = []
-        for minibatch in minibatches:
-            micro = self._micro_batches(minibatch.shard(*self._dp))
+        for shard in shards:
+            micro = self._micro_batches(shard)
             out = self.engine.train_step(self._inputs(micro), loss_fn)
             self.scheduler.step(increment=1)
             step = combine_metrics(out["metrics"]) if self._reports else {}
@@ -237,13 +240,20 @@ class MegatronWorker:
             steps.append(step)
         if not self._reports:
             return None
-        # Mean over optimizer steps; the group then merges replicas by tokens.
-        merged = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        # Mean over optimizer steps (extremes stay extremes); the group then merges replicas by tokens.
+        merged = {k: (max if k.endswith("_max") else min)(s[k] for s in steps) if k.endswith(("_max", "_min"))
+                  else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
     def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> dict | None:
+        """Without old_logprobs, π_old is this actor's weights before the update: the first
+        mini-batch reads it from its own forward (detached; the weights have not moved yet), the
+        others from one no-grad pass before the first step. One pass fewer than a separate one."""
         algo, temperature, entropy_coef, kl_coef = step.algo, step.temperature, step.entropy_coef, step.kl_coef
+        shards = [minibatch.shard(*self._dp) for minibatch in minibatches]
+        if shards[0].experience.old_logprobs is None:
+            shards[1:] = [self._with_old_logprobs(shard, temperature) for shard in shards[1:]]
 
         def loss_fn(logits, batch):
             mb = batch["micro"]
@@ -251,12 +261,16 @@ class MegatronWorker:
             denominator = mb.denominator(agg)
             logprob, entropy = self._token_logprobs(logits, batch, temperature, True)
             mask = exp.response_mask
+            old = logprob.detach() if exp.old_logprobs is None else exp.old_logprobs
             is_weights = None
             if algo.is_correction:
-                is_weights = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs, mask, algo.is_cap)
+                is_weights = truncated_is_weights(old, exp.rollout_logprobs, mask, algo.is_cap)
             loss, metrics = POLICY_LOSSES.get(algo.policy_loss)(
-                exp.old_logprobs, logprob, exp.advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip, agg,
+                old, logprob, exp.advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip, agg,
                 is_weights, denominator=denominator)
+            mismatch = (old - exp.rollout_logprobs).abs() * mask  # π_old against the engine's sampler
+            metrics["rollout/logprob_mismatch_mean"] = mismatch.sum() / mask.sum().clamp_min(1)
+            metrics["rollout/logprob_mismatch_max"] = mismatch.max()
             if entropy_coef:  # its metrics include actor/entropy
                 bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
                 loss = loss + bonus
@@ -271,7 +285,12 @@ class MegatronWorker:
             metrics["tokens"] = mask.sum()
             return loss, {k: float(v) for k, v in metrics.items()}
 
-        return self._train(minibatches, loss_fn)
+        return self._train(shards, loss_fn)
+
+    def _with_old_logprobs(self, shard: MiniBatch, temperature: float) -> MiniBatch:
+        """The shard with log π of the current weights, on every last-stage rank (all compute the loss)."""
+        old = self._no_grad(shard, lambda logits, b: self._token_logprobs(logits, b, temperature, False)[0])
+        return shard if old is None else replace(shard, experience=replace(shard.experience, old_logprobs=old))
 
     def train_critic(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> dict | None:
         def loss_fn(values, batch):
@@ -283,7 +302,7 @@ class MegatronWorker:
             metrics["tokens"] = exp.response_mask.sum()
             return loss, {k: float(v) for k, v in metrics.items()}
 
-        return self._train(minibatches, loss_fn)
+        return self._train([minibatch.shard(*self._dp) for minibatch in minibatches], loss_fn)
 
     def offload(self) -> None:
         self.engine.offload()

@@ -429,14 +429,18 @@ class RayPPOTrainer:
         return self.reward_model.scores_async(ray.put(view)).get().sum(1)
 
     def _forward(self, experience: Experience) -> Experience:
+        """The passes before the update. π_old is read here only where the KL against the
+        reference needs it before the update; otherwise the actor reads it in its update, the
+        first mini-batch at no cost (MegatronWorker.train_actor)."""
         ref = ray.put(experience)
         temperature = self.stage_cfg.rollout.temperature
-        old = None if self.algo.rollout_logprobs_as_old else self.actor.logprobs_async(ref, temperature)
+        old = self.actor.logprobs_async(ref, temperature) if self.ref and not self.algo.rollout_logprobs_as_old else None
         refs = self.ref.logprobs_async(ref, temperature) if self.ref else None
         values = self.critic.values_async(ref) if self.critic else None
+        as_old = experience.rollout_logprobs if self.algo.rollout_logprobs_as_old else None
         return replace(
             experience,
-            old_logprobs=old.get() if old else experience.rollout_logprobs,
+            old_logprobs=old.get() if old else as_old,
             ref_logprobs=refs.get() if refs else None,
             values=values.get() if values else None,
         )
@@ -462,13 +466,10 @@ class RayPPOTrainer:
         )
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask)
-        mismatch = (experience.old_logprobs - experience.rollout_logprobs).abs() * mask
         metrics |= {
             "algorithm/advantage_mean": float((advantages * mask).sum() / mask.sum()),
             "algorithm/advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum()),
             "algorithm/return_mean": float((returns * mask).sum() / mask.sum()),
-            "rollout/logprob_mismatch_mean": float(mismatch.sum() / mask.sum()),
-            "rollout/logprob_mismatch_max": float(mismatch.max()),
         }
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
 
