@@ -39,7 +39,8 @@ class RoleConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1  # replicas; the role has tp·pp·dp workers
-    cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is one thread per worker
+    cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is `threads`
+    threads: int = 1  # torch threads per worker on CPU: 2+ pays where the engines idle while it trains
     gpus_per_worker: float = 1.0  # on GPU; < 1 lets roles share a GPU (colocation)
     lr: float = 1e-6
     min_lr: float = 0.0

@@ -89,3 +89,10 @@ def test_run_rules_roles_whitening_and_schedule_length():
     staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
                                 "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
     assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4
+
+
+def test_a_role_with_no_thread_is_refused():
+    from orz.ppo import run_rules
+
+    with pytest.raises(ConfigError, match=r"actor.threads=0: a worker needs at least one thread"):
+        run_rules.check(load_config(None, ["model.path=/m", "actor.threads=0"]))

@@ -215,3 +215,12 @@ def test_pi_old_read_in_the_update_equals_a_separate_pass(layout, model):
     assert pass_metrics["actor/clip_frac"] > 0 or pass_metrics["actor/approx_kl"] > 0  # step 2 is off-policy
     for name, w in pass_weights.items():  # 1e-5: the separate pass cuts other micro-batches
         assert (weights[name] - w).abs().max() <= 1e-5, name
+
+
+def _threads(rank, world, role, model):
+    MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role), rank, world)
+    return torch.get_num_threads()
+
+
+def test_a_worker_trains_with_its_roles_threads(model):
+    assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [2]

@@ -100,8 +100,7 @@ class MegatronWorker:
         to_log_file(spec.log_dir, f"{spec.name}-{rank}")
         # Megatron announces at import that TE/Apex are absent (expected on CPU), once per worker.
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        torch.set_num_threads(spec.cfg.threads)
 
     def address(self) -> tuple[str, int]:
         from orz.rollout.fleet import free_address
@@ -504,7 +503,7 @@ class WorkerGroup:
                 num_cpus=cfg.cpus_per_worker,
                 num_gpus=cfg.gpus_per_worker if on_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}},
             ).remote(spec, r, self.world_size)
             for r in range(self.world_size)
         ]

@@ -142,6 +142,8 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                 problems.append(f"{name}.{err} of the model; use a size that divides it")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
+        if role.threads < 1:
+            problems.append(f"{name}.threads={role.threads}: a worker needs at least one thread")
     return problems
 
 
