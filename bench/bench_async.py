@@ -59,7 +59,7 @@ def _run(base, spec, out: Path, staleness: int, args) -> dict:
     cfg = rl_config(base, spec, out, [
         f"trainer.iterations={args.iterations}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
         "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.export_hf=false",
-        "trainer.dump_samples_every=0", "trainer.tensorboard=false", f"trainer.output_dir={out}/run_{staleness}",
+        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run_{staleness}",
     ])
     with CpuMeter() as cpu:
         train(cfg)

@@ -33,7 +33,7 @@ def run(args) -> dict:
         cfg = rl_config(base, spec, Path(out), [
             f"trainer.iterations={args.iterations}", f"algorithm.advantage={args.algorithm}",
             "trainer.eval_every=0", "trainer.export_hf=false", "trainer.dump_samples_every=0",
-            "trainer.tensorboard=false", f"trainer.output_dir={out}/run",
+            "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run",
         ])
         train(cfg)
         rows = [json.loads(line) for line in (Path(out) / "run/metrics.jsonl").read_text().splitlines()]

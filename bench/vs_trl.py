@@ -90,7 +90,7 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
         f"trainer.prompts_per_iteration={args.prompts}", f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
         f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
-        "trainer.tensorboard=false", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
+        "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
         # Synchronous, the engine idles while the actor trains: the actor takes every core then.
         # Asynchronous, both work at once: one thread each (two for the actor measured 6% slower).
         f"actor.threads={os.cpu_count() if staleness == 0 else 1}", *args.orz,

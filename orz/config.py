@@ -189,7 +189,11 @@ class TrainerConfig:
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
     max_restarts: int = 3  # a Megatron worker died: rebuild the roles, resume from the last checkpoint
     export_hf: bool = True  # write the final actor as an HF directory
-    tensorboard: bool = True
+    # Where the figures go besides metrics.jsonl ("jsonl", always): tensorboard, wandb, mlflow
+    # (the last two are the `trackers` extra; orz.ppo.trackers).
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    project: str = "orz"  # the W&B project and the MLflow experiment
+    run_name: str = ""  # the trackers' run name; "": output_dir's last part
     dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update

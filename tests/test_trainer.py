@@ -59,7 +59,7 @@ def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_p
     assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 
-def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path):
+def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch):
     whole = tmp_path / "whole"
     train(load_config(None, tiny_run(whole, "grpo")))
     reference = _check_run(whole, arith_model, 3)
@@ -67,10 +67,13 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
 
     # The same run in other processes: first stopped by SIGUSR1 (Slurm's time-limit warning) while
     # its roles start — it ends iteration 1 with a checkpoint and exits 75 —, then resumed and killed
-    # (SIGKILL) as soon as iteration 2's checkpoint exists, then resumed here.
+    # (SIGKILL) as soon as iteration 2's checkpoint exists, then resumed here. All three log to the
+    # same W&B (offline) and MLflow (file store) runs.
     killed = tmp_path / "killed"
     latest = killed / "checkpoints/latest"
-    cmd = [sys.executable, "-m", "orz.train", *tiny_run(killed, "grpo")]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    overrides = [*tiny_run(killed, "grpo"), "trainer.loggers=[jsonl, wandb, mlflow]"]
+    cmd = [sys.executable, "-m", "orz.train", *overrides]
     console = tmp_path / "console.txt"
 
     def start_and_wait_for(ready):
@@ -85,6 +88,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     os.kill(proc.pid, signal.SIGUSR1)
     assert proc.wait(timeout=600) == 75, console.read_text()
     assert latest.read_text() == "iter_000001"
+    assert not re.search(r"^(wandb|mlflow)", console.read_text(), re.M | re.I)  # the trackers keep quiet
     _kill_ray_cluster_of(proc.pid)
 
     proc = start_and_wait_for(lambda: latest.read_text() >= "iter_000002")
@@ -92,9 +96,30 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     proc.wait()
     _kill_ray_cluster_of(proc.pid)
 
-    train(load_config(None, tiny_run(killed, "grpo")))  # resumes from iteration 2
+    train(load_config(None, overrides))  # resumes from iteration 2
     resumed = _check_run(killed, arith_model, 3)
     assert _deterministic(resumed[-1]) == _deterministic(reference[-1])
+    _check_one_tracker_run(killed, resumed)
+
+
+def _check_one_tracker_run(out, history):
+    """One MLflow run and one W&B run across the stop, the kill and both resumes; MLflow holds every
+    iteration's figures; the config and the run name logged."""
+    from mlflow import MlflowClient
+    from run_history import wandb_records
+
+    ids = json.loads((out / "trackers.json").read_text())
+    client = MlflowClient((out / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("orz").experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.run_name == "killed"
+    assert run.data.params["actor.lr"] == "0.001"
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward/mean")}
+    assert logged == {row["step"]: row["reward/mean"] for row in history if "reward/mean" in row}
+    wandb_ids, names, config, steps = wandb_records(out)
+    assert wandb_ids == {ids["wandb"]} and names == {"killed"} and config["actor"]["lr"] == 0.001
+    # W&B writes from a process of its own, which the SIGKILL of the run's process group takes
+    # before it has written step 2; the processes that ended (SIGUSR1, the last resume) lose nothing.
+    assert {0, 1, 3} <= set(steps) <= {row["step"] for row in history}
 
 
 def _kill_an_actor_worker_once(latest, checkpoint, actor_pids, killed):

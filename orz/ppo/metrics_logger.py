@@ -1,7 +1,8 @@
-"""Where a run's numbers go: a JSONL file (one line per iteration, every figure), TensorBoard,
-and at the end a PNG of the curves people look at first (reward, accuracy, held-out accuracy).
+"""Where a run's numbers go: a JSONL file (one line per iteration, every figure), the trackers
+(orz.ppo.trackers: TensorBoard, W&B, MLflow), and at the end a PNG of the curves people look at
+first (reward, accuracy, held-out accuracy).
 
-    logger = MetricsLogger("runs/x", tensorboard=True)
+    logger = MetricsLogger("runs/x", trackers=[TensorBoard(Path("runs/x"))])
     logger.log(step, {"reward/accuracy": 0.4, ...})
     logger.close()            # writes runs/x/curves.png
 """
@@ -18,7 +19,7 @@ PLOTTED = (  # (panel title, metric keys drawn in it)
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_from_step: int = -1):
+    def __init__(self, out_dir: str | Path, trackers: list = (), resume_from_step: int = -1):
         """resume_from_step: a resumed run keeps the file's lines up to its checkpoint's step; the
         later ones belong to iterations that will run again. A new run (-1) starts an empty file."""
         self.dir = Path(out_dir)
@@ -27,20 +28,14 @@ class MetricsLogger:
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_from_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.writer is not None:
-            for key, value in clean.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(step, clean)
 
     def history(self) -> list[dict]:
         if not self.path.exists():
@@ -75,7 +70,7 @@ class MetricsLogger:
         return out
 
     def close(self, plot: bool = True) -> Path | None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         return self.plot() if plot else None

@@ -10,12 +10,14 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from fnmatch import fnmatch
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
@@ -144,6 +146,17 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
         if role.threads < 1:
             problems.append(f"{name}.threads={role.threads}: a worker needs at least one thread")
+    return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def _logger_problems(loggers: list[str]) -> list[str]:
+    problems = [f"trainer.loggers: unknown {name!r}; valid: {', '.join(TRACKERS)}" for name in loggers
+                if name not in TRACKERS]
+    if "jsonl" not in loggers:
+        problems.append("trainer.loggers must include 'jsonl': metrics.jsonl is the run's record (resume, "
+                        "curves.png and the final result read it)")
+    problems += [f"trainer.loggers has {name!r}, which is not installed: pip install -e '.[trackers]'"
+                 for name in ("wandb", "mlflow") if name in loggers and importlib.util.find_spec(name) is None]
     return problems
 
 

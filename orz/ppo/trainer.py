@@ -60,6 +60,7 @@ from orz.ppo.core_algos import (
     whiten,
 )
 from orz.ppo.metrics_logger import MetricsLogger
+from orz.ppo.trackers import open_trackers
 from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, check_verifiers, reward_metrics
 from orz.rollout.engine import SamplingConfig
@@ -167,8 +168,10 @@ class RayPPOTrainer:
         self._enter_stage(stage_at(cfg, state["iteration"])[0] if state else 0, loader_state=state and state["loader"])
         if resume_from is not None:
             self._resume(resume_from, state)
-        self.logger = MetricsLogger(self.out, cfg.trainer.tensorboard,
-                                    resume_from_step=self.iteration if resume_from is not None else -1)
+        t = cfg.trainer
+        trackers = open_trackers(t.loggers, self.out, t.run_name or self.out.name, t.project, to_dict(cfg),
+                                 resume=resume_from is not None)
+        self.logger = MetricsLogger(self.out, trackers, resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
     def _role(self, name: str, **kwargs) -> RoleSpec:
