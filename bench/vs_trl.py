@@ -1,8 +1,11 @@
 """One RL iteration, this stack against TRL's GRPOTrainer, on the same model, task and workload.
 
     .venv-bench/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
-        [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR] [--skip-trl-defaults]
-        [--orz KEY=VALUE ...]
+        [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR | --random-model 24m]
+        [--skip-trl-defaults] [--orz KEY=VALUE ...]
+
+    # the work-dominated size: a random 24M Llama, every response exactly 64 tokens on both sides
+    .venv-bench/bin/python bench/vs_trl.py --random-model 24m --max-new-tokens 64 --iterations 3 --eval-n 50
 
 (needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
 own process so that thread settings do not leak between them:
@@ -325,6 +328,26 @@ def driver(args, argv: list[str]) -> dict:
     }
 
 
+RANDOM_MODELS = {  # name: Llama sizes of a random model whose work dominates an iteration
+    "24m": dict(hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=8),
+}
+
+
+def _random_model(name: str) -> Path:
+    """A random Llama without EOS (bench/common.char_llama) on the task's characters: every
+    response runs to --max-new-tokens on every side, so both do the same work."""
+    from common import char_llama
+
+    from orz.demo import BaseModelSpec
+
+    out = ROOT / f"runs/vs_trl-random-{name}"
+    if not (out / "config.json").exists():
+        rows = _rows(BaseModelSpec(), 2000, "train", seed=0)
+        char_llama(out, [_template().prompt(r["prompt"]) + r["answer"] for r in rows] + ["</answer>"],
+                   max_position_embeddings=1024, **RANDOM_MODELS[name])
+    return out.resolve()
+
+
 def _standard_error(accuracy: float, n: int) -> float:
     """√(p(1 − p)/n): the standard error of an accuracy measured on n problems."""
     return (accuracy * (1 - accuracy) / n) ** 0.5
@@ -333,6 +356,8 @@ def _standard_error(accuracy: float, n: int) -> float:
 def _base(args) -> Path:
     if args.model:
         return Path(args.model).resolve()
+    if args.random_model:
+        return _random_model(args.random_model)
     from orz.demo import BaseModelSpec, base_model
 
     return base_model(BaseModelSpec(), ROOT / "runs/demo").resolve()
@@ -347,6 +372,8 @@ def main() -> None:
     parser.add_argument("--steps-per-iteration", type=int, default=2)
     parser.add_argument("--eval-n", type=int, default=400)
     parser.add_argument("--model", default=None, help="an HF model dir (with tokenizer) instead of the demo base")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), default=None,
+                        help="a random model of this size instead of the demo base (speed only: accuracy stays 0)")
     parser.add_argument("--skip-trl-defaults", action="store_true")
     parser.add_argument("--orz", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more overrides for orz's side, e.g. algorithm.rollout_logprobs_as_old=true")
