@@ -196,12 +196,9 @@ def _update_with_and_without_old(rank, world, role, model):
 
 
 def _whole(minibatches: list[MiniBatch]):
-    from orz.ppo.replay_buffer import ReplayBuffer
+    from orz.ppo.replay_buffer import Experience
 
-    buffer = ReplayBuffer()
-    for mb in minibatches:
-        buffer.append(mb.experience)
-    return buffer.experience
+    return Experience.concat([mb.experience for mb in minibatches])
 
 
 @pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens", "tp2pp2"])

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orz.ppo import core_algos as ca
-from orz.ppo.replay_buffer import Experience, MiniBatch, ReplayBuffer
+from orz.ppo.replay_buffer import Experience, MiniBatch
 
 PROPERTY = settings(max_examples=30, deadline=None)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -200,18 +200,11 @@ def test_micro_batches_need_exactly_one_way_to_split():
 
 
 # ---------------------------------------------------------------------------------------------
-# The buffer
-
-
-def filled_buffer():
-    buffer = ReplayBuffer()
-    buffer.append(make_experience([2, 3, 1], [3, 1, 4], seed=1))
-    buffer.append(make_experience([4, 2], [2, 5], seed=2))
-    return buffer
+# Mini-batches of a joined batch
 
 
 def test_minibatches_shuffle_by_seed_and_carry_their_denominators():
-    buffer = filled_buffer()
+    buffer = Experience.concat([make_experience([2, 3, 1], [3, 1, 4], seed=1), make_experience([4, 2], [2, 5], seed=2)])
     order = [row for minibatch in buffer.minibatches(2, seed=3) for row in minibatch.experience.info["row"].tolist()]
     again = [row for minibatch in buffer.minibatches(2, seed=3) for row in minibatch.experience.info["row"].tolist()]
     assert order == again
@@ -222,15 +215,15 @@ def test_minibatches_shuffle_by_seed_and_carry_their_denominators():
                        for seed in range(6)}
     assert len(shuffled_orders) > 1
     first = unshuffled[0]
-    width = buffer.experience.response_mask.shape[1]
+    width = buffer.response_mask.shape[1]
     for mode in AGG_MODES:
         expected = ca.aggregate_denominator(first.experience.response_mask, mode, norm_len=width)
         assert torch.equal(first.loss_denominators[mode], expected)
 
 
-def test_empty_buffer_is_a_clear_error():
-    with pytest.raises(ValueError, match="empty"):
-        ReplayBuffer().minibatches(2)
+def test_a_mini_batch_without_rows_is_a_clear_error():
+    with pytest.raises(ValueError, match="mini_batch_size must be positive, got 0"):
+        make_experience([2], [3]).minibatches(0)
 
 
 class CharTokenizer:
@@ -239,18 +232,16 @@ class CharTokenizer:
 
 
 def test_dump_jsonl_for_inspection(tmp_path):
-    buffer = ReplayBuffer()
     experience = make_experience([2, 1], [3, 1], seed=5)
-    buffer.append(experience)
     path = tmp_path / "samples.jsonl"
-    buffer.dump_jsonl(str(path), tokenizer=CharTokenizer())
+    experience.dump_jsonl(str(path), tokenizer=CharTokenizer())
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     assert first["prompt"] == CharTokenizer().decode(experience.sequences[0, :2].tolist())
     assert first["response"] == CharTokenizer().decode(experience.sequences[0, 2:5].tolist())
     assert first["num_loss_tokens"] == 3 and second["info/row"] == 1
     assert first["advantages_mean"] == pytest.approx(float(experience.advantages[0].mean()), abs=1e-6)
     assert second["scores"] == float(experience.scores[1])
-    buffer.dump_jsonl(str(path), per_token=True)
+    experience.dump_jsonl(str(path), per_token=True)
     first = json.loads(path.read_text().splitlines()[0])
     assert first["response"] == experience.sequences[0, 2:5].tolist()
     assert first["advantages"] == pytest.approx(experience.advantages[0].tolist(), abs=1e-6)

@@ -1,4 +1,5 @@
-"""Experience, the replay buffer, and how it is cut for an update: mini-batches and micro-batches.
+"""Experience (the batch an update replays; parts join with ``Experience.concat``) and how it is
+cut for an update: shuffled mini-batches (``Experience.minibatches``) and micro-batches.
 
 One token layout, everywhere:
 
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from orz.ppo.core_algos import AGGREGATIONS, aggregate_denominator
 
-__all__ = ["Experience", "MiniBatch", "MicroBatch", "ReplayBuffer", "experience_from_rollouts"]
+__all__ = ["Experience", "MiniBatch", "MicroBatch", "experience_from_rollouts"]
 
 
 def _tensor(dims: str, required: bool = False) -> Any:
@@ -102,6 +103,29 @@ class Experience:
         """The rows ``rows`` (int indices or a (B,) bool mask), in that order."""
         rows = torch.as_tensor(rows, device=self.sequences.device)
         return self._map(lambda dims, value: value[rows])
+
+    def minibatches(self, mini_batch_size: int, *, seed: int | None = None,
+                    norm_len: int | None = None) -> list[MiniBatch]:
+        """Rows shuffled by ``seed`` (None keeps the order), cut into mini-batches of
+        ``mini_batch_size`` rows (the last may be smaller). ``norm_len`` for "seq-mean-token-sum-norm"
+        defaults to T; recipes should set it to the generation limit."""
+        if mini_batch_size <= 0:
+            raise ValueError(f"mini_batch_size must be positive, got {mini_batch_size}")
+        if seed is None:
+            order = torch.arange(self.batch_size)
+        else:
+            order = torch.randperm(self.batch_size, generator=torch.Generator().manual_seed(seed))
+        norm_len = self.response_mask.shape[1] if norm_len is None else norm_len
+        return [MiniBatch.of(self.select(rows), norm_len) for rows in order.split(mini_batch_size)]
+
+    def dump_jsonl(self, path: str, tokenizer: Any = None, per_token: bool = False) -> None:
+        """One JSON line per sample: prompt and response (text with ``tokenizer``, else token ids),
+        per-sample fields, info, and each (B, T) field's mean over loss tokens (``per_token``: the
+        list of its values there)."""
+        experience = self.to("cpu")
+        with open(path, "w") as out:
+            for row in range(experience.batch_size):
+                out.write(json.dumps(_sample_record(experience, row, tokenizer, per_token)) + "\n")
 
     @classmethod
     def concat(cls, parts: Sequence[Experience]) -> Experience:
@@ -284,52 +308,6 @@ class MiniBatch:
         for micro, result in zip(micro_batches, results):
             out[micro.rows, : result.shape[1]] = result
         return out
-
-
-class ReplayBuffer:
-    """Experience from many rollouts, shuffled and cut into mini-batches for the update."""
-
-    def __init__(self) -> None:
-        self._parts: list[Experience] = []
-
-    def append(self, experience: Experience) -> None:
-        self._parts.append(experience)
-
-    def __len__(self) -> int:
-        return sum(part.batch_size for part in self._parts)
-
-    @property
-    def experience(self) -> Experience:
-        """Everything appended so far as one Experience (padded to the widest rollout)."""
-        if not self._parts:
-            raise ValueError("the replay buffer is empty")
-        if len(self._parts) > 1:
-            self._parts = [Experience.concat(self._parts)]
-        return self._parts[0]
-
-    def minibatches(self, mini_batch_size: int, *, seed: int | None = None,
-                    norm_len: int | None = None) -> list[MiniBatch]:
-        """Rows shuffled by ``seed`` (None keeps the order), cut into mini-batches of
-        ``mini_batch_size`` rows (the last may be smaller). ``norm_len`` for "seq-mean-token-sum-norm"
-        defaults to the buffer's T; recipes should set it to the generation limit."""
-        if mini_batch_size <= 0:
-            raise ValueError(f"mini_batch_size must be positive, got {mini_batch_size}")
-        experience = self.experience
-        if seed is None:
-            order = torch.arange(experience.batch_size)
-        else:
-            order = torch.randperm(experience.batch_size, generator=torch.Generator().manual_seed(seed))
-        norm_len = experience.response_mask.shape[1] if norm_len is None else norm_len
-        return [MiniBatch.of(experience.select(rows), norm_len) for rows in order.split(mini_batch_size)]
-
-    def dump_jsonl(self, path: str, tokenizer: Any = None, per_token: bool = False) -> None:
-        """One JSON line per sample: prompt and response (text with ``tokenizer``, else token ids),
-        per-sample fields, info, and each (B, T) field's mean over loss tokens (``per_token``: the
-        list of its values there)."""
-        experience = self.experience.to("cpu")
-        with open(path, "w") as out:
-            for row in range(experience.batch_size):
-                out.write(json.dumps(_sample_record(experience, row, tokenizer, per_token)) + "\n")
 
 
 def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: bool) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from orz.ppo.core_algos import (
 )
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.trackers import open_trackers
-from orz.ppo.replay_buffer import Experience, ReplayBuffer, experience_from_rollouts
+from orz.ppo.replay_buffer import Experience, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, check_verifiers, reward_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
@@ -477,8 +477,7 @@ class RayPPOTrainer:
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
 
     def _update(self, experience: Experience) -> dict:
-        algo, buffer = self.algo, ReplayBuffer()
-        buffer.append(experience)
+        algo, rows = self.algo, experience.batch_size
         seed = self.run_cfg.trainer.seed * 7919 + self.iteration
         norm_len = self.stage_cfg.rollout.max_new_tokens
         if self.run_cfg.trainer.offload_idle_roles:
@@ -487,10 +486,10 @@ class RayPPOTrainer:
         critic_pending = None
         if self.critic:
             steps = self.stage_cfg.critic.steps_per_iteration
-            minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed, norm_len=norm_len)
+            minibatches = experience.minibatches(-(-rows // steps), seed=seed, norm_len=norm_len)
             critic_pending = self.critic.train_critic_async(minibatches, algo)
         steps = self.stage_cfg.actor.steps_per_iteration
-        minibatches = buffer.minibatches(-(-len(buffer) // steps), seed=seed + 1, norm_len=norm_len)
+        minibatches = experience.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
         step = ActorStep(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
@@ -510,10 +509,8 @@ class RayPPOTrainer:
         return [group for group in (self.actor, self.critic) if group is not None]
 
     def _dump(self, experience: Experience) -> None:
-        buffer = ReplayBuffer()
-        buffer.append(experience)
         (self.out / "samples").mkdir(exist_ok=True)
-        buffer.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer)
+        experience.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer)
 
     # ---- evaluation --------------------------------------------------------------------------
     def _setup_eval(self):
