@@ -42,31 +42,32 @@ def _minibatches() -> list[MiniBatch]:
     return [MiniBatch.of(exp.select(range(i, i + 8)).trim()) for i in (0, 8)]
 
 
+def _worker(rank, world, role, dtype, model):
+    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, dtype=dtype, total_steps=2, seed=3),
+                       rank, world)
+    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return w
+
+
+def _step(w, world, mb):
+    """One optimizer step on `mb`; the metrics merged over the world's reporting ranks."""
+    out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
+    parts = [None] * world
+    dist.all_gather_object(parts, out)
+    return combine_metrics([p for p in parts if p])
+
+
 def _two_steps(rank, world, role, dtype, model, ckpt):
-    spec = RoleSpec(name="actor", model_path=model, cfg=role, dtype=dtype, total_steps=2, seed=3)
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     first, second = _minibatches()
-
-    def worker():
-        w = MegatronWorker(spec, rank, world)
-        w.setup(addr, port)
-        return w
-
-    def step(w, mb):
-        out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
-        parts = [None] * world
-        dist.all_gather_object(parts, out)
-        return combine_metrics([p for p in parts if p])
-
-    w = worker()
-    metrics = [step(w, first)]
+    w = _worker(rank, world, role, dtype, model)
+    metrics = [_step(w, world, first)]
     w.save(ckpt)
     dist.barrier()
-    metrics.append(step(w, second))
+    metrics.append(_step(w, world, second))
     weights = dict(w.engine.hf_tensors())
-    resumed = worker()
+    resumed = _worker(rank, world, role, dtype, model)
     resumed.load(ckpt)
-    resumed_metrics = step(resumed, second)
+    resumed_metrics = _step(resumed, world, second)
     resumed_weights = dict(resumed.engine.hf_tensors())
     if rank != 0:
         return None
@@ -80,6 +81,7 @@ LAYOUTS = {  # name: (workers, RoleConfig)
     "tp2pp2": (4, RoleConfig(lr=1e-3, tp=2, pp=2, micro_batch_size=3)),
     "pp2_tokens": (2, RoleConfig(lr=1e-3, pp=2, micro_batch_tokens=24)),
     "dp2_distributed_optimizer": (2, RoleConfig(lr=1e-3, dp=2, micro_batch_size=3, use_distributed_optimizer=True)),
+    "dp1_distributed_optimizer": (1, RoleConfig(lr=1e-3, micro_batch_size=3, use_distributed_optimizer=True)),
 }
 
 
@@ -135,11 +137,39 @@ def _load(rank, world, role, model, ckpt):
     w.load(ckpt)
 
 
-@pytest.mark.parametrize("layout", ["dp2_distributed_optimizer", "pp2"])
-def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, model, reference, reference_checkpoint):
+@pytest.mark.parametrize("layout,message", [
+    ("pp2", r"actor was saved at TP1 PP1 DP1; this run has TP1 PP2 DP1. A run may change its DP size, not TP or PP"),
+    ("dp2_distributed_optimizer", r"actor was saved without the distributed optimizer and this run is with it"),
+])
+def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, message, model, reference,
+                                                               reference_checkpoint):
     workers, role = LAYOUTS[layout]
-    with pytest.raises(RuntimeError, match=r"actor was saved at (TP1 PP1 DP1|another layout); this run has TP1 PP"):
+    with pytest.raises(RuntimeError, match=message):
         run_world(_load, workers, role, model, reference_checkpoint)
+
+
+def _second_step_from(rank, world, role, model, ckpt):
+    """A worker at `role`'s layout loads the checkpoint another layout saved after step 1, and takes step 2."""
+    w = _worker(rank, world, role, "float32", model)
+    w.load(ckpt)
+    metrics = _step(w, world, _minibatches()[1])
+    weights = dict(w.engine.hf_tensors())
+    return (metrics, weights) if rank == 0 else None
+
+
+@pytest.mark.parametrize("saved,resumed", [("dp2_distributed_optimizer", "dp1_distributed_optimizer"),
+                                           ("dp1_distributed_optimizer", "dp2_distributed_optimizer")])
+def test_a_run_resumes_at_another_dp_size_with_its_adam_moments_recut(saved, resumed, model, reference, tmp_path):
+    """Going from 4 nodes to 8: each DP rank saved its flat range of the fp32 masters and Adam
+    moments; at the other DP size each rank cuts its new range from all of them, and step 2 is
+    the uninterrupted run's (the DP=1 reference, within the layouts' 1e-5)."""
+    run_world(_two_steps, LAYOUTS[saved][0], LAYOUTS[saved][1], "float32", model, str(tmp_path / "ck"), timeout=300)
+    metrics, weights = run_world(_second_step_from, LAYOUTS[resumed][0], LAYOUTS[resumed][1], model,
+                                 str(tmp_path / "ck"), timeout=300)[0]
+    for key, value in reference["metrics"][1].items():
+        assert _close(metrics[key], value), (key, metrics[key], value)
+    for name, w in reference["weights"].items():
+        assert (weights[name] - w).abs().max() <= 1e-5, name
 
 
 def _logprobs(rank, world, role, model, experience):

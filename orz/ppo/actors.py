@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -359,13 +360,15 @@ class MegatronWorker:
         """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
         state, written by DP rank 0 (replicas hold identical copies). With the distributed
         optimizer each DP rank also writes its own shard of the fp32 masters and Adam moments
-        (`optim_dp_NN.pt`), which Megatron's `state_dict` leaves out."""
+        (`optim_dp_NN_I.pt`), which Megatron's `state_dict` leaves out, by parameter name and
+        range: a run at another DP size re-cuts them (`load`)."""
         from safetensors.torch import save_file
 
         shard = self._shard_dir(root)
+        names = {param: name for name, param in self.engine.model.named_parameters()}
         for i, optimizer in enumerate(self._distributed_optimizers()):
             shard.mkdir(parents=True, exist_ok=True)
-            torch.save(_shard_states(optimizer), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
+            torch.save(_shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
         if self._dp[0] != 0:
             return
         shard.mkdir(parents=True, exist_ok=True)
@@ -386,11 +389,16 @@ class MegatronWorker:
         mine = {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}
         state = torch.load(shard / "optim.pt", weights_only=False) if (shard / "optim.pt").is_file() else {}
         saved = state.get("layout", {**mine, "dp": None})  # checkpoints before layouts were recorded: DP unknown
-        if not state or (saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"]) or (
-                self._distributed_optimizers() and saved["dp"] not in (None, mine["dp"])):
+        if not state or (saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"]):
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved) if state else 'another layout'}; "
-                             f"this run has {_sizes(mine)}. Resume at the saved layout, or export it with "
-                             "`orz.convert mcore2hf` and start a new run from the HF weights")
+                             f"this run has {_sizes(mine)}. A run may change its DP size, not TP or PP: resume "
+                             "at the saved TP and PP, or export it with `orz.convert mcore2hf` and start a new "
+                             "run from the HF weights")
+        distributed = self._distributed_optimizers()
+        if self.spec.train and bool(distributed) != any(shard.glob("optim_dp_*.pt")):
+            have, want = ("with", "without") if not distributed else ("without", "with")
+            raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
+                             f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
         self.engine.load_local_state(load_file(shard / "model.safetensors"))
         torch.set_rng_state(state["rng"])
         if not self.spec.train:
@@ -399,8 +407,11 @@ class MegatronWorker:
         # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
         _set_group_lr(state["optimizer"], self.spec.cfg)
         self.engine.optimizer.load_state_dict(state["optimizer"])
-        for i, optimizer in enumerate(self._distributed_optimizers()):
-            _load_shard_states(optimizer, torch.load(shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"))
+        names = {param: name for name, param in self.engine.model.named_parameters()}
+        same_dp = saved["dp"] in (None, mine["dp"])
+        for i, optimizer in enumerate(distributed):
+            paths = sorted(shard.glob(f"optim_dp_*_{i}.pt"))
+            _load_shard_states(optimizer, names, paths, self._dp[0] if same_dp else None)
         # Checkpoints before stages kept the scheduler's whole state dict.
         self.scheduler.num_steps = state.get("scheduler_steps") or state["scheduler"]["num_steps"]
         # The optimizer's state brought the saved stage's param-group settings (max_lr, betas):
@@ -432,26 +443,66 @@ def _shard_params(optimizer) -> list:
             for bucket in by_dtype for param in bucket["param_map"]]
 
 
-def _shard_states(optimizer) -> list[dict[str, torch.Tensor]]:
-    """This DP rank's fp32 master shard and Adam moments, parameter by parameter. Megatron's own
-    `get_parameter_state_dp_reshardable` output cannot be fed back to its loader (it has no
-    `padding` entries), so the per-parameter accessors both use are called directly."""
-    return [{k: v.detach().clone() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}
+def _owned_range(optimizer, param) -> tuple[int, int]:
+    """[start, end) of the flattened parameter that this DP rank's optimizer shard holds."""
+    owned = optimizer._get_model_param_range_map(param)["param"]
+    return owned.start, owned.end
+
+
+def _shard_states(optimizer, names: dict) -> list[dict]:
+    """This DP rank's fp32 master shard and Adam moments, parameter by parameter: its name, the
+    flat range it holds and the tensors. Megatron's own `get_parameter_state_dp_reshardable`
+    output cannot be fed back to its loader (it has no `padding` entries), so the per-parameter
+    accessors both use are called directly."""
+    return [{"name": names[p], "range": _owned_range(optimizer, p),
+             "tensors": {k: v.detach().clone() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}}
             for p in _shard_params(optimizer)]
 
 
+def _cut(pieces: list[dict], start: int, end: int) -> dict[str, torch.Tensor]:
+    """[start, end) of one parameter's states from the saved pieces that cover it (each DP rank
+    of the saving run held one flat range); 0-d states (Adam's step) are the same in each."""
+    inside = sorted((p for p in pieces if p["range"][0] < end and p["range"][1] > start), key=lambda p: p["range"][0])
+    out = {}
+    for key, tensor in inside[0]["tensors"].items():
+        if tensor.dim() == 0:
+            out[key] = tensor.clone()
+            continue
+        out[key] = torch.cat([p["tensors"][key].reshape(-1)[max(start, p["range"][0]) - p["range"][0]:
+                                                            min(end, p["range"][1]) - p["range"][0]]
+                              for p in inside])
+    if out["param"].numel() != end - start:
+        raise ValueError(f"the saved optimizer shards cover {out['param'].numel()} of the {end - start} values asked")
+    return out
+
+
 @torch.no_grad()  # the masters are leaves that require grad
-def _load_shard_states(optimizer, states: list[dict[str, torch.Tensor]]) -> None:
+def _load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: int | None) -> None:
+    """Sets this DP rank's masters and moments: from its own saved shard (saved_dp_rank: the run
+    keeps the saved DP size), else its range of each parameter cut from every saved shard,
+    memory-mapped so that a rank reads only what it holds."""
     params = _shard_params(optimizer)
-    if len(states) != len(params):
-        raise ValueError(f"optimizer shard holds {len(states)} parameters, this layout has {len(params)}")
     # Without TE/Apex, Megatron's load_state_dict gives every parameter the same `step` tensor,
     # which torch's Adam then increments once per parameter per step: give each its own.
     for state in optimizer.optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
-    for param, tensors in zip(params, states):
-        optimizer._set_main_param_and_optimizer_states(param, tensors)
+    if saved_dp_rank is not None:
+        mine = torch.load(paths[saved_dp_rank])
+        if len(mine) != len(params):
+            raise ValueError(f"optimizer shard holds {len(mine)} parameters, this layout has {len(params)}")
+        for param, piece in zip(params, mine):
+            optimizer._set_main_param_and_optimizer_states(param, piece["tensors"] if "tensors" in piece else piece)
+        return
+    by_name = defaultdict(list)
+    for path in paths:
+        for piece in torch.load(path, mmap=True):
+            if "range" not in piece:
+                raise ValueError(f"{path}: optimizer shards of this age cannot be re-cut; resume at the DP "
+                                 "size they were saved at")
+            by_name[piece["name"]].append(piece)
+    for param in params:
+        optimizer._set_main_param_and_optimizer_states(param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
 
 
 @dataclass(frozen=True)
