@@ -240,9 +240,12 @@ class MegatronWorker:
             steps.append(step)
         if not self._reports:
             return None
-        # Mean over optimizer steps (extremes stay extremes); the group then merges replicas by tokens.
-        merged = {k: (max if k.endswith("_max") else min)(s[k] for s in steps) if k.endswith(("_max", "_min"))
-                  else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        # Mean over optimizer steps, extremes kept; the group then merges replicas by tokens.
+        merged = {}
+        for key in steps[0]:
+            values = [s[key] for s in steps]
+            extreme = max if key.endswith("_max") else min if key.endswith("_min") else None
+            merged[key] = extreme(values) if extreme else sum(values) / len(values)
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
@@ -468,9 +471,11 @@ def _cut(pieces: list[dict], start: int, end: int) -> dict[str, torch.Tensor]:
         if tensor.dim() == 0:
             out[key] = tensor.clone()
             continue
-        out[key] = torch.cat([p["tensors"][key].reshape(-1)[max(start, p["range"][0]) - p["range"][0]:
-                                                            min(end, p["range"][1]) - p["range"][0]]
-                              for p in inside])
+        slices = []
+        for piece in inside:
+            offset = piece["range"][0]
+            slices.append(piece["tensors"][key].reshape(-1)[max(start, offset) - offset:min(end, piece["range"][1]) - offset])
+        out[key] = torch.cat(slices)
     if out["param"].numel() != end - start:
         raise ValueError(f"the saved optimizer shards cover {out['param'].numel()} of the {end - start} values asked")
     return out
@@ -491,7 +496,7 @@ def _load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank:
         mine = torch.load(paths[saved_dp_rank])
         if len(mine) != len(params):
             raise ValueError(f"optimizer shard holds {len(mine)} parameters, this layout has {len(params)}")
-        for param, piece in zip(params, mine):
+        for param, piece in zip(params, mine):  # older checkpoints saved the tensors alone
             optimizer._set_main_param_and_optimizer_states(param, piece["tensors"] if "tensors" in piece else piece)
         return
     by_name = defaultdict(list)

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import time
-import uuid
 from pathlib import Path
 
 NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl is MetricsLogger's own file
@@ -42,7 +41,7 @@ class Wandb:
         self.id = self.run.id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)  # a resumed run's steps up to W&B's last one are dropped by W&B
+        self.run.log(metrics, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -105,7 +104,7 @@ def open_trackers(names: list[str], out: Path, run_name: str, project: str, conf
     kinds = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
     trackers = {name: kinds[name](out=out, run_name=run_name, project=project, config=config, run_id=ids.get(name))
                 for name in names if name != "jsonl"}
-    tmp = out / f"trackers.json.{uuid.uuid4().hex}"
+    tmp = out / "trackers.json.tmp"
     tmp.write_text(json.dumps({name: t.id for name, t in trackers.items() if hasattr(t, "id")}))
     tmp.replace(ids_file)
     return list(trackers.values())

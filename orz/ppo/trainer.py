@@ -60,8 +60,8 @@ from orz.ppo.core_algos import (
     whiten,
 )
 from orz.ppo.metrics_logger import MetricsLogger
-from orz.ppo.trackers import open_trackers
 from orz.ppo.replay_buffer import Experience, experience_from_rollouts
+from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, check_verifiers, reward_metrics
 from orz.rollout.engine import SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
