@@ -72,6 +72,9 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     killed = tmp_path / "killed"
     latest = killed / "checkpoints/latest"
     monkeypatch.setenv("WANDB_MODE", "offline")
+    # wandb.init exports the address of its service process (test_trackers started one in this
+    # process); children would share it, and a SIGKILLed child's run would stay "in use" there.
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     overrides = [*tiny_run(killed, "grpo"), "trainer.loggers=[jsonl, wandb, mlflow]"]
     cmd = [sys.executable, "-m", "orz.train", *overrides]
     console = tmp_path / "console.txt"
