@@ -294,11 +294,12 @@ def driver(args, argv: list[str]) -> dict:
     if trl:
         best = min(trl, key=lambda name: sides[name]["seconds_per_iteration"])
         sides["trl_best"] = {"is": best}
+    peers = {name: name for name in trl} | ({"trl_best": best} if trl else {})  # label → the side measured
     ratios = {}
     for o_name in ("orz_sync", "orz_async"):
         o = sides[o_name]
-        for t_name in trl + (["trl_best"] if trl else []):
-            t = sides[sides[t_name]["is"]] if t_name == "trl_best" else sides[t_name]
+        for t_name, measured in peers.items():
+            t = sides[measured]
             if "error" in o:
                 continue
             pair = f"{t_name}_over_{o_name}"
