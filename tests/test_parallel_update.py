@@ -30,15 +30,24 @@ def model(tmp_path_factory):
                             num_heads=4, num_kv_heads=2, num_layers=2))
 
 
-def _minibatches() -> list[MiniBatch]:
-    """Two mini-batches of 8 rows, prompts of 3–6 and responses of 2–9 tokens."""
+OLD_LOGPROB = -4.2  # every response token's log π_old
+
+
+def _rollouts() -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """16 rows: prompts of 3–6 and responses of 2–9 tokens, and one advantage per row."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(3, 7, (16,), generator=g)]
     responses = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 10, (16,), generator=g)]
+    return prompts, responses, torch.randn(16, 1, generator=g)
+
+
+def _minibatches() -> list[MiniBatch]:
+    """The rollouts as two mini-batches of 8 rows."""
+    prompts, responses, advantages = _rollouts()
     exp = experience_from_rollouts(prompts, responses, [[-4.0] * len(r) for r in responses], pad_id=0)
     mask = exp.response_mask
-    exp = replace(exp, old_logprobs=torch.full(mask.shape, -4.2) * mask,
-                  advantages=torch.randn(mask.shape[0], 1, generator=g).expand_as(mask) * mask)
+    exp = replace(exp, old_logprobs=torch.full(mask.shape, OLD_LOGPROB) * mask,
+                  advantages=advantages.expand_as(mask) * mask)
     return [MiniBatch.of(exp.select(range(i, i + 8)).trim()) for i in (0, 8)]
 
 
@@ -129,6 +138,38 @@ def test_reference_moves_the_weights(model, reference):
     initial = load_file(f"{model}/model.safetensors")
     assert any(not torch.equal(initial[n], w) for n, w in reference["weights"].items())
     assert reference["metrics"][0]["actor/grad_norm"] > 0
+
+
+def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, reference):
+    """The reference layout itself against an independent computation: transformers' forward,
+    PPO's clipped surrogate written out per token, its mean over each mini-batch's response
+    tokens, global-norm clipping and torch's Adam, two steps."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    role = LAYOUTS["dp1"][1]
+    adam = torch.optim.Adam(hf.parameters(), lr=role.lr, betas=role.adam_betas, eps=1e-8)
+    prompts, responses, advantages = _rollouts()
+    for step, rows in enumerate((range(0, 8), range(8, 16))):
+        token_losses = []
+        for row in rows:
+            ids = torch.tensor([prompts[row] + responses[row]])
+            logp = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            ratio = torch.exp(logp[len(prompts[row]) - 1:] - OLD_LOGPROB)
+            a = advantages[row]
+            token_losses.append(torch.maximum(-a * ratio, -a * ratio.clamp(1 - ALGO.clip_low, 1 + ALGO.clip_high)))
+        loss = torch.cat(token_losses).mean()
+        adam.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), role.clip_grad)
+        adam.step()
+        metrics = reference["metrics"][step]
+        assert _close(metrics["actor/pg_loss"], loss.item()), (step, metrics["actor/pg_loss"], loss.item())
+        assert _close(metrics["actor/grad_norm"], grad_norm.item()), (step, metrics["actor/grad_norm"], grad_norm)
+    expected = hf.state_dict()
+    assert reference["weights"].keys() <= expected.keys()
+    for name, w in reference["weights"].items():
+        assert (expected[name] - w).abs().max() <= 1e-5, (name, (expected[name] - w).abs().max())
 
 
 def _load(rank, world, role, model, ckpt):

@@ -163,6 +163,7 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     ("stages=[{iterations: 1, overrides: {trainer.eval_every: 2}}]", "'trainer.eval_every' cannot change"),
     ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
     ("algorithm.kl_target=0.1", "kl_target=0.1 does nothing with kl_coef=0.0"),
+    ("algorithm.dynamic_sampling=true|algorithm.max_prompt_draws=65", "max_prompt_draws=65 must be 1..64"),
     ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),
     ("actor.tp=3", r"actor.tp=3 does not divide num_attention_heads=4 of the model; use a size that divides it"),
     ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide num_hidden_layers=2 of the model"),

@@ -66,6 +66,15 @@ def test_samples_carry_ids_logprobs_and_finish_reasons(fleet):
     assert _responses(again) == _responses(samples)  # per-request seeds: reproducible
 
 
+def test_no_two_samples_of_a_batch_share_a_random_stream(fleet):
+    """Request i's n samples take seeds seed + i·n + j: with seed + i (vLLM adds j itself), the
+    second sample of one request and the first of the next would draw the same random numbers."""
+    prompt = PROMPTS[0]
+    samples = fleet.generate([prompt, prompt], SamplingConfig(temperature=1.0, max_new_tokens=12, n=3, seed=7))
+    responses = [tuple(s.response_ids) for s in samples]
+    assert len(set(responses)) == len(responses), responses
+
+
 def test_stale_version_is_refused(fleet):
     with pytest.raises(StaleWeightsError, match="required"):
         fleet.generate(PROMPTS, GREEDY, min_version=fleet.weight_version + 1)

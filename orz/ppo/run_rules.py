@@ -128,6 +128,9 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     if k > 0 and a.is_correction is False:
         problems.append(f"trainer.max_staleness={k} trains on samples of older weights: algorithm.is_correction=false "
                         "would leave them uncorrected; leave it unset (on) or true")
+    if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
+        problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
+                        "samples from seeds of its own)")
     if a.kl_target is not None and a.kl_coef <= 0:
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")

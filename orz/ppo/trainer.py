@@ -346,8 +346,10 @@ class RayPPOTrainer:
     # ---- phases ------------------------------------------------------------------------------
     def _sampling(self, batch: int, draw: int) -> SamplingConfig:
         r = self.stage_cfg.rollout
-        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did.
-        seed = (self.run_cfg.trainer.seed * 1_000_003 + batch * 1009 + draw * 100_003) % 2**31
+        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
+        # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,
+        # no two draws of the run (up to 64 per batch) share one.
+        seed = ((self.run_cfg.trainer.seed * 2**20 + batch) * 2**6 + draw) * 2**24
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop=list(r.stop), n=r.n_samples, seed=seed)
 

@@ -20,7 +20,7 @@ class SamplingConfig:
     max_new_tokens: int = 1024
     stop: list[str] = field(default_factory=list)  # e.g. ["</answer>"]; kept in the output
     n: int = 1  # samples per prompt
-    seed: int = 0  # request i of a batch uses seed + i: independent of how requests are spread
+    seed: int = 0  # sample j of request i uses seed + i·n + j: no two samples of a batch share a stream
 
 
 @dataclass
@@ -80,7 +80,7 @@ class VLLMEngine:
             SamplingParams(
                 n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                 max_tokens=cfg.max_new_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
-                seed=cfg.seed + index, logprobs=0,
+                seed=cfg.seed + index * cfg.n, logprobs=0,  # vLLM adds j for the j-th of n
             )
             for index, _ in requests
         ]
