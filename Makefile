@@ -76,12 +76,12 @@ SIGNAL_LEAD ?= 1800
 LAYOUT ?=
 ARGS ?=
 SLURM_RECIPES := orz-7b-ppo orz-7b-grpo orz-32b-ppo skywork-or1-grpo
-SLURM_RUN = $(if $(LAYOUT),--layout $(LAYOUT)) playground/$(subst -,_,$@).py 'model.path=$(MODEL)' \
+SLURM_RUN = $(if $(CLUSTER),--cluster $(CLUSTER)) playground/$(subst -,_,$@).py 'model.path=$(MODEL)' \
 	'data.train=[$(DATA)]' $(ARGS)
 
 .PHONY: $(SLURM_RECIPES)
 $(SLURM_RECIPES):
-	@test -n "$(MODEL)" -a -n "$(DATA)" || { echo "usage: make $@ NODES=4 MODEL=/shared/model DATA=/shared/train.json [LAYOUT=configs/layouts/x.yaml] [ARGS='key=value ...']"; exit 2; }
+	@test -n "$(MODEL)" -a -n "$(DATA)" || { echo "usage: make $@ NODES=4 MODEL=/shared/model DATA=/shared/train.json [CLUSTER=configs/clusters/x.yaml] [ARGS='key=value ...']"; exit 2; }
 	$(BIN)/python -m orz.launch_slurm check --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE) $(SLURM_RUN)
 	sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS_PER_NODE) --signal=B:USR1@$(SIGNAL_LEAD) \
 	  scripts/slurm/orz.sbatch --signal-lead $(SIGNAL_LEAD) $(SLURM_RUN)

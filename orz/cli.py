@@ -2,7 +2,7 @@
 
     orz train --config configs/tiny_grpo.yaml trainer.iterations=50     # = python -m orz.train
     orz eval --model runs/demo/grpo/hf --data aime24=aime2024.json      # = python -m orz.eval
-    orz plan --layout configs/layouts/orz_7b.yaml                       # = python -m orz.plan
+    orz plan --cluster configs/clusters/h100_4x8.yaml --recipe playground/orz_7b_ppo.py model.path=Qwen2.5-7B
     orz convert hf2mcore --hf Qwen2.5-7B --out ckpt --tp 4              # = python -m orz.convert
     orz demo trainer.iterations=30                                      # = python -m orz.demo
     orz slurm check --nodes 4 playground/orz_7b_ppo.py model.path=...   # = python -m orz.launch_slurm
@@ -15,7 +15,7 @@ import sys
 COMMANDS = {  # subcommand: (module, what it does)
     "train": ("orz.train", "train from a YAML preset or recipe and key=value overrides"),
     "eval": ("orz.eval", "evaluate a model on benchmark files (avg@k, pass@k, maj@k)"),
-    "plan": ("orz.plan", "memory and time per iteration of a layout on a cluster"),
+    "plan": ("orz.plan", "memory and time per iteration of a recipe on a cluster"),
     "convert": ("orz.convert", "HF <-> Megatron checkpoints, and their check"),
     "demo": ("orz.demo", "the CPU demo: pre-train a tiny model, then GRPO"),
     "slurm": ("orz.launch_slurm", "check a recipe against an allocation; the sbatch script's helpers"),

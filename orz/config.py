@@ -2,6 +2,7 @@
 
     cfg = load_config("configs/tiny_grpo.yaml", ["trainer.iterations=20", "algorithm.kl_coef=0.01"])
     save_config(cfg, "runs/x/config.yaml")      # the resolved config, saved with every run
+    cfg = load_config(None, overrides, base=load_recipe("playground/orz_7b_ppo.py"))
 
 Unknown keys are an error that names the key; values are checked against the field's type.
 Recipes in playground/ build on `ExperimentConfig` with `dataclasses.replace`.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -73,6 +76,7 @@ class RolloutConfig:
     check: str = "received"  # digest check after each sync: "off" | "received" | "held"
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
     sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
+    max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
 
 
 @dataclass
@@ -271,6 +275,10 @@ def from_dict(cls, data: Any, where: str = "config"):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}{_did_you_mean(unknown[0], names)}; valid: {sorted(names)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key {', '.join(map(repr, missing))}")
     return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
 
 
@@ -309,6 +317,23 @@ def _split(override: str) -> tuple[str, Any]:
         raise ConfigError(f"override {override!r} must look like key.sub=value")
     key, raw = override.split("=", 1)
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_recipe(path: str | Path) -> ExperimentConfig:
+    """`RECIPE` of a playground file, imported without running it (its __main__ block starts training)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} not found (give a playground/*.py file)")
+    root = str(Path.cwd())
+    if root not in sys.path:  # recipes import each other as playground.orz_7b_ppo
+        sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location(f"orz_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recipe = getattr(module, "RECIPE", None)
+    if not isinstance(recipe, ExperimentConfig):
+        raise ConfigError(f"{path} defines no RECIPE = ExperimentConfig(...)")
+    return recipe
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), base: ExperimentConfig | None = None) -> ExperimentConfig:

@@ -1,6 +1,6 @@
 """Multi-node runs under Slurm: a Ray cluster over the job's nodes, then a playground recipe on it.
 
-    sbatch --nodes=4 scripts/slurm/orz.sbatch [--layout configs/layouts/orz_7b.yaml] \\
+    sbatch --nodes=4 scripts/slurm/orz.sbatch [--cluster configs/clusters/h100_4x8.yaml] \\
         playground/orz_7b_ppo.py model.path=/models/Qwen2.5-7B 'data.train=[/data/orz_math_57k.json]'
     python -m orz.launch_slurm check --nodes 4 --gpus-per-node 8 playground/orz_7b_ppo.py model.path=...
 
@@ -10,13 +10,13 @@ runs comes from here, computed from Slurm's variables, so it is tested without S
 
     alloc = allocation_from_env(os.environ, nodes)      # nodes: `scontrol show hostnames` of SLURM_JOB_NODELIST
     cfg, overrides = resolve_run(recipe, overrides, submit_dir, alloc.restart_count)
-    problems = preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, needs_critic(cfg), layout)   # [] to go on
+    problems = preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, needs_critic(cfg), cluster)   # [] to go on
     commands = launch_commands(alloc, head_ip, options, overrides)   # head, workers, waits, train
 
 The head is the node the batch script runs on, so the trainer (the Ray driver) shares a node with
 the GCS. Each `ray start` carries a custom resource `slurm_node:NAME`, which lets the wait step
 say which Slurm node is missing rather than how many GPUs are. The checks run before any `srun`:
-a layout the planner rejects, or a recipe that needs more GPUs than the job has, never costs an
+a run the planner says does not fit, or a recipe that needs more GPUs than the job has, never costs an
 allocation's worth of waiting for Ray placement groups that cannot be satisfied.
 
 Ray's token authentication is the sbatch script's: it exports RAY_AUTH_MODE=token and a token of
@@ -29,7 +29,6 @@ definitions for the sbatch script to eval; everything for people goes to stderr)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import ipaddress
 import json
 import os
@@ -40,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from orz.config import ConfigError, ExperimentConfig, RoleConfig, apply_overrides, load_config, stage_configs
+from orz.config import (ConfigError, ExperimentConfig, RoleConfig, apply_overrides, load_config, load_recipe,
+                        stage_configs)
 
 NODE_RESOURCE = "slurm_node:"  # + Slurm node name: a custom Ray resource naming each node
 RESUMABLE_EXIT = 75  # EX_TEMPFAIL: the trainer saved a checkpoint and stopped early; requeue to go on
@@ -130,23 +130,6 @@ def pick_ip(addresses: str) -> str:
 # ---------------------------------------------------------------- the run's config
 
 
-def load_recipe(path: str | Path) -> ExperimentConfig:
-    """`RECIPE` of a playground file, imported without running it (its __main__ block starts training)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LaunchError(f"recipe {path} not found (give a playground/*.py file)")
-    root = str(Path.cwd())
-    if root not in sys.path:  # recipes import each other as playground.orz_7b_ppo
-        sys.path.insert(0, root)
-    spec = importlib.util.spec_from_file_location(f"orz_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    recipe = getattr(module, "RECIPE", None)
-    if not isinstance(recipe, ExperimentConfig):
-        raise LaunchError(f"{path} defines no RECIPE = ExperimentConfig(...)")
-    return recipe
-
-
 def _set(overrides: list[str], key: str, value: str) -> list[str]:
     """overrides with the user's key=... replaced by key=value, or key=value appended."""
     item = f"{key}={value}"
@@ -166,7 +149,10 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
     checkpoints).
     """
     submit_dir = Path(submit_dir)
-    base = load_recipe(recipe)
+    try:
+        base = load_recipe(recipe)
+    except ConfigError as err:
+        raise LaunchError(str(err)) from None
     try:
         cfg = load_config(None, list(overrides), base=base)
     except ConfigError as err:
@@ -274,47 +260,28 @@ def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_
     return problems
 
 
-def _sizes(tp: int, pp: int, dp: int | None) -> str:
-    return f"TP{tp} PP{pp} DP{dp}"
-
-
-def layout_problems(layout: str | Path, cfg: ExperimentConfig, nodes: int, gpus_per_node: int,
-                    with_critic: bool) -> list[str]:
-    """The planner's verdict (`python -m orz.plan --layout LAYOUT`) on this job's nodes × GPUs, and
-    where the layout's parallel sizes differ from the recipe's (its verdict would be about another run)."""
+def plan_problems(cluster: str | Path, cfg: ExperimentConfig, nodes: int, gpus_per_node: int) -> list[str]:
+    """The planner's verdict on this run (`python -m orz.plan --cluster CLUSTER --recipe ...`) with
+    the cluster file's GPUs and efficiencies on this job's nodes × GPUs."""
     from orz import plan as planner
     from orz.models.arch import ModelConfigError
 
-    where = f"{layout} on {nodes} nodes × {gpus_per_node} GPUs"
+    where = f"{cluster} on {nodes} nodes × {gpus_per_node} GPUs"
     try:
-        args = planner.parse_args(["--layout", str(layout), "--nodes", str(nodes),
-                                   "--gpus-per-node", str(gpus_per_node)])
-        tree, tree_where = planner.tree_from_args(args)
-        name, arch, cluster, parsed, workload = planner.inputs_from_tree(tree, tree_where)
-        p = planner.plan(arch, cluster, parsed, workload, name)
-    except (planner.LayoutError, ModelConfigError) as err:
+        plans = planner.plan_recipe(cfg, planner.load_cluster(cluster, nodes=nodes, gpus_per_node=gpus_per_node))
+    except (ConfigError, ModelConfigError) as err:
         return [f"{where} cannot run: {line}" for line in str(err).splitlines()]
-    problems = [f"{where}: {problem}" for problem in planner.check(p)]
-    roles = _roles(cfg, with_critic)
-    recipe = {name: _sizes(r.tp, r.pp, r.dp) for name, r in roles.items()}
-    recipe["rollout"] = f"{cfg.rollout.num_engines}×TP{cfg.rollout.engine_tp}"
-    planned = {name: _sizes(par.tp, par.pp, par.dp) for name, par in
-               (("actor", p.layout.actor), ("critic", p.layout.critic), ("ref", p.layout.reference)) if par}
-    planned["rollout"] = p.layout.rollout.label()
-    differ = [f"{role} {planned.get(role, 'absent')} in the layout, {recipe.get(role, 'absent')} in the recipe"
-              for role in sorted(set(recipe) | set(planned)) if planned.get(role) != recipe.get(role)]
-    if differ:
-        problems.append(f"{layout} does not describe this run ({'; '.join(differ)}); plan the recipe's sizes "
-                        "or change them to the layout's")
-    return problems
+    return [f"{where}: {label}{problem}" for label, p in plans for problem in planner.check(p)]
 
 
 def preflight(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_critic: bool,
-              layout: str | Path | None = None) -> list[str]:
-    """Every reason not to start: the recipe against the allocation, then the layout's plan; [] to go on."""
-    problems = config_problems(cfg) + recipe_problems(cfg, nodes, gpus_per_node, with_critic)
-    if layout:
-        problems += layout_problems(layout, cfg, nodes, gpus_per_node, with_critic)
+              cluster: str | Path | None = None) -> list[str]:
+    """Every reason not to start: the recipe against the allocation, then, given a cluster file,
+    the planner's verdict on memory; [] to go on."""
+    config = config_problems(cfg)
+    problems = config + recipe_problems(cfg, nodes, gpus_per_node, with_critic)
+    if cluster and not config:  # the planner reads the config as the trainer would
+        problems += plan_problems(cluster, cfg, nodes, gpus_per_node)
     return problems
 
 
@@ -456,7 +423,7 @@ def ray_joined_nodes(address: str) -> Callable[[], dict[str, float]]:
 
 
 def _recipe_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--layout", help="planner layout (configs/layouts/*.yaml) to check on this allocation")
+    ap.add_argument("--cluster", help="configs/clusters/*.yaml: plan the run's memory on this allocation's nodes")
     ap.add_argument("recipe", help="playground/*.py")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, as for the recipe")
 
@@ -464,7 +431,7 @@ def _recipe_args(ap: argparse.ArgumentParser) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m orz.launch_slurm", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="refuse a recipe (and layout) that cannot run on NODES × GPUS; "
+    check = sub.add_parser("check", help="refuse a recipe that cannot run (or fit) on NODES × GPUS; "
                                          "for the login node, before sbatch")
     check.add_argument("--nodes", type=int, required=True)
     check.add_argument("--gpus-per-node", type=int, required=True)
@@ -520,13 +487,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             nodes, gpus, restarts = alloc.nodes_count, alloc.gpus_per_node, alloc.restart_count
         cfg, overrides = resolve_run(args.recipe, args.overrides, Path.cwd(), restarts)
         with_critic = needs_critic(cfg)
-        problems = preflight(cfg, nodes, gpus, with_critic, args.layout)
+        problems = preflight(cfg, nodes, gpus, with_critic, args.cluster)
     except LaunchError as err:
         return _refuse([str(err)])
     if problems:
         return _refuse(problems)
     print(f"orz.launch_slurm: {args.recipe} on {nodes} nodes × {gpus} GPUs: {_summary(cfg, with_critic)}"
-          + (f"; {args.layout} fits" if args.layout else ""), file=sys.stderr)
+          + (f"; it fits {args.cluster}" if args.cluster else ""), file=sys.stderr)
     if args.command == "check":
         return 0
     try:

@@ -1,28 +1,32 @@
-"""Memory and time planner: does a model fit a cluster under a parallel layout, and how long is an iteration?
+"""Memory and time planner: does a recipe fit a cluster, and how long is one of its iterations?
 
-    python -m orz.plan --layout configs/layouts/orz_7b.yaml [--json]
-    python -m orz.plan --model Qwen2.5-7B --nodes 4 --gpus-per-node 8 --gpu H100 --gpu-mem 79.6 \\
-        --actor-tp 2 --recompute --distributed-optimizer --engines 32 --engine-tp 1 --max-num-seqs 64
+    python -m orz.plan --cluster configs/clusters/h100_4x8.yaml --recipe playground/orz_7b_ppo.py \
+        model.path=Qwen2.5-7B [actor.tp=4 ...] [--nodes 8] [--json]
 
-Pure arithmetic: it imports no torch, Ray, vLLM or Megatron, so the Slurm launcher can refuse a
-layout before it allocates GPUs:
+The run is the recipe itself (its RECIPE, with key=value overrides as for training): its roles,
+parallel sizes, batch and lengths, every stage of it. The cluster file holds only what a recipe
+cannot know: the nodes and GPUs, the efficiencies assumed, and the mean lengths that size time.
+model.path is a preset (MODELS), an HF model directory or its config.json.
 
-    problems = check(plan(arch, cluster, layout, workload))   # [] when everything fits
+    plans = plan_recipe(cfg, load_cluster(path))   # [(stage label, Plan)]
+    problems = check(plan)                         # [] when everything fits
 
+The arithmetic imports no torch, Ray, vLLM or Megatron (only `placement_of` asks the trainer's
+run_rules which roles exist), so the Slurm launcher can refuse a run before it allocates GPUs.
 Memory is bytes per GPU on the heaviest pipeline stage of each role; every formula is in the
 docstring of the function that computes it. Exit codes: 0 fits, 1 does not fit (the message names
-the role, its largest component and the single changes that would make it fit), 2 bad input.
+the role, its largest component and the recipe overrides that would make it fit), 2 bad input.
 """
 import argparse
 import json
 import math
 import sys
-import typing
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
 
+from orz.config import ConfigError, ExperimentConfig, from_dict, load_config, load_recipe, stage_configs
 from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
 
 GIB = 2**30
@@ -31,8 +35,8 @@ MEGATRON_VOCAB_MULTIPLE = 1  # orz.models.builder pads the vocabulary to a multi
 VLLM_VOCAB_MULTIPLE = 64  # vLLM pads embedding and LM head to 64 rows per TP rank
 
 
-class LayoutError(ValueError):
-    """A layout that cannot run at all (sizes that do not divide); lists every problem found."""
+class PlanError(ConfigError):
+    """A run that cannot be placed at all (sizes that do not divide); lists every problem found."""
 
 
 def _qwen2(**numbers) -> ModelArch:
@@ -89,10 +93,10 @@ class Cluster:
 
     def __post_init__(self):
         if self.gpu not in GPUS:
-            raise LayoutError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
+            raise PlanError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
         _require_positive(self, "nodes", "gpus_per_node", "gpu_mem_gib")
         if not (0 < self.train_mfu <= 1 and 0 < self.hbm_efficiency <= 1 and self.reserved_gib >= 0):
-            raise LayoutError(f"need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
+            raise PlanError(f"need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
                               f"{self.train_mfu}, {self.hbm_efficiency}, {self.reserved_gib}")
 
     @property
@@ -102,16 +106,16 @@ class Cluster:
 
 @dataclass(frozen=True)
 class ModelParallel:
+    """A Megatron role's sizes, named as in the recipe's RoleConfig."""
+
     tp: int = 1  # tensor parallel: splits every matmul, needs NVLink
     pp: int = 1  # pipeline stages: splits the layers
-    dp: int | None = None  # data parallel; None: colocated roles take every GPU, so DP = GPUs / (TP·PP)
-    micro_batch_tokens: int = 16384  # tokens per packed micro-batch (b·s); ORZ packs up to 16384
+    dp: int = 1  # data parallel replicas
+    micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
 
     def __post_init__(self):
-        _require_positive(self, "tp", "pp", "micro_batch_tokens")
-        if self.dp is not None and self.dp < 1:
-            raise LayoutError(f"dp must be >= 1, got {self.dp}")
+        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens")
 
     @property
     def gpus(self) -> int:
@@ -123,74 +127,78 @@ class ModelParallel:
 
 @dataclass(frozen=True)
 class TrainParallel(ModelParallel):
-    recompute: bool = False  # full activation recompute: keep only each layer's input, rerun it in backward
-    distributed_optimizer: bool = False  # ZeRO-1: fp32 master weights and Adam states sharded over DP
+    recompute: bool = False  # model.recompute: keep only each layer's input, rerun it in backward
+    use_distributed_optimizer: bool = False  # ZeRO-1: fp32 master weights and Adam states sharded over DP
 
 
 @dataclass(frozen=True)
 class Rollout:
-    engines: int  # vLLM engines, each serving an equal share of the samples
-    tp: int = 1  # GPUs per engine
+    """The vLLM fleet, named as in the recipe's RolloutConfig."""
+
+    num_engines: int  # vLLM engines, each serving an equal share of the samples
+    engine_tp: int = 1  # GPUs per engine
     gpu_memory_utilization: float = 0.85  # vLLM's budget as a fraction of GPU memory (weights + KV cache)
     max_num_seqs: int = 256  # sequences an engine decodes at once; its KV cache is sized for them
 
     def __post_init__(self):
-        _require_positive(self, "engines", "tp", "max_num_seqs")
+        _require_positive(self, "num_engines", "engine_tp", "max_num_seqs")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise LayoutError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise PlanError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def label(self) -> str:
-        return f"{self.engines}×TP{self.tp}"
+        return f"{self.num_engines}×TP{self.engine_tp}"
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
+    """Where a run's roles go: what `placement_of(cfg)` reads from the recipe."""
+
     actor: TrainParallel
     rollout: Rollout
     critic: TrainParallel | None = None  # None for critic-free algorithms (GRPO, RLOO, REINFORCE++)
-    reference: ModelParallel | None = None  # None when no KL term needs reference log-probs
-    colocate: bool = True  # every role on every GPU, phases taking turns (ORZ's colocate_all)
-    offload: bool = True  # colocated: idle roles move their states to CPU and vLLM sleeps
+    ref: ModelParallel | None = None  # None when no KL term needs reference log-probs
+    colocate: bool = False  # every role on every GPU, phases taking turns (ORZ's colocate_all)
+    offload_idle_roles: bool = False  # colocated: idle roles move their states to CPU and vLLM sleeps
 
     def megatron_roles(self) -> dict[str, ModelParallel]:
-        roles = {"actor": self.actor, "critic": self.critic, "reference": self.reference}
+        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref}
         return {name: par for name, par in roles.items() if par is not None}
 
 
 @dataclass(frozen=True)
 class Workload:
-    prompts_per_iteration: int = 128  # ORZ: rollout_batch_size
-    samples_per_prompt: int = 64  # ORZ: n_samples_per_prompt; 128 × 64 = 8192 samples
-    max_prompt_len: int = 2048  # sizes memory: a packed micro-batch and a KV slot hold the longest sample
-    max_response_len: int = 8192
-    mean_prompt_len: int = 256  # sizes time: tokens actually generated and trained on
-    mean_response_len: int = 4096  # grows during training; take it from your metrics
-    actor_epochs: int = 1  # passes of the actor over the batch; ORZ's 1 policy update is one pass
-    critic_epochs: int = 1  # ORZ's 12 critic updates are 12 optimizer steps within one pass
+    """One iteration's samples and lengths, named as in the recipe; the means are assumptions."""
+
+    prompts_per_iteration: int = 128  # trainer.prompts_per_iteration
+    n_samples: int = 64  # rollout.n_samples: 128 × 64 = 8192 samples
+    prompt_max_tokens: int = 2048  # data.prompt_max_tokens; sizes memory with max_new_tokens
+    max_new_tokens: int = 8192  # rollout.max_new_tokens
+    mean_prompt_tokens: int = 256  # sizes time: tokens actually generated and trained on
+    mean_response_tokens: int = 4096  # grows during training; take it from your metrics
 
     def __post_init__(self):
         _require_positive(self, *(f.name for f in fields(self)))
-        if self.mean_prompt_len > self.max_prompt_len or self.mean_response_len > self.max_response_len:
-            raise LayoutError(f"mean lengths ({self.mean_prompt_len}, {self.mean_response_len}) exceed "
-                              f"the maxima ({self.max_prompt_len}, {self.max_response_len})")
+        if self.mean_prompt_tokens > self.prompt_max_tokens or self.mean_response_tokens > self.max_new_tokens:
+            raise PlanError(f"mean lengths ({self.mean_prompt_tokens}, {self.mean_response_tokens}) exceed "
+                            f"the maxima ({self.prompt_max_tokens}, {self.max_new_tokens})")
 
     @property
     def samples(self) -> int:
-        return self.prompts_per_iteration * self.samples_per_prompt
+        return self.prompts_per_iteration * self.n_samples
 
     @property
-    def max_seq_len(self) -> int:
-        return self.max_prompt_len + self.max_response_len
+    def max_seq_tokens(self) -> int:
+        return self.prompt_max_tokens + self.max_new_tokens
 
     @property
-    def mean_seq_len(self) -> int:
-        return self.mean_prompt_len + self.mean_response_len
+    def mean_seq_tokens(self) -> int:
+        return self.mean_prompt_tokens + self.mean_response_tokens
 
 
 def _require_positive(obj, *names: str) -> None:
     for name in names:
         if getattr(obj, name) <= 0:
-            raise LayoutError(f"{name} must be positive, got {getattr(obj, name)}")
+            raise PlanError(f"{name} must be positive, got {getattr(obj, name)}")
 
 
 # ---------------------------------------------------------------- outputs
@@ -198,7 +206,7 @@ def _require_positive(obj, *names: str) -> None:
 
 @dataclass(frozen=True)
 class RoleMemory:
-    role: str  # actor | critic | reference | rollout
+    role: str  # actor | critic | ref | rollout
     gpus: int  # GPUs the role runs on
     parallel: str  # e.g. "TP2 PP1 DP16", for the table
     weights: int  # bytes per GPU, heaviest stage
@@ -245,7 +253,7 @@ class Plan:
     model: str
     arch: ModelArch
     cluster: Cluster
-    layout: Layout  # with every dp resolved
+    placement: Placement
     workload: Workload
     memory: tuple[RoleMemory, ...]
     timing: Timing
@@ -371,7 +379,7 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
         activations = kept + (layer if par.recompute else 0)
         if last and head == "lm":
             activations += logits_bytes(arch, par.micro_batch_tokens, t, training=True)
-        optimizer = 12 * params // (par.dp if par.distributed_optimizer else 1)
+        optimizer = 12 * params // (par.dp if par.use_distributed_optimizer else 1)
         candidates.append(dict(weights=BF16 * params, grads=FP32 * params, optimizer=optimizer,
                                activations=activations))
     return max(candidates, key=lambda c: sum(c.values()))
@@ -390,41 +398,41 @@ def forward_memory(arch: ModelArch, par: ModelParallel) -> dict[str, int]:
 
 
 def rollout_concurrency(rollout: Rollout, workload: Workload) -> int:
-    """Sequences an engine holds at once: min(max_num_seqs, ⌈samples / engines⌉)."""
-    return min(rollout.max_num_seqs, -(-workload.samples // rollout.engines))
+    """Sequences an engine holds at once: min(max_num_seqs, ⌈samples / num_engines⌉)."""
+    return min(rollout.max_num_seqs, -(-workload.samples // rollout.num_engines))
 
 
 def rollout_memory(arch: ModelArch, rollout: Rollout, workload: Workload) -> dict[str, int]:
     """Bytes per GPU of a vLLM engine: weights 2·P/t (P on one TP rank, vocabulary padded by vLLM)
     and a KV cache for c concurrent sequences of the longest length: c·(prompt + response)·kv_bytes_per_token.
     """
-    params = stage_params(arch, rollout.tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
-    kv = rollout_concurrency(rollout, workload) * workload.max_seq_len * kv_bytes_per_token(arch, rollout.tp)
+    params = stage_params(arch, rollout.engine_tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
+    kv = rollout_concurrency(rollout, workload) * workload.max_seq_tokens * kv_bytes_per_token(arch, rollout.engine_tp)
     return dict(weights=BF16 * params, kv_cache=kv)
 
 
-def _resident(layout: Layout, role: str, states: dict[str, int], mem: int, reserved: int) -> int:
+def _resident(placement: Placement, role: str, states: dict[str, int], mem: int, reserved: int) -> int:
     """What an idle colocated role keeps on the GPU: its reserved memory, plus, without offload,
     its weights, grads and optimizer states (vLLM, awake: its whole gpu_memory_utilization budget)."""
-    if layout.offload:
+    if placement.offload_idle_roles:
         return reserved
     if role == "rollout":
-        return int(layout.rollout.gpu_memory_utilization * mem)
+        return int(placement.rollout.gpu_memory_utilization * mem)
     return reserved + states.get("weights", 0) + states.get("grads", 0) + states.get("optimizer", 0)
 
 
-def memory_rows(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> tuple[RoleMemory, ...]:
+def memory_rows(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> tuple[RoleMemory, ...]:
     """One row per role. Separate GPUs: the limit is the GPU's memory. Colocated: the GPU's memory
     less what the other roles keep resident (_resident). vLLM's limit is gpu_memory_utilization × memory."""
-    mem, reserved, rollout = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB), layout.rollout
+    mem, reserved, rollout = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB), placement.rollout
     roles = {name: (train_memory(arch, par, "value" if name == "critic" else "lm") if isinstance(par, TrainParallel)
                     else forward_memory(arch, par), par.label(), par.gpus)
-             for name, par in layout.megatron_roles().items()}
-    roles["rollout"] = (rollout_memory(arch, rollout, workload), rollout.label(), rollout.engines * rollout.tp)
-    others = len(roles) - 1 if layout.colocate else 0
+             for name, par in placement.megatron_roles().items()}
+    roles["rollout"] = (rollout_memory(arch, rollout, workload), rollout.label(), rollout.num_engines * rollout.engine_tp)
+    others = len(roles) - 1 if placement.colocate else 0
     rows = []
     for role, (own, label, gpus) in roles.items():
-        kept = sum(_resident(layout, o, roles[o][0], mem, reserved) for o in roles if o != role) if others else 0
+        kept = sum(_resident(placement, o, roles[o][0], mem, reserved) for o in roles if o != role) if others else 0
         limit, why = mem - kept, f"{_gib(mem)} GiB"
         if kept:
             why += f" − {_gib(kept)} GiB kept by {others} other colocated process{'es' * (others > 1)}"
@@ -462,76 +470,77 @@ def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: 
     """
     gpu = GPUS[cluster.gpu]
     flop_s, byte_s = gpu.tflops * 1e12 * cluster.train_mfu, gpu.hbm_tb_s * 1e12 * cluster.hbm_efficiency
-    per_engine = -(-workload.samples // rollout.engines)
+    per_engine = -(-workload.samples // rollout.num_engines)
     c = rollout_concurrency(rollout, workload)
-    prefill_tokens = per_engine * workload.mean_prompt_len
-    prefill = forward_flops(arch, prefill_tokens, workload.mean_prompt_len, "lm") / (rollout.tp * flop_s)
-    context = workload.mean_prompt_len + workload.mean_response_len / 2
-    weights = BF16 * stage_params(arch, rollout.tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
-    read = weights + c * context * kv_bytes_per_token(arch, rollout.tp)
+    prefill_tokens = per_engine * workload.mean_prompt_tokens
+    prefill = forward_flops(arch, prefill_tokens, workload.mean_prompt_tokens, "lm") / (rollout.engine_tp * flop_s)
+    context = workload.mean_prompt_tokens + workload.mean_response_tokens / 2
+    weights = BF16 * stage_params(arch, rollout.engine_tp, 1, "lm", VLLM_VOCAB_MULTIPLE)[0]
+    read = weights + c * context * kv_bytes_per_token(arch, rollout.engine_tp)
     attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * context
-    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention) / (rollout.tp * flop_s))
-    steps = per_engine * workload.mean_response_len / c
+    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention) / (rollout.engine_tp * flop_s))
+    steps = per_engine * workload.mean_response_tokens / c
     return prefill + steps * step, c, step
 
 
-def timing(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> Timing:
+def timing(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> Timing:
     """Seconds per iteration: rollout, then forward passes, then updates (synchronous RL).
 
-    Role time = FLOPs / (GPUs · peak · train_mfu) over samples·mean_seq_len tokens. Forward: actor
-    (old log-probs), reference and critic (values). Updates: (3, or 4 with recompute)·forward·epochs.
+    Role time = FLOPs / (GPUs · peak · train_mfu) over samples·mean_seq_tokens tokens. Forward: actor
+    (old log-probs), reference and critic (values). Updates: 3, or 4 with recompute, × forward (one pass over the batch).
     Colocated roles take turns on all GPUs (times add up); separate roles overlap (the slowest counts).
     """
     flop_s = GPUS[cluster.gpu].tflops * 1e12 * cluster.train_mfu
-    tokens, s = workload.samples * workload.mean_seq_len, workload.mean_seq_len
+    tokens, s = workload.samples * workload.mean_seq_tokens, workload.mean_seq_tokens
     forward, train = [], []
-    for name, par in layout.megatron_roles().items():
+    for name, par in placement.megatron_roles().items():
         one = forward_flops(arch, tokens, s, "value" if name == "critic" else "lm") / (par.gpus * flop_s)
         forward.append(one)
         if isinstance(par, TrainParallel):
-            epochs = workload.critic_epochs if name == "critic" else workload.actor_epochs
-            train.append(one * (4 if par.recompute else 3) * epochs)
-    combine = sum if layout.colocate else max
-    rollout_s, c, step = rollout_time(arch, cluster, layout.rollout, workload)
+            train.append(one * (4 if par.recompute else 3))
+    combine = sum if placement.colocate else max
+    rollout_s, c, step = rollout_time(arch, cluster, placement.rollout, workload)
     return Timing(rollout_s=rollout_s, forward_s=combine(forward), train_s=combine(train), decode_concurrency=c,
                   decode_step_ms=step * 1e3,
-                  rollout_tokens_per_s=workload.samples * workload.mean_response_len / rollout_s)
+                  rollout_tokens_per_s=workload.samples * workload.mean_response_tokens / rollout_s)
 
 
 # ---------------------------------------------------------------- plan and check
 
 
-def layout_problems(arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload) -> list[str]:
-    """Everything that stops the layout from running at all, whatever the memory."""
+def placement_problems(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> list[str]:
+    """Everything that stops the placement from running at all, whatever the memory; each names the
+    recipe's key."""
     problems, total = [], cluster.gpus
-    for name, par in layout.megatron_roles().items():
+    for name, par in placement.megatron_roles().items():
         try:
             arch.check_parallel(par.tp, par.pp)
         except ModelConfigError as err:
-            problems.append(f"layout.{name}: {err}")
+            problems.append(f"{name}.{err}")
         if arch.intermediate_size % par.tp:
-            problems.append(f"layout.{name}: tp={par.tp} does not divide intermediate_size={arch.intermediate_size}")
+            problems.append(f"{name}.tp={par.tp} does not divide intermediate_size={arch.intermediate_size}")
         if cluster.gpus_per_node % par.tp:
-            problems.append(f"layout.{name}: tp={par.tp} does not divide gpus_per_node={cluster.gpus_per_node} "
+            problems.append(f"{name}.tp={par.tp} does not divide gpus_per_node={cluster.gpus_per_node} "
                             "(a TP group must stay inside one node)")
-        if par.micro_batch_tokens < workload.max_seq_len:
-            problems.append(f"layout.{name}.micro_batch_tokens={par.micro_batch_tokens} cannot hold the longest sample "
-                            f"(max_prompt_len + max_response_len = {workload.max_seq_len})")
-        if layout.colocate and par.gpus != total:
-            problems.append(f"layout.{name}: TP·PP·DP = {par.tp}·{par.pp}·{par.dp} = {par.gpus} ≠ {total} GPUs "
-                            f"assigned to it (colocated roles each use all {cluster.nodes}×{cluster.gpus_per_node})")
-    rollout = layout.rollout
-    if arch.num_heads % rollout.tp or (arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads):
-        problems.append(f"layout.rollout.tp={rollout.tp} must divide num_attention_heads={arch.num_heads} and divide "
+        if par.micro_batch_tokens < workload.max_seq_tokens:
+            problems.append(f"{name}.micro_batch_tokens={par.micro_batch_tokens} cannot hold the longest sample "
+                            f"(data.prompt_max_tokens + rollout.max_new_tokens = {workload.max_seq_tokens})")
+        if placement.colocate and par.gpus != total:
+            problems.append(f"{name}: TP·PP·DP = {par.tp}·{par.pp}·{par.dp} = {par.gpus} ≠ {total} GPUs "
+                            f"(colocated roles each use all {cluster.nodes}×{cluster.gpus_per_node})")
+    rollout = placement.rollout
+    tp = rollout.engine_tp
+    if arch.num_heads % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
+        problems.append(f"rollout.engine_tp={tp} must divide num_attention_heads={arch.num_heads} and divide "
                         f"or be a multiple of num_key_value_heads={arch.num_kv_heads}")
-    if cluster.gpus_per_node % rollout.tp:
-        problems.append(f"layout.rollout.tp={rollout.tp} does not divide gpus_per_node={cluster.gpus_per_node}")
-    engine_gpus = rollout.engines * rollout.tp
-    if layout.colocate and engine_gpus != total:
-        problems.append(f"layout.rollout: engines·tp = {rollout.engines}·{rollout.tp} = {engine_gpus} ≠ {total} "
+    if cluster.gpus_per_node % tp:
+        problems.append(f"rollout.engine_tp={tp} does not divide gpus_per_node={cluster.gpus_per_node}")
+    engine_gpus = rollout.num_engines * tp
+    if placement.colocate and engine_gpus != total:
+        problems.append(f"rollout: num_engines·engine_tp = {rollout.num_engines}·{tp} = {engine_gpus} ≠ {total} "
                         "GPUs (colocated engines use every GPU)")
-    if not layout.colocate:
-        used = {name: par.gpus for name, par in layout.megatron_roles().items()} | {"rollout": engine_gpus}
+    if not placement.colocate:
+        used = {name: par.gpus for name, par in placement.megatron_roles().items()} | {"rollout": engine_gpus}
         if sum(used.values()) > total:
             parts = " + ".join(f"{name} {n}" for name, n in used.items())
             problems.append(f"GPUs needed: {parts} = {sum(used.values())} > {total} GPUs in the cluster "
@@ -539,80 +548,62 @@ def layout_problems(arch: ModelArch, cluster: Cluster, layout: Layout, workload:
     return problems
 
 
-def resolve_dp(layout: Layout, cluster: Cluster) -> Layout:
-    """Fills dp = GPUs / (TP·PP) for colocated roles that left it out; refuses what does not divide."""
-    changes, problems = {}, []
-    for name, par in layout.megatron_roles().items():
-        if par.dp is not None:
-            continue
-        if not layout.colocate:
-            problems.append(f"layout.{name}.dp is required when roles are not colocated")
-        elif cluster.gpus % (par.tp * par.pp):
-            problems.append(f"layout.{name}: TP·PP = {par.tp}·{par.pp} does not divide the {cluster.gpus} GPUs")
-        else:
-            changes[name] = replace(par, dp=cluster.gpus // (par.tp * par.pp))
+def plan(model_arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload,
+         model: str = "model") -> Plan:
+    """Memory per GPU for every role and the time of one iteration; raises PlanError listing every
+    reason the placement cannot run at all. Whether it fits is check()'s answer."""
+    problems = placement_problems(model_arch, cluster, placement, workload)
     if problems:
-        raise LayoutError("\n".join(problems))
-    return replace(layout, **changes)
+        raise PlanError("\n".join(problems))
+    return Plan(model=model, arch=model_arch, cluster=cluster, placement=placement, workload=workload,
+                memory=memory_rows(model_arch, cluster, placement, workload),
+                timing=timing(model_arch, cluster, placement, workload))
 
 
-def plan(model_arch: ModelArch, cluster: Cluster, layout: Layout, workload: Workload, model: str = "model") -> Plan:
-    """Memory per GPU for every role and the time of one iteration; raises LayoutError listing every
-    reason the layout cannot run at all. Whether it fits is check()'s answer."""
-    layout = resolve_dp(layout, cluster)
-    problems = layout_problems(model_arch, cluster, layout, workload)
-    if problems:
-        raise LayoutError("\n".join(problems))
-    return Plan(model=model, arch=model_arch, cluster=cluster, layout=layout, workload=workload,
-                memory=memory_rows(model_arch, cluster, layout, workload),
-                timing=timing(model_arch, cluster, layout, workload))
-
-
-def _changes(p: Plan, role: str) -> list[tuple[str, Layout]]:
-    """Single layout changes worth trying for a role that does not fit, each with its description."""
-    layout, w = p.layout, p.workload
+def _changes(p: Plan, role: str) -> list[tuple[str, Placement]]:
+    """Single changes worth trying for a role that does not fit, each as the recipe overrides that
+    make it."""
+    placement, w = p.placement, p.workload
     if role == "rollout":
-        r = layout.rollout
+        r = placement.rollout
         row = p.row("rollout")
-        per_seq = w.max_seq_len * kv_bytes_per_token(p.arch, r.tp)
+        per_seq = w.max_seq_tokens * kv_bytes_per_token(p.arch, r.engine_tp)
         seqs = (row.limit - row.weights - row.overhead) // per_seq
-        options = [(f"lower max_num_seqs to {seqs}", replace(r, max_num_seqs=seqs))] if seqs >= 1 else []
-        if r.engines % 2 == 0:
-            options.append((f"raise engine TP to {2 * r.tp}, engines to {r.engines // 2}",
-                            replace(r, tp=2 * r.tp, engines=r.engines // 2)))
+        options = [(f"rollout.max_num_seqs={seqs}", replace(r, max_num_seqs=seqs))] if seqs >= 1 else []
+        if r.num_engines % 2 == 0:
+            options.append((f"rollout.engine_tp={2 * r.engine_tp} rollout.num_engines={r.num_engines // 2}",
+                            replace(r, engine_tp=2 * r.engine_tp, num_engines=r.num_engines // 2)))
         needed = math.ceil(100 * row.total / (p.cluster.gpu_mem_gib * GIB)) / 100
         if needed <= 0.95:
-            options.append((f"raise gpu_memory_utilization to {needed}", replace(r, gpu_memory_utilization=needed)))
-        return [(text, replace(layout, rollout=new)) for text, new in options]
-    par = layout.megatron_roles()[role]
+            options.append((f"rollout.gpu_memory_utilization={needed}", replace(r, gpu_memory_utilization=needed)))
+        return [(text, replace(placement, rollout=new)) for text, new in options]
+    par = placement.megatron_roles()[role]
     options = []
-    if isinstance(par, TrainParallel) and not par.distributed_optimizer and par.dp > 1:
-        options.append(("enable the distributed optimizer", replace(par, distributed_optimizer=True)))
-    if isinstance(par, TrainParallel) and not par.recompute:
-        options.append(("enable full recompute", replace(par, recompute=True)))
-    if not par.sequence_parallel and par.tp > 1:
-        options.append(("enable sequence parallelism", replace(par, sequence_parallel=True)))
+    if isinstance(par, TrainParallel) and not par.use_distributed_optimizer and par.dp > 1:
+        options.append((f"{role}.use_distributed_optimizer=true", replace(par, use_distributed_optimizer=True)))
     if par.dp % 2 == 0:
-        options.append((f"raise {role} TP to {2 * par.tp}, DP to {par.dp // 2}",
-                        replace(par, tp=2 * par.tp, dp=par.dp // 2)))
-        options.append((f"raise {role} PP to {2 * par.pp}, DP to {par.dp // 2}",
-                        replace(par, pp=2 * par.pp, dp=par.dp // 2)))
-    if par.micro_batch_tokens // 2 >= w.max_seq_len:
-        options.append((f"halve micro_batch_tokens to {par.micro_batch_tokens // 2}",
+        options.append((f"{role}.tp={2 * par.tp} {role}.dp={par.dp // 2}", replace(par, tp=2 * par.tp, dp=par.dp // 2)))
+        options.append((f"{role}.pp={2 * par.pp} {role}.dp={par.dp // 2}", replace(par, pp=2 * par.pp, dp=par.dp // 2)))
+    if par.micro_batch_tokens // 2 >= w.max_seq_tokens:
+        options.append((f"{role}.micro_batch_tokens={par.micro_batch_tokens // 2}",
                         replace(par, micro_batch_tokens=par.micro_batch_tokens // 2)))
-    changes = [(text, replace(layout, **{role: new})) for text, new in options]
-    if layout.colocate and not layout.offload:
-        changes.append(("offload idle roles (offload: true)", replace(layout, offload=True)))
+    changes = [(text, replace(placement, **{role: new})) for text, new in options]
+    if isinstance(par, TrainParallel) and not par.recompute:  # model.recompute: every trained role
+        trained = {name: replace(other, recompute=True) for name, other in placement.megatron_roles().items()
+                   if isinstance(other, TrainParallel)}
+        changes.insert(1, ("model.recompute=true", replace(placement, **trained)))
+    if placement.colocate and not placement.offload_idle_roles:
+        changes.append(("trainer.offload_idle_roles=true", replace(placement, offload_idle_roles=True)))
     return changes
 
 
 def _replans(p: Plan, role: str) -> list[tuple[str, Plan]]:
-    """Plans after each single change of _changes that still makes a valid layout."""
+    """Plans after each single change of _changes that still makes a valid placement."""
     plans = []
-    for text, layout in _changes(p, role):
+    for text, placement in _changes(p, role):
         try:
-            plans.append((text, plan(p.arch, p.cluster, layout, p.workload, p.model)))
-        except LayoutError:
+            plans.append((text, plan(p.arch, p.cluster, placement, p.workload, p.model)))
+        except PlanError:
             continue
     return plans
 
@@ -620,42 +611,33 @@ def _replans(p: Plan, role: str) -> list[tuple[str, Plan]]:
 def _fixes(p: Plan, role: str, most_changes: int = 4) -> list[str]:
     """The single changes after which `role` fits, with its new total. When none does, changes are
     stacked in _changes' order (cheapest for throughput first), each kept if it shrinks the role,
-    and the settings that differ at the end are named."""
+    and the overrides that together make it fit are named."""
     singles = [f"{text} ({_gib(new.row(role).total)} GiB)" for text, new in _replans(p, role) if _fits(new, role)]
     if singles:
         return singles
-    start = p
+    applied = {}  # key: value, the latest of each
     for _ in range(most_changes):
-        smaller = [new for _, new in _replans(p, role) if new.row(role).total < p.row(role).total]
+        smaller = [(text, new) for text, new in _replans(p, role) if new.row(role).total < p.row(role).total]
         if not smaller:
             return []
-        p = smaller[0]
+        text, p = smaller[0]
+        applied |= dict(override.split("=") for override in text.split())
         if _fits(p, role):
-            before, after = dict(_flat(asdict(start.layout))), dict(_flat(asdict(p.layout)))
-            changed = ", ".join(f"{key} {before.get(key)}→{value}" for key, value in after.items()
-                                if before.get(key) != value)
-            return [f"{changed} together ({_gib(p.row(role).total)} GiB)"]
+            together = " ".join(f"{key}={value}" for key, value in applied.items())
+            return [f"{together} together ({_gib(p.row(role).total)} GiB)"]
     return []
 
 
-def _flat(tree: dict, prefix: str = "layout."):
-    """(dotted key, value) for every leaf of a nested dict."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def check(p: Plan) -> list[str]:
-    """Problems that stop the plan from running, each naming the role, what dominates and what to change."""
+    """Problems that stop the plan from running, each naming the role, what dominates and the recipe
+    overrides that would make it fit."""
     problems = []
     for row in p.memory:
         if row.fits:
             continue
         fixes = _fixes(p, row.role)
         tried = len(_changes(p, row.role))
-        advice = ("Would fit: " + "; ".join(fixes)) if fixes else f"None of {tried} changes tried fits: add GPUs"
+        advice = ("Would fit with: " + "; ".join(fixes)) if fixes else f"None of {tried} changes tried fits: add GPUs"
         problems.append(f"{row.role} does not fit: {_gib(row.total)} GiB per GPU > {_gib(row.limit)} GiB "
                         f"({row.limit_why}); largest part: {row.dominant} {_gib(getattr(row, row.dominant))} GiB. "
                         f"{advice}.")
@@ -670,20 +652,20 @@ def _vllm_overcommit(p: Plan) -> str | None:
     free = mem - rollout.kept_by_others
     if rollout.limit <= free:
         return None
-    return (f"rollout: gpu_memory_utilization {p.layout.rollout.gpu_memory_utilization} asks for "
+    return (f"rollout: gpu_memory_utilization {p.placement.rollout.gpu_memory_utilization} asks for "
             f"{_gib(rollout.limit)} GiB but only {_gib(free)} GiB are free beside the other colocated "
-            f"processes; lower it to {math.floor(100 * free / mem) / 100}")
+            f"processes; set rollout.gpu_memory_utilization={math.floor(100 * free / mem) / 100}")
 
 
 def _fits(p: Plan, role: str) -> bool:
     return p.row(role).fits and (role != "rollout" or _vllm_overcommit(p) is None)
 
 
-# ---------------------------------------------------------------- inputs from YAML and flags
+# ---------------------------------------------------------------- inputs: a recipe and a cluster
 
 
 def resolve_model(name: str) -> tuple[str, ModelArch]:
-    """A preset name (MODELS), an HF model directory or its config.json."""
+    """model.path: a preset name (MODELS), an HF model directory or its config.json."""
     if name in MODELS:
         return name, MODELS[name]
     path = Path(name)
@@ -694,127 +676,100 @@ def resolve_model(name: str) -> tuple[str, ModelArch]:
             return path.parent.name, arch_from_dict(json.loads(path.read_text()), path)
         except (json.JSONDecodeError, AttributeError) as err:
             raise ModelConfigError(f"{path}: not an HF config.json ({err})") from None
-    raise ModelConfigError(f"model {name!r} is neither a preset ({', '.join(MODELS)}) nor an HF model "
+    raise ModelConfigError(f"model.path={name!r} is neither a preset ({', '.join(MODELS)}) nor an HF model "
                            "directory or config.json")
 
 
-def _scalar(value, kind, where: str):
-    """A YAML value of the field's type (int, float, bool, str or None for optional fields)."""
-    options = typing.get_args(kind) or (kind,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is bool and isinstance(value, bool):
-            return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is str and isinstance(value, str):
-            return value
-    raise LayoutError(f"{where} must be {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")
+@dataclass(frozen=True)
+class Means:
+    """Lengths a recipe cannot know: they size time only (take them from your run's metrics)."""
+
+    mean_prompt_tokens: int = 256
+    mean_response_tokens: int = 4096
+
+    def __post_init__(self):
+        _require_positive(self, "mean_prompt_tokens", "mean_response_tokens")
 
 
-def from_dict(cls, data, where: str):
-    """A dataclass from a YAML mapping; unknown keys, missing keys and wrong types name the key."""
-    if not isinstance(data, dict):
-        raise LayoutError(f"{where} must be a mapping, got {data!r}")
-    hints, names = typing.get_type_hints(cls), [f.name for f in fields(cls)]
-    for key in data:
-        if key not in names:
-            raise LayoutError(f"unknown key {where}.{key} (valid: {', '.join(sorted(names))})")
-    kwargs = {}
-    for key, value in data.items():
-        nested = [t for t in typing.get_args(hints[key]) or (hints[key],) if is_dataclass(t)]
-        if nested and value is not None:
-            kwargs[key] = from_dict(nested[0], value, f"{where}.{key}")
-        else:
-            kwargs[key] = _scalar(value, hints[key], f"{where}.{key}")
-    required = [f.name for f in fields(cls)
-                if f.default is MISSING and f.default_factory is MISSING and f.name not in data]
-    if required:
-        raise LayoutError(f"{where} is missing {', '.join(required)}")
-    try:
-        return cls(**kwargs)
-    except LayoutError as err:  # a value out of range, found by __post_init__
-        raise LayoutError(f"{where}: {err}") from None
+@dataclass(frozen=True)
+class ClusterFile:
+    """configs/clusters/*.yaml: the cluster, and the workload's mean lengths."""
+
+    cluster: Cluster
+    workload: Means = Means()
 
 
-def inputs_from_tree(tree: dict, where: str) -> tuple[str, ModelArch, Cluster, Layout, Workload]:
-    """(name, arch, cluster, layout, workload) from a tree with sections model, cluster, layout, workload."""
-    if not isinstance(tree, dict):
-        raise LayoutError(f"{where}: expected a mapping with sections model, cluster, layout, workload")
-    sections = {"model", "cluster", "layout", "workload"}
-    for key in tree:
-        if key not in sections:
-            raise LayoutError(f"{where}: unknown section {key!r} (valid: {', '.join(sorted(sections))})")
-    for key in ("model", "cluster", "layout"):
-        if key not in tree:
-            raise LayoutError(f"{where}: missing section {key!r}")
-    if not isinstance(tree["model"], str):
-        raise LayoutError(f"{where}: model must be a preset name or a path, got {tree['model']!r}")
-    name, arch = resolve_model(tree["model"])
-    return (name, arch, from_dict(Cluster, tree["cluster"], "cluster"), from_dict(Layout, tree["layout"], "layout"),
-            from_dict(Workload, tree.get("workload") or {}, "workload"))
-
-
-# flag -> places in the tree it sets (one flag may set the same knob on several roles)
-FLAGS = {
-    "model": [("model",)],
-    "nodes": [("cluster", "nodes")], "gpus_per_node": [("cluster", "gpus_per_node")],
-    "gpu": [("cluster", "gpu")], "gpu_mem": [("cluster", "gpu_mem_gib")],
-    "reserved_gib": [("cluster", "reserved_gib")], "mfu": [("cluster", "train_mfu")],
-    "hbm_efficiency": [("cluster", "hbm_efficiency")],
-    "colocate": [("layout", "colocate")], "offload": [("layout", "offload")],
-    **{f"{flag}_{knob}": [("layout", role, knob)] for knob in ("tp", "pp", "dp")
-       for flag, role in (("actor", "actor"), ("critic", "critic"), ("ref", "reference"))},
-    "micro_batch_tokens": [("layout", role, "micro_batch_tokens") for role in ("actor", "critic", "reference")],
-    "sequence_parallel": [("layout", role, "sequence_parallel") for role in ("actor", "critic", "reference")],
-    "recompute": [("layout", role, "recompute") for role in ("actor", "critic")],
-    "distributed_optimizer": [("layout", role, "distributed_optimizer") for role in ("actor", "critic")],
-    "engines": [("layout", "rollout", "engines")], "engine_tp": [("layout", "rollout", "tp")],
-    "gpu_memory_utilization": [("layout", "rollout", "gpu_memory_utilization")],
-    "max_num_seqs": [("layout", "rollout", "max_num_seqs")],
-    **{key: [("workload", key)] for key in (f.name for f in fields(Workload))},
-}
-
-
-def tree_from_args(args: argparse.Namespace) -> tuple[dict, str]:
-    """The YAML tree of --layout (or an empty one) with every flag given laid over it.
-
-    Without --layout, the critic and the reference copy whatever the actor has that they lack.
-    """
-    where = args.layout or "command line"
+def load_cluster(path: str | Path | None, **changes) -> ClusterFile:
+    """The cluster file (or none), with `changes` (nodes=4, mean_response_tokens=2048, ...; None
+    leaves a value) laid over it; unknown and missing keys name the file and the key."""
+    where = str(path or "command line")
     tree = {}
-    if args.layout:
+    if path:
         try:
-            tree = yaml.safe_load(Path(args.layout).read_text()) or {}
+            tree = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as err:
-            raise LayoutError(f"{args.layout}: {err}") from None
+            raise PlanError(f"{path}: {err}") from None
         if not isinstance(tree, dict):
-            raise LayoutError(f"{args.layout}: expected a mapping with sections model, cluster, layout, workload")
-    for dest, paths in FLAGS.items():
-        value = getattr(args, dest)
-        for path in paths if value is not None else []:
-            node = tree
-            for key in path[:-1]:
-                if not isinstance(node.get(key), dict):
-                    node[key] = {}
-                node = node[key]
-            node[path[-1]] = value
-    if not args.layout:  # the actor's flags all have defaults
-        tree.setdefault("layout", {}).setdefault("actor", {})
-    layout = tree.get("layout") or {}
-    if not args.layout and isinstance(layout.get("actor"), dict):
-        for role, keys in (("critic", TrainParallel), ("reference", ModelParallel)):
-            own = layout.setdefault(role, {})
-            for f in fields(keys):
-                if f.name in layout["actor"]:
-                    own.setdefault(f.name, layout["actor"][f.name])
-    for role, off in (("critic", args.no_critic), ("reference", args.no_reference)):
-        if off:
-            tree.setdefault("layout", {})[role] = None
-    return tree, where
+            raise PlanError(f"{path}: expected a mapping with sections cluster and workload")
+    for key, value in changes.items():
+        if value is not None:
+            section = "workload" if key in (f.name for f in fields(Means)) else "cluster"
+            tree.setdefault(section, {})[key] = value
+    try:
+        return from_dict(ClusterFile, tree, where)
+    except ConfigError as err:
+        raise PlanError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+
+
+def placement_of(cfg: ExperimentConfig) -> Placement:
+    """The recipe's roles, decided by the trainer's own rule (orz.ppo.run_rules.roles), and their
+    sizes. A role split by rows (micro_batch_size) holds that many of the longest samples."""
+    from orz.ppo import run_rules  # imports torch: kept out of the arithmetic above
+
+    roles = run_rules.roles(cfg)
+    longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
+
+    def tokens(role) -> int:
+        return role.micro_batch_tokens or role.micro_batch_size * longest
+
+    def trained(role) -> TrainParallel:
+        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, micro_batch_tokens=tokens(role),
+                             recompute=cfg.model.recompute, use_distributed_optimizer=role.use_distributed_optimizer)
+
+    r, ref = cfg.rollout, roles.get("ref")
+    return Placement(
+        actor=trained(roles["actor"]), critic=trained(roles["critic"]) if "critic" in roles else None,
+        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, micro_batch_tokens=tokens(ref)) if ref else None,
+        rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
+                        gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
+        colocate=any(role.gpus_per_worker < 1 for role in roles.values()),
+        offload_idle_roles=cfg.trainer.offload_idle_roles)
+
+
+def workload_of(cfg: ExperimentConfig, means: Means) -> Workload:
+    """The recipe's batch and maximum lengths; the means, capped at those maxima."""
+    prompt, response = cfg.data.prompt_max_tokens, cfg.rollout.max_new_tokens
+    return Workload(prompts_per_iteration=cfg.trainer.prompts_per_iteration, n_samples=cfg.rollout.n_samples,
+                    prompt_max_tokens=prompt, max_new_tokens=response,
+                    mean_prompt_tokens=min(means.mean_prompt_tokens, prompt),
+                    mean_response_tokens=min(means.mean_response_tokens, response))
+
+
+def plan_recipe(cfg: ExperimentConfig, cluster: ClusterFile) -> list[tuple[str, Plan]]:
+    """(stage label, plan) for every stage of the run (one, labelled "", without stages)."""
+    if not cfg.model.path:
+        raise PlanError("model.path is not set: give a preset (model.path=Qwen2.5-7B) or an HF model directory")
+    name, arch = resolve_model(cfg.model.path)
+    plans, problems = [], []
+    for label, staged in stage_configs(cfg):
+        try:
+            plans.append((label, plan(arch, cluster.cluster, placement_of(staged), workload_of(staged, cluster.workload),
+                                      name)))
+        except PlanError as err:
+            problems += [label + line for line in str(err).splitlines()]
+    if problems:
+        raise PlanError("\n".join(problems))
+    return plans
 
 
 # ---------------------------------------------------------------- output
@@ -826,7 +781,8 @@ ASSUMPTIONS = (
     "KV cache sized for max_num_seqs sequences of the longest length, so vLLM never preempts",
     "time: FLOPs at train_mfu of peak bf16; decode step = max(weights + KV read at hbm_efficiency of peak "
     "bandwidth, FLOPs at train_mfu); continuous batching at full concurrency",
-    "not counted: the slowest sequence's tail, prefix caching, weight sync, rewards, offload/onload, data movement",
+    "not counted: the slowest sequence's tail, prefix caching, weight sync, rewards (a reward-model role too), "
+    "offload/onload, data movement",
 )
 
 
@@ -839,8 +795,8 @@ def to_json(p: Plan, problems: list[str]) -> dict:
     t = p.timing
     return {
         "model": p.model, "params_b": round(p.arch.num_params / 1e9, 2), "gpus": p.cluster.gpus,
-        "gpu": p.cluster.gpu, "gpu_mem_gib": p.cluster.gpu_mem_gib, "colocate": p.layout.colocate,
-        "offload": p.layout.offload, "fits": not problems,
+        "gpu": p.cluster.gpu, "gpu_mem_gib": p.cluster.gpu_mem_gib, "colocate": p.placement.colocate,
+        "offload_idle_roles": p.placement.offload_idle_roles, "fits": not problems,
         "memory_gib": {r.role: {"parallel": r.parallel, "gpus": r.gpus,
                                 **{c: _gib(getattr(r, c)) for c in RoleMemory.COMPONENTS},
                                 "total": _gib(r.total), "limit": _gib(r.limit)} for r in p.memory},
@@ -852,14 +808,15 @@ def to_json(p: Plan, problems: list[str]) -> dict:
     }
 
 
-def print_table(p: Plan, problems: list[str]) -> None:
+def print_table(p: Plan, problems: list[str], stage: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c, layout = p.cluster, p.layout
-    placement = ("colocated" + (" + offload" if layout.offload else "")) if layout.colocate else "separate GPUs"
-    title = (f"{p.model} ({p.arch.num_params / 1e9:.2f}B) on {c.nodes}×{c.gpus_per_node} {c.gpu} "
-             f"({c.gpu_mem_gib} GiB), {placement}")
+    c, placement = p.cluster, p.placement
+    where = ("colocated" + (" + offload" if placement.offload_idle_roles else "")) if placement.colocate \
+        else "separate GPUs"
+    title = (f"{stage}{p.model} ({p.arch.num_params / 1e9:.2f}B) on {c.nodes}×{c.gpus_per_node} {c.gpu} "
+             f"({c.gpu_mem_gib} GiB), {where}")
     table = Table(title=title + " — GiB per GPU, heaviest stage")
     for header in ("role", "GPUs", "parallel", "weights", "grads", "optim", "activ", "KV", "reserved", "total",
                    "limit", "fits"):
@@ -871,7 +828,7 @@ def print_table(p: Plan, problems: list[str]) -> None:
     t, w = p.timing, p.workload
     console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough not to fold the table
     console.print(table)
-    console.print(f"per iteration ({w.samples} samples, mean {w.mean_prompt_len}+{w.mean_response_len} tokens): "
+    console.print(f"per iteration ({w.samples} samples, mean {w.mean_prompt_tokens}+{w.mean_response_tokens} tokens): "
                   f"rollout {t.rollout_s:.0f} s ({t.decode_concurrency} seqs/engine, {t.decode_step_ms:.1f} ms/step, "
                   f"{t.rollout_tokens_per_s:,.0f} tok/s) + forward {t.forward_s:.0f} s + train {t.train_s:.0f} s "
                   f"= [bold]{t.iteration_s:.0f} s[/]  (MFU {c.train_mfu:.0%}, HBM {c.hbm_efficiency:.0%} of "
@@ -883,48 +840,42 @@ def print_table(p: Plan, problems: list[str]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m orz.plan", description=__doc__.split("\n\n")[0],
-                                 epilog="Flags override the --layout file. Without --layout the critic and the "
-                                        "reference copy the actor's settings unless given.")
-    ap.add_argument("--layout", help="YAML with sections model, cluster, layout, workload")
-    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    ap.add_argument("--model", help=f"preset ({', '.join(MODELS)}), HF model dir or config.json")
-    for flag, kind in (("nodes", int), ("gpus-per-node", int), ("gpu", str), ("gpu-mem", float),
-                       ("reserved-gib", float), ("mfu", float), ("hbm-efficiency", float)):
+                                 epilog="Flags override the --cluster file; key=value overrides the recipe.")
+    ap.add_argument("--cluster", help="configs/clusters/*.yaml: the cluster and the mean lengths")
+    ap.add_argument("--recipe", help="playground/*.py (its RECIPE); without it, orz.config's defaults")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the tables")
+    for flag, kind in (("nodes", int), ("gpus-per-node", int), ("gpu", str), ("gpu-mem-gib", float),
+                       ("reserved-gib", float), ("train-mfu", float), ("hbm-efficiency", float),
+                       ("mean-prompt-tokens", int), ("mean-response-tokens", int)):
         ap.add_argument(f"--{flag}", type=kind)
-    for role in ("actor", "critic", "ref"):
-        for knob in ("tp", "pp", "dp"):
-            ap.add_argument(f"--{role}-{knob}", type=int)
-    for flag in ("colocate", "offload", "recompute", "distributed-optimizer", "sequence-parallel"):
-        ap.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction)
-    ap.add_argument("--no-critic", action="store_true", help="critic-free algorithm (GRPO, RLOO, REINFORCE++)")
-    ap.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
-    for flag, kind in (("micro-batch-tokens", int), ("engines", int), ("engine-tp", int),
-                       ("gpu-memory-utilization", float), ("max-num-seqs", int)):
-        ap.add_argument(f"--{flag}", type=kind)
-    for f in fields(Workload):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=int)
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.path=Qwen2.5-7B actor.tp=4")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        tree, where = tree_from_args(args)
-        name, arch, cluster, layout, workload = inputs_from_tree(tree, where)
-        p = plan(arch, cluster, layout, workload, name)
-    except (LayoutError, ModelConfigError) as err:
-        missing = not args.layout and "missing" in str(err)
-        hint = "\n(give --layout FILE, or at least --model, --nodes, --gpus-per-node, --gpu-mem and --engines)"
-        hint = hint if missing else ""
-        print("orz.plan: cannot plan this layout:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines())
+        cluster = load_cluster(args.cluster, **{key: getattr(args, key) for key in _CLUSTER_FLAGS})
+        cfg = load_config(None, args.overrides, base=load_recipe(args.recipe) if args.recipe else None)
+        plans = plan_recipe(cfg, cluster)
+    except (ConfigError, ModelConfigError) as err:
+        hint = "\n(give --cluster FILE, or --nodes, --gpus-per-node and --gpu-mem-gib)" if not args.cluster else ""
+        print("orz.plan: cannot plan this run:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines())
               + hint, file=sys.stderr)
         return 2
-    problems = check(p)
+    checked = [(label, p, check(p)) for label, p in plans]
     if args.json:
-        print(json.dumps(to_json(p, problems), ensure_ascii=False))
+        print(json.dumps({"recipe": args.recipe, "fits": not any(problems for _, _, problems in checked),
+                          "stages": [{"stage": label.rstrip(": ")} | to_json(p, problems)
+                                     for label, p, problems in checked]}, ensure_ascii=False))
     else:
-        print_table(p, problems)
-    return 1 if problems else 0
+        for label, p, problems in checked:
+            print_table(p, problems, label)
+    return 1 if any(problems for _, _, problems in checked) else 0
+
+
+_CLUSTER_FLAGS = ("nodes", "gpus_per_node", "gpu", "gpu_mem_gib", "reserved_gib", "train_mfu", "hbm_efficiency",
+                  "mean_prompt_tokens", "mean_response_tokens")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """GRPO on Qwen2.5-7B base with ORZ's data and template: the PPO recipe without a critic.
 
     python playground/orz_7b_grpo.py model.path=/models/Qwen2.5-7B data.train=[/data/orz_math_57k_collected.json]
+
+Planned for 4 nodes × 8 H100 80 GB (configs/clusters/h100_4x8.yaml):
+
+    python -m orz.plan --cluster configs/clusters/h100_4x8.yaml --recipe playground/orz_7b_grpo.py model.path=Qwen2.5-7B
 """
 import sys
 from dataclasses import replace

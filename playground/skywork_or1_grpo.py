@@ -4,6 +4,11 @@ load as shipped: each row's verifier (math-verify, or the sandbox for code) is r
 
     python playground/skywork_or1_grpo.py model.path=/models/DeepSeek-R1-Distill-Qwen-7B data.template=chat \
         data.train=[/data/skywork_or1/math.parquet,/data/skywork_or1/code.parquet]
+
+Planned for 4 nodes × 8 H100 80 GB (configs/clusters/h100_4x8.yaml), every stage (R1-Distill-Qwen-7B
+has Qwen2.5-7B's shapes):
+
+    python -m orz.plan --cluster configs/clusters/h100_4x8.yaml --recipe playground/skywork_or1_grpo.py model.path=Qwen2.5-7B
 """
 import sys
 from dataclasses import replace
@@ -14,7 +19,8 @@ from playground.orz_7b_grpo import RECIPE as GRPO
 
 RECIPE = replace(
     GRPO,
-    rollout=replace(GRPO.rollout, n_samples=16, stop=[]),
+    # 24 sequences of 34k tokens (the last stage's) take 45 GiB of KV cache per engine.
+    rollout=replace(GRPO.rollout, n_samples=16, stop=[], max_num_seqs=24),
     algorithm=replace(
         GRPO.algorithm,
         # Entropy kept near a target by an adaptive coefficient instead of a fixed bonus.
@@ -26,8 +32,10 @@ RECIPE = replace(
     # Context grows with training; each stage resumes from the previous one's checkpoint.
     stages=[
         StageConfig(iterations=300, overrides={"rollout.max_new_tokens": 8192}),
-        StageConfig(iterations=300, overrides={"rollout.max_new_tokens": 16384}),
-        StageConfig(iterations=400, overrides={"rollout.max_new_tokens": 32768, "actor.lr": 5e-7}),
+        # Each stage's micro-batches hold its longest sample (2048 prompt tokens + the response).
+        StageConfig(iterations=300, overrides={"rollout.max_new_tokens": 16384, "actor.micro_batch_tokens": 18432}),
+        StageConfig(iterations=400, overrides={"rollout.max_new_tokens": 32768, "actor.micro_batch_tokens": 34816,
+                                               "actor.lr": 5e-7}),
     ],
 )
 

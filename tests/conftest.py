@@ -73,6 +73,7 @@ def tiny_run(arith_model):
             f"model.path={arith_model}", "data.train=[synthetic:arithmetic]",
             "data.eval={arith: 'synthetic:arithmetic'}", "data.synthetic_digits=[1, 1]", "data.synthetic_ops='+'",
             "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "data.instruction=Compute.",
+            "data.prompt_max_tokens=64",  # the prompts have ~53 tokens
             # Random weights never write <answer>: a response stops at its first digit, which is read as
             # the answer, so that lucky guesses give the advantages something to work with.
             "reward.extraction=[answer_tag, last_number]", "reward.num_workers=1",

@@ -22,4 +22,4 @@ def test_orz_train_is_python_m_orz_train(capsys):
 
 def test_the_console_script_runs_plan():
     out = subprocess.run([sys.executable, "-m", "orz.cli", "plan", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "--layout LAYOUT" in out.stdout
+    assert out.returncode == 0 and "--cluster CLUSTER" in out.stdout

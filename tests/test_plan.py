@@ -11,18 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orz.models.arch import ModelArch, ModelConfigError
-from orz.plan import (GIB, GPUS, MODELS, Cluster, Layout, LayoutError, ModelParallel, Rollout, TrainParallel,
+from orz.plan import (GIB, GPUS, MODELS, Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel,
                       Workload, check, main, plan, stage_params)
 
-LAYOUTS = Path(__file__).resolve().parent.parent / "configs" / "layouts"
+REPO = Path(__file__).resolve().parent.parent
+H100_4X8 = str(REPO / "configs/clusters/h100_4x8.yaml")
+PPO_7B = str(REPO / "playground/orz_7b_ppo.py")
 
 # h=64, f=256, L=4, a=4 heads, g=2 KV groups, d=16, V=1001 (odd, so TP pads it), untied, no biases.
 TINY = ModelArch(family="llama", vocab_size=1001, hidden_size=64, intermediate_size=256, num_layers=4,
                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6,
                  tie_word_embeddings=False, max_position_embeddings=256)
 # 4 prompts × 8 samples = 32 samples; max 32 + 96 = 128 tokens (sizes memory); mean 16 + 48 = 64 (sizes time).
-WORK = Workload(prompts_per_iteration=4, samples_per_prompt=8, max_prompt_len=32, max_response_len=96,
-                mean_prompt_len=16, mean_response_len=48)
+WORK = Workload(prompts_per_iteration=4, n_samples=8, prompt_max_tokens=32, max_new_tokens=96,
+                mean_prompt_tokens=16, mean_response_tokens=48)
 # 1 node × 8 GPUs of 1 GiB; no reserved memory, so limits are the whole GPU.
 CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserved_gib=0.0,
                   train_mfu=0.5, hbm_efficiency=0.5)
@@ -39,16 +41,16 @@ CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserve
 #   training logits, TP=2: 128 tokens · 1002/2 · 14 bytes = 897792; forward-only (10 bytes): 641280
 
 
-def tiny_plan(**layout_changes):
-    layout = Layout(
+def tiny_plan(**changes):
+    placement = Placement(
         actor=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, sequence_parallel=True,
-                            distributed_optimizer=True),
-        critic=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, recompute=True, distributed_optimizer=True),
-        reference=ModelParallel(tp=2, pp=1, dp=4, micro_batch_tokens=128),
-        rollout=Rollout(engines=8, tp=1, gpu_memory_utilization=0.5, max_num_seqs=8),
-        colocate=True, offload=True,
+                            use_distributed_optimizer=True),
+        critic=TrainParallel(tp=2, pp=2, dp=2, micro_batch_tokens=128, recompute=True, use_distributed_optimizer=True),
+        ref=ModelParallel(tp=2, pp=1, dp=4, micro_batch_tokens=128),
+        rollout=Rollout(num_engines=8, engine_tp=1, gpu_memory_utilization=0.5, max_num_seqs=8),
+        colocate=True, offload_idle_roles=True,
     )
-    return plan(TINY, CLUSTER, replace(layout, **layout_changes), WORK, "tiny")
+    return plan(TINY, CLUSTER, replace(placement, **changes), WORK, "tiny")
 
 
 def test_presets_match_published_parameter_counts():
@@ -98,7 +100,7 @@ def test_optimizer_without_distributed_optimizer_is_on_every_rank():
 def test_reference_memory_by_hand():
     # reference TP2 PP1: P = 4·30848 + 2·32064 + 64 = 187584 → weights 375168
     # activations: one layer without SP 188416 + forward-only logits 641280 = 829696; no grads or optimizer
-    ref = tiny_plan().row("reference")
+    ref = tiny_plan().row("ref")
     assert (ref.weights, ref.grads, ref.optimizer, ref.activations) == (375168, 0, 0, 829696)
 
 
@@ -110,30 +112,31 @@ def test_rollout_memory_by_hand():
     assert rollout.limit == int(0.5 * GIB)
     # 2 engines of TP4 > g = 2: KV heads are replicated, one per GPU: 2·4·1·16·2 = 256 bytes per token;
     # concurrency min(8, 32/2) = 8
-    wide = tiny_plan(rollout=Rollout(engines=2, tp=4, max_num_seqs=8)).row("rollout")
+    wide = tiny_plan(rollout=Rollout(num_engines=2, engine_tp=4, max_num_seqs=8)).row("rollout")
     assert wide.kv_cache == 8 * 128 * 256
 
 
 def test_colocated_limits_subtract_what_idle_roles_keep():
     # reserved 0.25 GiB per process: with offload, each of 3 other processes keeps only that
     cluster = replace(CLUSTER, reserved_gib=0.25)
-    p = plan(TINY, cluster, tiny_plan().layout, WORK)
+    p = plan(TINY, cluster, tiny_plan().placement, WORK)
     assert p.row("actor").limit == GIB - 3 * GIB // 4 and p.row("actor").overhead == GIB // 4
     # without offload the others keep their states too, and vLLM its whole 0.25 GiB budget:
     #   critic (first stage) 187520 + 375040 + 562560 = 1125120, reference 375168, each + 0.25 GiB
-    layout = replace(p.layout, offload=False, rollout=replace(p.layout.rollout, gpu_memory_utilization=0.25))
-    kept = plan(TINY, cluster, layout, WORK)
+    placement = replace(p.placement, offload_idle_roles=False,
+                        rollout=replace(p.placement.rollout, gpu_memory_utilization=0.25))
+    kept = plan(TINY, cluster, placement, WORK)
     assert kept.row("actor").limit == GIB - (GIB // 4 + 2 * GIB // 4 + 1125120 + 375168)
     assert kept.row("rollout").limit == GIB // 4
 
 
 def test_separate_gpus_have_the_whole_gpu():
-    layout = replace(tiny_plan().layout, colocate=False,
-                     actor=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
-                     critic=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
-                     reference=ModelParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
-                     rollout=Rollout(engines=2, tp=1))
-    p = plan(TINY, CLUSTER, layout, WORK)
+    placement = replace(tiny_plan().placement, colocate=False,
+                        actor=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                        critic=TrainParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                        ref=ModelParallel(tp=2, pp=1, dp=1, micro_batch_tokens=128),
+                        rollout=Rollout(num_engines=2, engine_tp=1))
+    p = plan(TINY, CLUSTER, placement, WORK)
     assert all(r.limit == GIB for r in p.memory if r.role != "rollout") and p.row("actor").gpus == 2
     # roles on their own 2 GPUs overlap: the slowest counts (forward FLOPs as in test_timing_by_hand)
     flop_s = 989e12 * 0.5
@@ -166,127 +169,166 @@ def test_timing_by_hand():
     assert t.iteration_s == pytest.approx(t.rollout_s + t.forward_s + t.train_s)
 
 
-@pytest.mark.parametrize("name", ["orz_7b", "orz_32b"])
-def test_shipped_layouts_fit_on_80gb(name, capsys):
-    assert main(["--layout", str(LAYOUTS / f"{name}.yaml"), "--json"]) == 0
+def _planned_recipes() -> dict[str, list[str]]:
+    """playground recipe → the `python -m orz.plan ...` arguments its docstring gives."""
+    import ast
+    import shlex
+
+    commands = {}
+    for path in sorted((REPO / "playground").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lines = [line.strip() for line in doc.splitlines() if line.strip().startswith("python -m orz.plan ")]
+        if lines:
+            commands[path.stem] = shlex.split(lines[0])[3:]
+    return commands
+
+
+def test_every_large_recipe_names_its_cluster():
+    large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
+    assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo"}
+
+
+@pytest.mark.parametrize("recipe", sorted(_planned_recipes()))
+def test_every_large_recipe_fits_the_cluster_its_docstring_names(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the docstring's paths are relative to the repository
+    args = _planned_recipes()[recipe]
+    assert f"playground/{recipe}.py" in args and any(a.startswith("configs/clusters/") for a in args)
+    assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["fits"] and out["problems"] == [] and out["gpu_mem_gib"] == 79.6
-    assert all(r["total"] <= r["limit"] for r in out["memory_gib"].values())
+    assert out["fits"] and all(stage["problems"] == [] and stage["gpu_mem_gib"] == 79.6 for stage in out["stages"])
+    assert all(r["total"] <= r["limit"] for stage in out["stages"] for r in stage["memory_gib"].values())
+    if recipe == "skywork_or1_grpo":  # its three context stages, each planned at its own length
+        assert [stage["stage"] for stage in out["stages"]] == ["stage 0", "stage 1", "stage 2"]
 
 
 def test_seven_b_actor_numbers_by_hand(capsys):
     # Qwen2.5-7B actor TP2, one rank: layer split part h·d·(2a+2g) + 3hf + qkv bias d·(a+2g)
     #   = 29360128 + 203685888 + 4608 = 233050624 → /2 + norms 7168 = 116532480, × 28 layers
     #   + embedding and LM head 2·(152064/2)·3584 + final norm 3584 → P = 3807910400
-    # weights 2P = 7.1 GiB, grads 4P = 14.2 GiB, optimizer 12P/16 = 2.7 GiB
-    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--json"])
-    actor = json.loads(capsys.readouterr().out)["memory_gib"]["actor"]
+    # the 7B recipe's actor is TP2 DP4 with the distributed optimizer:
+    # weights 2P = 7.1 GiB, grads 4P = 14.2 GiB, optimizer 12P/4 = 10.6 GiB
+    main(["--cluster", H100_4X8, "--recipe", PPO_7B, "model.path=Qwen2.5-7B", "--json"])
+    actor = json.loads(capsys.readouterr().out)["stages"][0]["memory_gib"]["actor"]
     params = 28 * 116532480 + 2 * 76032 * 3584 + 3584
     assert params == stage_params(MODELS["Qwen2.5-7B"], 2, 1, "lm", 1)[0] == 3807910400
+    assert actor["parallel"] == "TP2 PP1 DP4"
     assert (actor["weights"], actor["grads"], actor["optimizer"]) == (
-        round(2 * params / GIB, 1), round(4 * params / GIB, 1), round(12 * params / 16 / GIB, 1))
+        round(2 * params / GIB, 1), round(4 * params / GIB, 1), round(12 * params / 4 / GIB, 1))
 
 
-def test_cli_flags_and_overrides(capsys):
-    code = main(["--model", "Qwen2.5-7B", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "79.6",
-                 "--actor-tp", "2", "--recompute", "--distributed-optimizer", "--engines", "32",
-                 "--max-num-seqs", "64", "--json"])
-    from_flags = json.loads(capsys.readouterr().out)
-    assert code == 0 and from_flags["memory_gib"]["critic"]["parallel"] == "TP2 PP1 DP16"
-    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--json"])
-    assert json.loads(capsys.readouterr().out)["memory_gib"] == from_flags["memory_gib"]
-    main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--actor-tp", "4", "--actor-dp", "8", "--no-critic", "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["memory_gib"]["actor"]["parallel"] == "TP4 PP1 DP8" and "critic" not in out["memory_gib"]
+def _memory(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) in (0, 1)
+    [stage] = json.loads(capsys.readouterr().out)["stages"]
+    return stage
 
 
-def test_minimal_flags_default_the_rest(capsys):
-    # critic and reference copy the actor (TP1 PP1, DP = 8 GPUs); the workload is ORZ's
-    code = main(["--model", "Qwen2.5-0.5B", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem", "79.6",
-                 "--engines", "8", "--max-num-seqs", "64", "--recompute", "--json"])
+def test_the_recipe_decides_roles_and_sizes_and_flags_the_cluster(capsys):
+    base = ["--cluster", H100_4X8, "--recipe", PPO_7B, "model.path=Qwen2.5-7B"]
+    plain = _memory(capsys, *base)["memory_gib"]
+    assert {role: r["parallel"] for role, r in plain.items()} == {
+        "actor": "TP2 PP1 DP4", "critic": "TP2 PP1 DP4", "rollout": "16×TP1"}
+    # The trainer's rule for roles (run_rules): a KL term brings a reference; GRPO drops the critic.
+    with_ref = _memory(capsys, *base, "algorithm.kl_coef=0.01", "rollout.num_engines=15")["memory_gib"]
+    assert set(with_ref) == {"actor", "critic", "ref", "rollout"}
+    assert set(_memory(capsys, *base, "algorithm.advantage=grpo")["memory_gib"]) == {"actor", "rollout"}
+    wider = _memory(capsys, *base, "actor.tp=4", "actor.dp=2")["memory_gib"]["actor"]
+    assert wider["parallel"] == "TP4 PP1 DP2" and wider["weights"] < plain["actor"]["weights"]
+    # micro_batch_tokens unset: micro_batch_size rows of the longest sample (2048 + 8000 tokens)
+    rows = _memory(capsys, *base, "actor.micro_batch_tokens=0", "actor.micro_batch_size=1")["memory_gib"]["actor"]
+    exact = _memory(capsys, *base, "actor.micro_batch_tokens=10048")["memory_gib"]["actor"]
+    assert rows == exact
+    assert _memory(capsys, *base, "--nodes", "8")["gpus"] == 64
+
+
+def test_without_a_cluster_file_the_flags_describe_it(capsys):
+    code = main(["--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "79.6", "model.path=Qwen2.5-0.5B",
+                 "algorithm.advantage=grpo", "rollout.num_engines=4", "actor.dp=4", "--json"])
     out = capsys.readouterr().out
     assert code == 0 and out.count("\n") == 1
-    assert {r["parallel"] for r in json.loads(out)["memory_gib"].values()} == {"TP1 PP1 DP8", "8×TP1"}
-    assert main(["--nodes", "1"]) == 2
-    assert "give --layout FILE, or at least --model" in capsys.readouterr().err
+    assert {r["parallel"] for r in json.loads(out)["stages"][0]["memory_gib"].values()} == {"TP1 PP1 DP4", "4×TP1"}
+    assert main(["--nodes", "1", "model.path=Qwen2.5-0.5B"]) == 2
+    assert "give --cluster FILE, or --nodes, --gpus-per-node and --gpu-mem-gib" in capsys.readouterr().err
 
 
 def test_table_output(capsys):
-    assert main(["--layout", str(LAYOUTS / "orz_32b.yaml")]) == 0
+    assert main(["--cluster", str(REPO / "configs/clusters/h100_16x8.yaml"), "--recipe",
+                 str(REPO / "playground/orz_32b_ppo.py"), "model.path=Qwen2.5-32B"]) == 0
     out = capsys.readouterr().out
-    assert "Qwen2.5-32B" in out and "TP8 PP2 DP8" in out and "per iteration" in out and "assumptions" in out
+    assert "Qwen2.5-32B" in out and "TP8 PP2 DP2" in out and "per iteration" in out and "assumptions" in out
 
 
-def test_does_not_fit_names_role_component_and_fix(capsys):
-    # 7B actor on one GPU per rank with neither recompute nor the distributed optimizer
-    code = main(["--layout", str(LAYOUTS / "orz_7b.yaml"), "--no-recompute", "--no-distributed-optimizer"])
-    out = capsys.readouterr().out
+def test_does_not_fit_names_role_component_and_the_overrides_that_fix_it(capsys):
+    # the 7B actor with neither recomputation nor the distributed optimizer
+    code = main(["--cluster", H100_4X8, "--recipe", PPO_7B, "model.path=Qwen2.5-7B", "model.recompute=false",
+                 "actor.use_distributed_optimizer=false"])
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
     assert code == 1
     assert "actor does not fit" in out and "largest part: activations" in out
-    assert "enable full recompute" in out
+    assert "Would fit with: actor.tp=4 actor.dp=2 (68.2 GiB); actor.pp=2 actor.dp=2 (73.9 GiB)" in out
     p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
-             Layout(actor=TrainParallel(tp=1), rollout=Rollout(engines=32, max_num_seqs=64)), Workload())
+             Placement(actor=TrainParallel(tp=1, dp=4), rollout=Rollout(num_engines=16, max_num_seqs=64)), Workload())
     [problem] = check(p)
-    assert problem.startswith("actor does not fit") and "together" in problem and "layout.actor.tp 1→" in problem
+    assert problem.startswith("actor does not fit") and "together" in problem
+    fix = problem.split("Would fit with: ")[1].split(" together")[0]
+    assert fix == "actor.use_distributed_optimizer=true actor.tp=4 actor.dp=1"  # stacked: the latest tp, dp
 
 
 def test_rollout_kv_cache_that_does_not_fit_suggests_max_num_seqs():
     p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
-             Layout(actor=TrainParallel(tp=2, recompute=True, distributed_optimizer=True),
-                    rollout=Rollout(engines=32, max_num_seqs=256)),
+             Placement(actor=TrainParallel(tp=2, dp=8, recompute=True, use_distributed_optimizer=True),
+                       rollout=Rollout(num_engines=16, max_num_seqs=256)),
              Workload())
     [problem] = check(p)
     # KV budget: 0.85·79.6 GiB − 14.2 GiB weights − 2 GiB reserved = 51.5 GiB; a 10240-token sequence
     # takes 10240·2·28·4·128·2 bytes = 0.55 GiB → 94 sequences
     assert problem.startswith("rollout does not fit") and "largest part: kv_cache" in problem
-    assert "lower max_num_seqs to 94" in problem
+    assert "rollout.max_num_seqs=94" in problem
 
 
 def test_gpu_memory_utilization_beyond_what_colocated_roles_leave():
     # 3 other processes keep 0.25 GiB each: vLLM cannot have 0.99 of the GPU
-    layout = replace(tiny_plan().layout, rollout=Rollout(engines=8, tp=1, gpu_memory_utilization=0.99, max_num_seqs=1))
-    p = plan(TINY, replace(CLUSTER, reserved_gib=0.25), layout, WORK)
+    placement = replace(tiny_plan().placement,
+                        rollout=Rollout(num_engines=8, engine_tp=1, gpu_memory_utilization=0.99, max_num_seqs=1))
+    p = plan(TINY, replace(CLUSTER, reserved_gib=0.25), placement, WORK)
     assert any("gpu_memory_utilization 0.99 asks for" in problem for problem in check(p))
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(actor=TrainParallel(tp=2, pp=1, dp=2, micro_batch_tokens=128)), "TP·PP·DP = 2·1·2 = 4 ≠ 8 GPUs"),
-    (dict(actor=TrainParallel(tp=3, micro_batch_tokens=128)), "TP·PP = 3·1 does not divide the 8 GPUs"),
-    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=3, dp=1, micro_batch_tokens=128)),
-     "tp=3 does not divide num_attention_heads=4"),
-    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=1, pp=3, dp=1, micro_batch_tokens=128)),
-     "pp=3 does not divide num_hidden_layers=4"),
-    (dict(actor=TrainParallel(tp=2, micro_batch_tokens=100)), "micro_batch_tokens=100 cannot hold the longest"),
-    (dict(rollout=Rollout(engines=3, tp=1)), "engines·tp = 3·1 = 3 ≠ 8 GPUs"),
-    (dict(rollout=Rollout(engines=1, tp=8)), "layout.rollout.tp=8 must divide num_attention_heads=4"),
-    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=2, dp=2, micro_batch_tokens=128),
-          rollout=Rollout(engines=8)), "GPUs needed: actor 4 + rollout 8 = 12 > 8 GPUs"),
-    (dict(colocate=False, critic=None, reference=None, actor=TrainParallel(tp=2, micro_batch_tokens=128)),
-     "layout.actor.dp is required when roles are not colocated"),
+    (dict(actor=TrainParallel(tp=2, pp=1, dp=2, micro_batch_tokens=128)), "actor: TP·PP·DP = 2·1·2 = 4 ≠ 8 GPUs"),
+    (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=3, dp=1, micro_batch_tokens=128)),
+     "actor.tp=3 does not divide num_attention_heads=4"),
+    (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=1, pp=3, dp=1, micro_batch_tokens=128)),
+     "actor.pp=3 does not divide num_hidden_layers=4"),
+    (dict(actor=TrainParallel(tp=2, dp=4, micro_batch_tokens=100)), "actor.micro_batch_tokens=100 cannot hold the longest"),
+    (dict(rollout=Rollout(num_engines=3)), "num_engines·engine_tp = 3·1 = 3 ≠ 8 GPUs"),
+    (dict(rollout=Rollout(num_engines=1, engine_tp=8)), "rollout.engine_tp=8 must divide num_attention_heads=4"),
+    (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=2, dp=2, micro_batch_tokens=128),
+          rollout=Rollout(num_engines=8)), "GPUs needed: actor 4 + rollout 8 = 12 > 8 GPUs"),
 ])
-def test_layouts_that_cannot_run(changes, message):
-    with pytest.raises(LayoutError, match=message.replace("·", ".").replace("+", r"\+")):
+def test_placements_that_cannot_run(changes, message):
+    with pytest.raises(PlanError, match=message.replace("·", ".").replace("+", r"\+")):
         tiny_plan(**changes)
 
 
-@pytest.mark.parametrize("yaml_text, message", [
-    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
-     "layout: {actor: {tpp: 2}, rollout: {engines: 8}}", "unknown key layout.actor.tpp"),
-    ("model: Qwen2.5-7B\nclustre: {}\n", "unknown section 'clustre'"),
-    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
-     "layout: {actor: {tp: '2'}, rollout: {engines: 8}}", "layout.actor.tp must be int"),
-    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8}\nlayout: {}", "cluster is missing gpu_mem_gib"),
-    ("model: Qwen9\ncluster: {}\nlayout: {}", "neither a preset"),
-    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80, gpu: B300}\nlayout: {}",
-     "cluster: gpu='B300' is not a preset"),
-    ("model: Qwen2.5-7B\ncluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\n"
-     "layout: {actor: {tp: 0}, rollout: {engines: 8}}", "layout.actor: tp must be positive, got 0"),
+@pytest.mark.parametrize("yaml_text, overrides, message", [
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80, nodez: 2}", [],
+     "cluster: unknown key 'nodez' (did you mean 'nodes'?)"),
+    ("clustre: {}", [], "unknown key 'clustre' (did you mean 'cluster'?)"),
+    ("cluster: {nodes: '1', gpus_per_node: 8, gpu_mem_gib: 80}", [], "cluster.nodes: expected int, got '1'"),
+    ("cluster: {nodes: 1, gpus_per_node: 8}", [], "cluster: missing key 'gpu_mem_gib'"),
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80, gpu: B300}", [], "gpu='B300' is not a preset"),
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}\nworkload: {mean_response_tokens: 0}", [],
+     "mean_response_tokens must be positive, got 0"),
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["model.path=Qwen9"], "neither a preset"),
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["actor.tpp=2"], "did you mean 'actor.tp'?"),
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["model.path="], "model.path is not set"),
 ])
-def test_bad_yaml_exits_2_naming_the_key(tmp_path, capsys, yaml_text, message):
+def test_bad_input_exits_2_naming_the_file_and_key(tmp_path, capsys, yaml_text, overrides, message):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml_text)
-    assert main(["--layout", str(path)]) == 2
-    assert message in capsys.readouterr().err
+    assert main(["--cluster", str(path), "model.path=Qwen2.5-0.5B", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and (str(path) in err or overrides), err
 
 
 def test_model_from_hf_config_json(tmp_path):
@@ -312,18 +354,17 @@ def test_memory_never_grows_with_more_parallelism_or_savings(tp, pp, dp, recompu
     def actor(**changes):
         par = TrainParallel(**(dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=tokens, recompute=recompute,
                                     sequence_parallel=sp) | changes))
-        layout = Layout(actor=par, rollout=Rollout(engines=1), colocate=False)
-        return plan(TINY, cluster, layout, WORK).row("actor")
+        return plan(TINY, cluster, Placement(actor=par, rollout=Rollout(num_engines=1)), WORK).row("actor")
 
     base = actor()
-    assert actor(distributed_optimizer=True).total <= base.total
+    assert actor(use_distributed_optimizer=True).total <= base.total
     if pp <= 2:  # ≥ 2 layers per stage: keeping inputs and re-running one layer beats keeping them all
         assert actor(recompute=True).activations <= base.activations
     assert base.weights * tp * pp >= 2 * TINY.num_params  # every parameter lives somewhere
     if tp == 1:
-        wider = plan(TINY, cluster, Layout(actor=TrainParallel(tp=2, pp=pp, dp=dp, micro_batch_tokens=tokens,
-                                                               recompute=recompute, sequence_parallel=sp),
-                                           rollout=Rollout(engines=1), colocate=False), WORK).row("actor")
+        wider = plan(TINY, cluster, Placement(actor=TrainParallel(tp=2, pp=pp, dp=dp, micro_batch_tokens=tokens,
+                                                                  recompute=recompute, sequence_parallel=sp),
+                                              rollout=Rollout(num_engines=1)), WORK).row("actor")
         assert all(getattr(wider, c) <= getattr(base, c) for c in ("weights", "grads", "optimizer", "activations"))
 
 

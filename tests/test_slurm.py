@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from orz import launch_slurm
-from orz.config import RoleConfig, StageConfig
-from orz.launch_slurm import (Allocation, LaunchError, LaunchOptions, allocation_from_env, launch_commands,
-                              load_recipe, main, pick_ip, preflight, resolve_run, wait_for_nodes)
+from orz.config import RoleConfig, StageConfig, load_recipe
+from orz.launch_slurm import (Allocation, LaunchError, LaunchOptions, allocation_from_env, launch_commands, main,
+                              pick_ip, preflight, resolve_run, wait_for_nodes)
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH = REPO / "scripts" / "slurm" / "orz.sbatch"
@@ -37,8 +37,13 @@ OUT = "/shared/runs/orz_7b"  # resolve_run only computes paths; nothing is writt
 
 @pytest.fixture
 def model(tmp_path):
+    """A model directory with Qwen2.5-7B's config.json (all the planner reads of it)."""
     path = tmp_path / "Qwen2.5-7B"
     path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072}))
     return str(path)
 
 
@@ -150,15 +155,10 @@ def test_wait_until_ready_and_nodes_short_of_gpus():
                        log=logs.append)
 
 
-def write_layout(path, gpu_mem_gib, colocate=False):
-    """The 7B recipe's own sizes (actor and critic TP2 DP4, 16 engines, no reference) as a planner layout."""
-    role = {"tp": 2, "pp": 1, "dp": 4, "micro_batch_tokens": 16384, "recompute": True, "distributed_optimizer": True}
-    path.write_text(json.dumps({
-        "model": "Qwen2.5-7B",
-        "cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "H100", "gpu_mem_gib": gpu_mem_gib},
-        "layout": {"colocate": colocate, "offload": False, "actor": role, "critic": role, "reference": None,
-                   "rollout": {"engines": 16, "tp": 1, "gpu_memory_utilization": 0.85, "max_num_seqs": 64}},
-    }))  # JSON is YAML
+def write_cluster(path, gpu_mem_gib):
+    """A cluster file: 4 nodes × 8 GPUs of `gpu_mem_gib` each."""
+    path.write_text(json.dumps({"cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "H100",
+                                            "gpu_mem_gib": gpu_mem_gib}}))  # JSON is YAML
     return str(path)
 
 
@@ -168,37 +168,40 @@ def run_main(argv, capsys):
     return rc, out, err
 
 
-def test_layout_that_does_not_fit_is_refused_before_any_command(in_repo, model, tmp_path, capsys):
-    layout = write_layout(tmp_path / "small_gpus.yaml", gpu_mem_gib=24.0)
+def test_a_run_that_does_not_fit_is_refused_before_any_command(in_repo, model, tmp_path, capsys):
+    """The planner plans the recipe itself (with the user's overrides) on the job's nodes."""
+    small = write_cluster(tmp_path / "small_gpus.yaml", gpu_mem_gib=24.0)
     from orz import plan as planner
 
-    assert planner.main(["--layout", layout, "--nodes", "4", "--gpus-per-node", "8", "--json"]) == 1
-    planned = json.loads(capsys.readouterr().out)["problems"]
-    assert planned and any(p.startswith("actor does not fit") for p in planned)
+    assert planner.main(["--cluster", small, "--recipe", RECIPE, *user_overrides(model), "--json"]) == 1
+    [stage] = json.loads(capsys.readouterr().out)["stages"]
+    planned = stage["problems"]
+    assert any(p.startswith("actor does not fit") for p in planned)
 
     rc, out, err = run_main(["script", "--node-list", " ".join(NODES), "--head-ips", "10.0.0.11", "--python", PY,
-                             "--layout", layout, RECIPE, *user_overrides(model)], capsys)
+                             "--cluster", small, RECIPE, *user_overrides(model)], capsys)
     assert rc == 1 and out == ""  # nothing for orz.sbatch to eval: no srun, no ray start
     assert "refusing to start" in err
     for problem in planned:
-        assert f"{layout} on 4 nodes × 8 GPUs: {problem}" in err
+        assert f"{small} on 4 nodes × 8 GPUs: {problem}" in err
 
-    fits = write_layout(tmp_path / "h100.yaml", gpu_mem_gib=79.6)
-    rc, out, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--layout", fits, RECIPE,
+    shipped = "configs/clusters/h100_4x8.yaml"
+    rc, out, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
                              *user_overrides(model)], capsys)
-    assert rc == 0 and f"{fits} fits" in err
+    assert rc == 0 and f"it fits {shipped}" in err
+    # A user's override is planned too: without recomputation the actor no longer fits.
+    rc, _, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
+                           *user_overrides(model), "model.recompute=false"], capsys)
+    assert rc == 1 and "actor does not fit: 90.2 GiB per GPU" in err
 
 
-def test_layout_for_another_run_or_allocation_is_refused(in_repo, model, capsys):
-    layout = "configs/layouts/orz_7b.yaml"  # colocated, DP16: not the 7B recipe's separate TP2 DP4 roles
-    rc, _, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--layout", layout, RECIPE,
+def test_the_plan_uses_the_jobs_nodes_not_the_files(in_repo, model, capsys):
+    shipped = "configs/clusters/h100_4x8.yaml"  # 4 nodes; the job has 2
+    rc, _, err = run_main(["check", "--nodes", "2", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
                            *user_overrides(model)], capsys)
     assert rc == 1
-    assert "does not describe this run (actor TP2 PP1 DP16 in the layout, TP2 PP1 DP4 in the recipe;" in err
-    rc, _, err = run_main(["check", "--nodes", "2", "--gpus-per-node", "8", "--layout", layout, RECIPE,
-                           *user_overrides(model)], capsys)
-    assert rc == 1
-    assert f"{layout} on 2 nodes × 8 GPUs cannot run: layout.actor: TP·PP·DP = 2·1·16 = 32 ≠ 16" in err
+    assert (f"{shipped} on 2 nodes × 8 GPUs cannot run: GPUs needed: actor 8 + critic 8 + rollout 16 = 32 > 16 "
+            "GPUs in the cluster (2 nodes × 8)") in err
 
 
 def test_recipe_sizes_against_the_allocation(in_repo):

@@ -147,6 +147,9 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                 problems.append(f"{name}.{err} of the model; use a size that divides it")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
+        if 0 < role.micro_batch_tokens < context:
+            problems.append(f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample "
+                            f"({context} tokens: data.prompt_max_tokens + rollout.max_new_tokens); raise it")
         if role.threads < 1:
             problems.append(f"{name}.threads={role.threads}: a worker needs at least one thread")
     return problems + _logger_problems(cfg.trainer.loggers)

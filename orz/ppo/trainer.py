@@ -201,7 +201,7 @@ class RayPPOTrainer:
         r = cfg.rollout
         max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
                                           for _, staged in stage_configs(cfg))
-        engine_args = {"max_model_len": max_len}
+        engine_args = {"max_model_len": max_len, "max_num_seqs": r.max_num_seqs}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
         self.fleet = EngineFleet(cfg.model.path, FleetConfig(
