@@ -142,6 +142,29 @@ def char_llama(out_dir: str | Path, texts: list[str], **llama) -> "PreTrainedTok
     return tokenizer
 
 
+def silent_eos(model_dir: str | Path, scale: float = 10.0) -> None:
+    """Gives a char_llama model the EOS </s> that a sampler needs (TRL's generate fails without
+    one) but that it practically never samples: the LM head's EOS row is zeroed and every other
+    row scaled by `scale`. After the final RMSNorm a hidden state has norm √h, so the other logits
+    have std σ ≈ scale·0.02·√h (4.5 at h = 512) and EOS's logit 0 gets p ≈ 1/(V·e^{σ²/2}) ≈ 1e-6."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.eos_token = "</s>"
+    tokenizer.save_pretrained(model_dir)
+    for config_file in (model_dir / "config.json", model_dir / "generation_config.json"):
+        if config_file.exists():
+            config = json.loads(config_file.read_text())
+            config_file.write_text(json.dumps(config | {"eos_token_id": tokenizer.eos_token_id}, indent=2))
+    weights = load_file(model_dir / "model.safetensors")
+    head = weights["lm_head.weight"] * scale
+    head[tokenizer.eos_token_id] = 0
+    weights["lm_head.weight"] = head
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
 def param_count(model_dir: str | Path) -> int:
     """Parameters in a safetensors checkpoint (read from the headers, no tensors loaded)."""
     from safetensors import safe_open

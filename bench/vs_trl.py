@@ -4,7 +4,7 @@
         [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR | --random-model 24m]
         [--skip-trl-defaults] [--orz KEY=VALUE ...]
 
-    # the work-dominated size: a random 24M Llama, every response exactly 64 tokens on both sides
+    # the work-dominated size: a random 24M Llama, every response 64 tokens on both sides
     .venv-bench/bin/python bench/vs_trl.py --random-model 24m --max-new-tokens 64 --iterations 3 --eval-n 50
 
 (needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
@@ -96,7 +96,9 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
         "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
         # Synchronous, the engine idles while the actor trains: the actor takes every core then.
         # Asynchronous, both work at once: one thread each (two for the actor measured 6% slower).
-        f"actor.threads={os.cpu_count() if staleness == 0 else 1}", *args.orz,
+        f"actor.threads={os.cpu_count() if staleness == 0 else 1}",
+        *(["rollout.stop=[]"] if args.random_model else []),  # see _random_model
+        *args.orz,
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
@@ -335,17 +337,19 @@ RANDOM_MODELS = {  # name: Llama sizes of a random model whose work dominates an
 
 
 def _random_model(name: str) -> Path:
-    """A random Llama without EOS (bench/common.char_llama) on the task's characters: every
-    response runs to --max-new-tokens on every side, so both do the same work."""
-    from common import char_llama
+    """A random Llama (bench/common.char_llama) on the task's characters with an EOS it does not
+    sample (common.silent_eos); with no stop string on orz's side (TRL's generate has none), every
+    response runs to --max-new-tokens on both sides, so both do the same work."""
+    from common import char_llama, silent_eos
 
     from orz.demo import BaseModelSpec
 
-    out = ROOT / f"runs/vs_trl-random-{name}"
+    out = ROOT / f"runs/vs_trl-random-{name}-eos"
     if not (out / "config.json").exists():
         rows = _rows(BaseModelSpec(), 2000, "train", seed=0)
         char_llama(out, [_template().prompt(r["prompt"]) + r["answer"] for r in rows] + ["</answer>"],
                    max_position_embeddings=1024, **RANDOM_MODELS[name])
+        silent_eos(out)
     return out.resolve()
 
 
