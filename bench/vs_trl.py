@@ -14,7 +14,7 @@ own process so that thread settings do not leak between them:
    through the whole stack (Ray, Megatron actor, vLLM engine, reward pool), as
    bench/bench_e2e.py does, with the final policy exported to `<output_dir>/hf`;
 2. orz asynchronous (`trainer.max_staleness=1`, with its importance-weight correction; one
-   thread per process);
+   thread per process while both work, the actor on every core once the next batch is generated);
 3. TRL at its defaults (torch's default thread count, transformers.generate);
 4. TRL with one torch thread. Its best CPU setting is the faster of 3 and 4 (`trl_best`), both in
    fp32 (`bf16=False`) like orz, and both with `use_vllm=False`: TRL 1.16's vLLM colocate
@@ -94,9 +94,9 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
         f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
         f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
         "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
-        # Synchronous, the engine idles while the actor trains: the actor takes every core then.
-        # Asynchronous, both work at once: one thread each (two for the actor measured 6% slower).
-        f"actor.threads={os.cpu_count() if staleness == 0 else 1}",
+        # The engine idles while the actor trains (synchronous), or once it has generated the next
+        # batch (asynchronous): the actor takes every core then, one thread while both work.
+        f"actor.threads={os.cpu_count() if staleness == 0 else 1}", f"actor.threads_alone={os.cpu_count()}",
         *(["rollout.stop=[]"] if args.random_model else []),  # see _random_model
         *args.orz,
     ])

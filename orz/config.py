@@ -43,7 +43,10 @@ class RoleConfig:
     pp: int = 1
     dp: int = 1  # replicas; the role has tp·pp·dp workers
     cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is `threads`
-    threads: int = 1  # torch threads per worker on CPU: 2+ pays where the engines idle while it trains
+    threads: int = 1  # torch threads per worker on CPU while the engines generate beside it
+    # ... and while they do not (a synchronous run's passes; an asynchronous update once the next
+    # batch is generated), taken at the worker's next micro-batch; 0: `threads`
+    threads_alone: int = 0
     gpus_per_worker: float = 1.0  # on GPU; < 1 lets roles share a GPU (colocation)
     lr: float = 1e-6
     min_lr: float = 0.0

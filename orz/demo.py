@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -162,6 +163,8 @@ def rl_config(base: Path, spec: BaseModelSpec, root: Path, overrides: list[str])
         # One-step off-policy: the engine generates the next batch while the actor trains (0.70x the
         # time per iteration at equal held-out accuracy, bench/bench_async.py).
         "trainer.max_staleness=1",
+        # One thread each while the engine generates the next batch; every core for the rest of the update.
+        f"actor.threads_alone={os.cpu_count() or 1}",
         "trainer.dump_samples_every=5",
     ])
     return load_config(None, overrides, base=cfg)

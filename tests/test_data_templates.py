@@ -1,7 +1,7 @@
 """Templates: ORZ-style think/answer prompts for base models, the tokenizer's chat template otherwise."""
 import pytest
 
-from orz.data.templates import ChatTemplate, ThinkAnswerTemplate, make_template
+from orz.data.templates import ChatTemplate, ThinkAnswerTemplate, make_template, reward_model_inputs
 from orz.data.tokenizers import char_tokenizer
 from orz.reward.math import extract_answer
 
@@ -38,3 +38,15 @@ def test_template_errors():
     with pytest.raises(ValueError, match="no chat_template"):
         ChatTemplate(char_tokenizer(["abc"]))
     assert isinstance(make_template("think_answer"), ThinkAnswerTemplate)
+
+
+def test_reward_model_inputs_render_the_exchange_in_the_models_own_template():
+    tokenizer = char_tokenizer(["<|user|><|assistant|>What is 2 + 3? 5\n"])
+    tokenizer.chat_template = CHAT
+    prompt, response = reward_model_inputs(tokenizer, "What is 2 + 3?", "5")
+    assert tokenizer.decode(prompt) == "<|user|>What is 2 + 3?\n<|assistant|>"
+    assert tokenizer.decode(response) == "5\n"
+    # a template whose question renders differently once answered cannot be split
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}?{% endif %}"
+    with pytest.raises(ValueError, match="does not render the question the same way"):
+        reward_model_inputs(tokenizer, "What is 2 + 3", "5")

@@ -286,9 +286,12 @@ def test_pi_old_read_in_the_update_equals_a_separate_pass(layout, model):
 
 
 def _threads(rank, world, role, model):
-    MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role), rank, world)
-    return torch.get_num_threads()
+    w = _worker(rank, world, role, "float32", model)
+    at_start = torch.get_num_threads()
+    w.use_threads(1)  # what the trainer sends while engines generate beside the worker
+    first = _step(w, world, _minibatches()[0])["actor/threads"]
+    return at_start, first
 
 
-def test_a_worker_trains_with_its_roles_threads(model):
-    assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [2]
+def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model):
+    assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]

@@ -92,8 +92,10 @@ def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_
     train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
                              f"algorithm.entropy_target={target}", f"algorithm.entropy_step={step}",
                              "algorithm.entropy_max_coef=0.01", "algorithm.entropy_coef=0.0",
-                             "algorithm.overlong_buffer=10", "rollout.stop=[]"]))
+                             "algorithm.overlong_buffer=10", "rollout.stop=[]", "actor.threads_alone=2"]))
     first, second = _history(out)[1:]
+    # On-policy, no engine generates while the actor works: it takes threads_alone (actor.threads is 1).
+    assert first["actor/threads"] == second["actor/threads"] == 2
     assert first["actor/kl_ref"] == 0  # iteration 1: the actor is the reference
     assert first["algorithm/score_mean"] == pytest.approx(first["reward/mean"], abs=1e-6)
     assert second["actor/kl_ref"] > 0 and second["algorithm/score_mean"] < second["reward/mean"] - 1e-6

@@ -110,8 +110,9 @@ def test_the_digit_counter_counts_digits(tmp_path):
 
 @pytest.mark.slow
 def test_training_on_the_reward_models_score_alone_raises_it(ray_cluster, tiny_run, arith_model, tmp_path):
-    """GRPO on a reward model that likes digits, its tokenizer not the policy's, no verifiable
-    reward (weights.math = 0): the policy learns to write digits and the score rises."""
+    """GRPO on a reward model that likes digits, its tokenizer (with a chat template of its own)
+    not the policy's, no verifiable reward (weights.math = 0): the policy learns to write digits
+    and the score rises."""
     from orz.data.synthetic import arithmetic_rows
     from orz.data.templates import ThinkAnswerTemplate
     from orz.ppo.trainer import main as train
@@ -119,8 +120,12 @@ def test_training_on_the_reward_models_score_alone_raises_it(ray_cluster, tiny_r
     from run_history import history
 
     rows = arithmetic_rows(200, seed=0, digits=(1, 2))
-    make_digit_counter(tmp_path / "rm", [ThinkAnswerTemplate("Compute.").prompt(r["prompt"]) + r["solution"]
-                                         for r in rows])
+    _, tokenizer = make_digit_counter(tmp_path / "rm", [ThinkAnswerTemplate("Compute.").prompt(r["prompt"])
+                                                        + r["solution"] for r in rows] + ["<|user|><|assistant|>"])
+    # The reward model reads question and response in its own chat template (reward_model_inputs).
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.save_pretrained(tmp_path / "rm")
     out = tmp_path / "run"
     overrides = [*tiny_run(out, "grpo", iterations=10), f"reward.model.path={tmp_path / 'rm'}",
                  "reward.weights={math: 0.0}", "rollout.stop=[]", "trainer.save_every=0", "data.eval={}",

@@ -75,6 +75,15 @@ def test_no_two_samples_of_a_batch_share_a_random_stream(fleet):
     assert len(set(responses)) == len(responses), responses
 
 
+def test_stream_yields_each_prompts_group_and_equals_generate(fleet):
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, n=3, seed=5)
+    groups = list(fleet.stream(PROMPTS, sampling))
+    assert sorted(group[0].index for group in groups) == list(range(len(PROMPTS)))  # one yield per prompt
+    assert all(len(group) == 3 and {s.index for s in group} == {group[0].index} for group in groups)
+    in_order = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]
+    assert _responses(in_order) == _responses(fleet.generate(PROMPTS, sampling))
+
+
 def test_stale_version_is_refused(fleet):
     with pytest.raises(StaleWeightsError, match="required"):
         fleet.generate(PROMPTS, GREEDY, min_version=fleet.weight_version + 1)

@@ -77,3 +77,17 @@ def make_template(name: str, tokenizer: Any = None, instruction: str = "") -> Th
             raise ValueError("the 'chat' template needs the model's tokenizer")
         return ChatTemplate(tokenizer, instruction) if instruction else ChatTemplate(tokenizer)
     raise ValueError(f"unknown template {name!r}; valid: ['chat', 'think_answer']")
+
+
+def reward_model_inputs(tokenizer: Any, question: str, response: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of one exchange as a reward model with a chat template reads
+    it (Skywork-Reward, the Llama and Qwen RMs): the user's question and the assistant's response
+    rendered by its own template, split where the assistant's turn begins."""
+    user = [{"role": "user", "content": question}]
+    prompt = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True, return_dict=False))
+    whole = list(tokenizer.apply_chat_template([*user, {"role": "assistant", "content": response}], tokenize=True,
+                                               return_dict=False))
+    if whole[:len(prompt)] != prompt:  # a template that renders the turn differently once answered
+        raise ValueError("the reward model's chat template does not render the question the same way before "
+                         "and after the response; cannot tell the response's tokens apart")
+    return prompt, whole[len(prompt):] or [tokenizer.eos_token_id]

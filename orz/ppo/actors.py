@@ -101,7 +101,17 @@ class MegatronWorker:
         to_log_file(spec.log_dir, f"{spec.name}-{rank}")
         # Megatron announces at import that TE/Apex are absent (expected on CPU), once per worker.
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
-        torch.set_num_threads(spec.cfg.threads)
+        self._threads = spec.cfg.threads
+        torch.set_num_threads(self._threads)
+
+    @ray.method(concurrency_group="control")
+    def use_threads(self, threads: int) -> None:
+        """Torch threads from the next micro-batch on (runs beside a pass in progress)."""
+        self._threads = threads
+
+    def _take_threads(self) -> None:
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
 
     def address(self) -> tuple[str, int]:
         from orz.rollout.fleet import free_address
@@ -202,8 +212,14 @@ class MegatronWorker:
         """(B_shard, T) per_micro_batch(output, batch) in row order on the last stage, else None."""
         micro = self._micro_batches(shard)
         self.engine.model.eval()
+
+        def collect(output, batch):
+            self._take_threads()
+            return per_micro_batch(output, batch)
+
+        self._take_threads()
         with torch.no_grad():
-            outputs = self.engine.run(self._inputs(micro), collect=per_micro_batch)
+            outputs = self.engine.run(self._inputs(micro), collect=collect)
         return shard.in_row_order(micro, outputs) if outputs else None
 
     def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
@@ -226,10 +242,16 @@ class MegatronWorker:
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, shards: list[MiniBatch], loss_fn) -> dict | None:
         """One optimizer step per mini-batch, given as this DP rank's shards."""
+
+        def threaded_loss(output, batch):
+            self._take_threads()
+            return loss_fn(output, batch)
+
         steps = []
         for shard in shards:
+            self._take_threads()
             micro = self._micro_batches(shard)
-            out = self.engine.train_step(self._inputs(micro), loss_fn)
+            out = self.engine.train_step(self._inputs(micro), threaded_loss)
             self.scheduler.step(increment=1)
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports:
@@ -237,6 +259,7 @@ class MegatronWorker:
                 # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
+                step[f"{self.spec.name}/threads"] = float(torch.get_num_threads())  # at the step's end
             steps.append(step)
         if not self._reports:
             return None
@@ -553,7 +576,7 @@ class WorkerGroup:
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if on_gpu else {})}
         self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
         ray.get(self.placement.ready())
-        cls = ray.remote(MegatronWorker)
+        cls = ray.remote(concurrency_groups={"control": 1})(MegatronWorker)  # use_threads, beside a pass
         self.workers = [
             cls.options(
                 num_cpus=cfg.cpus_per_worker,
@@ -588,6 +611,10 @@ class WorkerGroup:
 
     def configure(self, cfg: RoleConfig) -> None:
         ray.get(self._call("configure", cfg))
+
+    def use_threads(self, threads: int) -> None:
+        """Every worker takes `threads` torch threads from its next micro-batch on (not waited for)."""
+        self._call("use_threads", threads)
 
     def save_async(self, root: str) -> list[ray.ObjectRef]:
         return self._call("save", root)

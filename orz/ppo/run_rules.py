@@ -150,8 +150,9 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         if 0 < role.micro_batch_tokens < context:
             problems.append(f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample "
                             f"({context} tokens: data.prompt_max_tokens + rollout.max_new_tokens); raise it")
-        if role.threads < 1:
-            problems.append(f"{name}.threads={role.threads}: a worker needs at least one thread")
+        if role.threads < 1 or role.threads_alone < 0:
+            problems.append(f"{name}.threads={role.threads}, threads_alone={role.threads_alone}: a worker needs "
+                            "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
 
 

@@ -39,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import DatasetFormatError, Row, load_source
 from orz.data.sampler import PromptLoader
-from orz.data.templates import make_template
+from orz.data.templates import make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
@@ -62,8 +62,8 @@ from orz.ppo.core_algos import (
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.replay_buffer import Experience, experience_from_rollouts
 from orz.ppo.trackers import open_trackers
-from orz.reward.router import MODEL, RewardRouter, RouterConfig, check_verifiers, reward_metrics
-from orz.rollout.engine import SamplingConfig
+from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
+from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
@@ -297,7 +297,10 @@ class RayPPOTrainer:
             metrics |= self._staleness(experience, k)
             ahead, prefetch = self.iteration + k, None
             if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
-                prefetch = self._background.submit(self._rollout_and_reward, ahead, self.version)
+                self._share_cores(engines_generate=True)
+                prefetch = self._background.submit(self._prefetch, ahead, self.version)
+            else:
+                self._share_cores(engines_generate=False)
             show("log-probs and values")
             with timer("train"):
                 with timer("forward"):
@@ -334,6 +337,20 @@ class RayPPOTrainer:
             self._dump(experience)
         return metrics
 
+    def _prefetch(self, batch: int, version: int) -> tuple[Experience, dict]:
+        """_rollout_and_reward in the background; once it is done the workers may take every core."""
+        try:
+            return self._rollout_and_reward(batch, version)
+        finally:  # before the result is set: the next iteration's share comes after this one
+            self._share_cores(engines_generate=False)
+
+    def _share_cores(self, engines_generate: bool) -> None:
+        """Each Megatron role's torch threads: `threads` beside generating engines, else `threads_alone`."""
+        for name, group in self._named_groups():
+            role = run_rules.roles(self.stage_cfg)[name]
+            if role.threads_alone:
+                group.use_threads(role.threads if engines_generate else role.threads_alone)
+
     def _staleness(self, experience: Experience, k: int) -> dict:
         """How many versions behind the actor each sample's weights are; more than k is refused."""
         staleness = self.version - experience.info["weight_version"]
@@ -361,6 +378,22 @@ class RayPPOTrainer:
                 out.append((row, ids))
         return out
 
+    def _generate_and_score(self, prompts: list[tuple[Row, list[int]]], sampling: SamplingConfig,
+                            min_version: int) -> tuple[list[Sample], list[Verdict], float]:
+        """The samples of every prompt in prompt order, their verdicts, and the seconds scoring took
+        after the last sample: each prompt's group goes to the reward router as soon as its samples
+        finish, so scoring overlaps generation."""
+        pending = []
+        for group in self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version):
+            row = prompts[group[0].index][0]
+            pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
+                                                      [s.finish_reason for s in group])))
+        start = time.perf_counter()
+        pending.sort(key=lambda item: item[0][0].index)
+        scored = [(group, verdicts.result()) for group, verdicts in pending]
+        samples, verdicts = [s for group, _ in scored for s in group], [v for _, vs in scored for v in vs]
+        return samples, verdicts, time.perf_counter() - start
+
     def _rollout_and_reward(self, batch: int, min_version: int) -> tuple[Experience, dict]:
         """Batch `batch` (its iteration index) from engines holding weights >= min_version: one
         draw of prompts; with dynamic sampling, more draws until the kept groups fill the batch,
@@ -368,17 +401,16 @@ class RayPPOTrainer:
         start = time.perf_counter()
         algo, n = self.algo, self.stage_cfg.rollout.n_samples
         target = self.stage_cfg.trainer.prompts_per_iteration * n
-        kept, judged, dropped, first_group, draws, model_score_sum = [], [], 0, 0, 0, 0.0
+        kept, judged, dropped, first_group, draws, model_score_sum, reward_wait = [], [], 0, 0, 0, 0.0, 0.0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
-            samples = self.fleet.generate([ids for _, ids in prompts], self._sampling(batch, draw), min_version=min_version)
-            rows = [prompts[s.index][0] for s in samples]
-            verdicts = self.reward.score([s.text for s in samples], rows, [s.finish_reason for s in samples])
+            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(batch, draw), min_version)
             judged += verdicts
+            reward_wait += wait
             draws += 1
             scores = torch.tensor([v.score for v in verdicts])
             if self.reward_model is not None:
-                model_scores = self._model_scores(samples)
+                model_scores = self._model_scores(samples, [prompts[s.index][0] for s in samples])
                 model_score_sum += model_scores.sum().item()
                 scores = scores + self.stage_cfg.reward.weights.get(MODEL, 1.0) * model_scores
             group = torch.tensor([first_group + s.index for s in samples])
@@ -418,14 +450,19 @@ class RayPPOTrainer:
             metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draws),
                         "rollout/short_batch": float(len(samples) < target)}
         metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
+        metrics["timing/reward_wait"] = reward_wait  # scoring that generation did not hide
         return experience, metrics
 
-    def _model_scores(self, samples: list) -> torch.Tensor:
-        """(B,) the reward model's score of each sample, read in the reward model's own tokens
-        when its vocabulary differs from the policy's (the text is re-tokenized, as verl does)."""
+    def _model_scores(self, samples: list[Sample], rows: list[Row]) -> torch.Tensor:
+        """(B,) the reward model's score of each sample. When the reward model's vocabulary differs
+        from the policy's, it reads the text in its own tokens (re-tokenized, as verl does): the
+        question and response in its own chat template if it has one, else the policy's prompt."""
         prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
         tok = self.rm_tokenizer
-        if tok is not None:
+        if tok is not None and getattr(tok, "chat_template", None):
+            prompts, responses = map(list, zip(*(reward_model_inputs(tok, row.prompt, s.text)
+                                                 for row, s in zip(rows, samples))))
+        elif tok is not None:
             texts = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
             prompts = [tok(t)["input_ids"] for t in texts]
             responses = [tok(s.text, add_special_tokens=False)["input_ids"] or [tok.eos_token_id] for s in samples]

@@ -69,9 +69,12 @@ class VLLMEngine:
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0) -> list[dict]:
-        """requests: (index in batch, prompt token ids); returns Sample dicts, n per request."""
+    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0):
+        """requests: (index in batch, prompt token ids). Yields each request's n Sample dicts as
+        soon as all n have finished (in order of finishing; EngineFleet calls this as a Ray
+        streaming generator, so that rewards can score a group while the others generate)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         if self.weight_version < min_version:
             raise StaleWeightsError(f"engine holds weight version {self.weight_version}, {min_version} required")
@@ -81,21 +84,34 @@ class VLLMEngine:
                 n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                 max_tokens=cfg.max_new_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
                 seed=cfg.seed + index * cfg.n, logprobs=0,  # vLLM adds j for the j-th of n
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
             for index, _ in requests
         ]
-        prompts = [{"prompt_token_ids": ids} for _, ids in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        engine, unfinished = self.llm.llm_engine, {}
+        for (index, prompt_ids), request_params in zip(requests, params):
+            request_id = f"orz-{index}"  # outputs carry the id given here (vLLM's own adds a suffix)
+            engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, request_params)
+            unfinished[request_id] = (index, prompt_ids)
+        try:
+            while unfinished:
+                for out in engine.step():
+                    if out.finished and out.request_id in unfinished:
+                        yield self._samples(*unfinished.pop(out.request_id), out)
+        finally:  # a stream abandoned part-way leaves nothing behind in the engine
+            if unfinished:
+                engine.abort_request(list(unfinished))
+
+    def _samples(self, index: int, prompt_ids: list[int], out) -> list[dict]:
         samples = []
-        for (index, prompt_ids), out in zip(requests, outputs):
-            for completion in out.outputs:
-                ids = list(completion.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-                samples.append(asdict(Sample(
-                    index=index, prompt_ids=list(prompt_ids), response_ids=ids, logprobs=logprobs,
-                    finish_reason="length" if completion.finish_reason == "length" else "stop",
-                    text=completion.text, weight_version=self.weight_version,
-                )))
+        for completion in out.outputs:
+            ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+            samples.append(asdict(Sample(
+                index=index, prompt_ids=list(prompt_ids), response_ids=ids, logprobs=logprobs,
+                finish_reason="length" if completion.finish_reason == "length" else "stop",
+                text=completion.text, weight_version=self.weight_version,
+            )))
         return samples
 
     # ---- weights ---------------------------------------------------------------------------

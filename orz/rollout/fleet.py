@@ -3,6 +3,8 @@
     fleet = EngineFleet(model_dir, FleetConfig(num_engines=2))
     fleet.sync(source, version=1)                   # every engine now holds version 1
     samples = fleet.generate(prompt_ids, SamplingConfig(n=8), min_version=1)
+    for group in fleet.stream(prompt_ids, SamplingConfig(n=8)):   # each prompt's 8 as they finish
+        ...
 
 Weights come from a WeightSource: something that can join a process group as its rank 0 and
 broadcast (the trainer's actor rank 0, or an in-process source in tests and benchmarks), or put
@@ -14,7 +16,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import ray
 import torch
@@ -243,36 +245,48 @@ class EngineFleet:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None) -> list[Sample]:
-        """Samples `sampling.n` responses per prompt, in prompt order; spreads prompts over the
-        engines, restarting and re-syncing any engine that dies or hangs."""
+        """Samples `sampling.n` responses per prompt, in prompt order (see stream)."""
+        groups = sorted(self.stream(prompts, sampling, min_version), key=lambda group: group[0].index)
+        return [sample for group in groups for sample in group]
+
+    def stream(self, prompts: list[list[int]], sampling: SamplingConfig,
+               min_version: int | None = None) -> Iterator[list[Sample]]:
+        """Each prompt's `sampling.n` samples as soon as they have all finished, in no fixed order.
+        Prompts are spread over the engines; an engine that dies, or sends nothing for
+        `request_timeout_s`, is restarted, re-synced and given its unfinished prompts again (each
+        sample's seed is fixed by its place in the batch, so they come out the same)."""
         min_version = self.weight_version if min_version is None else min_version
-        chunks = [[(i, p) for i, p in enumerate(prompts) if i % len(self.engines) == e] for e in range(len(self.engines))]
-        pending = {self._submit(e, chunk, sampling, min_version): (e, chunk) for e, chunk in enumerate(chunks) if chunk}
-        samples, restarts = [], 0
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=self.cfg.request_timeout_s)
-            failed = []
-            if not done:  # nothing finished in time: every pending engine is suspect
-                failed = list(pending)
-            for ref in done:
+        left = {e: {i: p for i, p in enumerate(prompts) if i % len(self.engines) == e} for e in range(len(self.engines))}
+        streams = {self._submit(e, left[e], sampling, min_version): e for e in left if left[e]}
+        restarts = 0
+        while streams:
+            ready, _ = ray.wait(list(streams), num_returns=1, timeout=self.cfg.request_timeout_s)
+            failed = [] if ready else list(streams)  # nothing arrived in time: every engine is suspect
+            for stream in ready:
+                engine_id = streams[stream]
                 try:
-                    samples.extend(ray.get(ref))
-                    del pending[ref]
+                    group = [Sample(**s) for s in ray.get(next(stream))]
+                except StopIteration:
+                    del streams[stream]
+                    continue
                 except (RayActorError, GetTimeoutError) as err:
-                    log.warning("engine %d failed: %s", pending[ref][0], err)
-                    failed.append(ref)
-            for ref in failed:
-                engine_id, chunk = pending.pop(ref)
+                    log.warning("engine %d failed: %s", engine_id, err)
+                    failed.append(stream)
+                    continue
+                del left[engine_id][group[0].index]
+                yield group
+            for stream in failed:
+                engine_id = streams.pop(stream)
                 restarts += 1
                 if restarts > self.cfg.max_restarts:
                     raise RuntimeError(f"engine {engine_id} failed; gave up after {self.cfg.max_restarts} restarts")
                 self.restart(engine_id)
-                pending[self._submit(engine_id, chunk, sampling, min_version)] = (engine_id, chunk)
-        samples.sort(key=lambda s: s["index"])  # stable: keeps the n samples of a prompt in order
-        return [Sample(**s) for s in samples]
+                if left[engine_id]:
+                    streams[self._submit(engine_id, left[engine_id], sampling, min_version)] = engine_id
 
-    def _submit(self, engine_id, chunk, sampling: SamplingConfig, min_version: int):
-        return self.engines[engine_id].generate.remote(chunk, asdict(sampling), min_version)
+    def _submit(self, engine_id: int, prompts: dict[int, list[int]], sampling: SamplingConfig, min_version: int):
+        return self.engines[engine_id].generate.options(num_returns="streaming").remote(
+            list(prompts.items()), asdict(sampling), min_version)
 
     def restart(self, engine_id: int) -> None:
         """Replaces an engine and brings it to the fleet's current weight version."""
