@@ -838,6 +838,11 @@ def print_table(p: Plan, problems: list[str], stage: str = "") -> None:
         console.print(f"[red]✗[/] {problem}", highlight=False)
 
 
+# the flags laid over the cluster file (load_cluster)
+_CLUSTER_FLAGS = ("nodes", "gpus_per_node", "gpu", "gpu_mem_gib", "reserved_gib", "train_mfu", "hbm_efficiency",
+                  "mean_prompt_tokens", "mean_response_tokens")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m orz.plan", description=__doc__.split("\n\n")[0],
                                  epilog="Flags override the --cluster file; key=value overrides the recipe.")
@@ -872,10 +877,6 @@ def main(argv: list[str] | None = None) -> int:
         for label, p, problems in checked:
             print_table(p, problems, label)
     return 1 if any(problems for _, _, problems in checked) else 0
-
-
-_CLUSTER_FLAGS = ("nodes", "gpus_per_node", "gpu", "gpu_mem_gib", "reserved_gib", "train_mfu", "hbm_efficiency",
-                  "mean_prompt_tokens", "mean_response_tokens")
 
 
 if __name__ == "__main__":
