@@ -346,8 +346,9 @@ class RayPPOTrainer:
 
     def _share_cores(self, engines_generate: bool) -> None:
         """Each Megatron role's torch threads: `threads` beside generating engines, else `threads_alone`."""
+        roles = run_rules.roles(self.stage_cfg)
         for name, group in self._named_groups():
-            role = run_rules.roles(self.stage_cfg)[name]
+            role = roles[name]
             if role.threads_alone:
                 group.use_threads(role.threads if engines_generate else role.threads_alone)
 
