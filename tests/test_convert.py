@@ -127,3 +127,27 @@ def test_missing_tensor_is_named(tmp_path, llama):
 def test_not_a_directory(tmp_path):
     with pytest.raises(ModelConfigError, match="not a directory"):
         read_arch(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("saved,target", [((2, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (1, 2)), ((1, 2), (2, 1))])
+def test_reshard_gives_what_the_target_layout_reads_from_hf(tmp_path, family, tied, saved, target):
+    """Every rank of `target` re-sharded from `saved`'s shards equals its shard cut from the HF
+    weights directly, padded vocabulary rows included (each layout pads to its own size)."""
+    from orz.models.convert import Layout, hf_to_megatron, reshard
+
+    src = make_tiny_hf(tmp_path, family=family, vocab_size=101, tie_word_embeddings=tied)
+    arch, hf = read_arch(src), _all_tensors(src)
+
+    def layout(tp, pp, tp_rank=0, pp_rank=0):
+        return Layout(tp, pp, tp_rank, pp_rank, padded_vocab=arch.padded_vocab_size(tp, 8))
+
+    shards = {(t, p): hf_to_megatron(hf.__getitem__, arch, layout(*saved, t, p))
+              for t in range(saved[0]) for p in range(saved[1])}
+    for t in range(target[0]):
+        for p in range(target[1]):
+            got = reshard(lambda tr, pr, name: shards[tr, pr][name], arch, layout(*saved), layout(*target, t, p))
+            expected = hf_to_megatron(hf.__getitem__, arch, layout(*target, t, p))
+            assert got.keys() == expected.keys()
+            for name, tensor in expected.items():
+                assert torch.equal(got[name], tensor), (t, p, name)

@@ -179,7 +179,8 @@ def _load(rank, world, role, model, ckpt):
 
 
 @pytest.mark.parametrize("layout,message", [
-    ("pp2", r"actor was saved at TP1 PP1 DP1; this run has TP1 PP2 DP1. A run may change its DP size, not TP or PP"),
+    ("pp2", r"actor was saved at TP1 PP1 DP1; this run has TP1 PP2 DP1. Without the distributed optimizer a run "
+            r"may change its DP size, not TP or PP"),
     ("dp2_distributed_optimizer", r"actor was saved without the distributed optimizer and this run is with it"),
 ])
 def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, message, model, reference,
@@ -187,6 +188,12 @@ def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, message, 
     workers, role = LAYOUTS[layout]
     with pytest.raises(RuntimeError, match=message):
         run_world(_load, workers, role, model, reference_checkpoint)
+
+
+def _first_step_saved(rank, world, role, model, ckpt):
+    w = _worker(rank, world, role, "float32", model)
+    _step(w, world, _minibatches()[0])
+    w.save(ckpt)
 
 
 def _second_step_from(rank, world, role, model, ckpt):
@@ -198,15 +205,23 @@ def _second_step_from(rank, world, role, model, ckpt):
     return (metrics, weights) if rank == 0 else None
 
 
-@pytest.mark.parametrize("saved,resumed", [("dp2_distributed_optimizer", "dp1_distributed_optimizer"),
-                                           ("dp1_distributed_optimizer", "dp2_distributed_optimizer")])
-def test_a_run_resumes_at_another_dp_size_with_its_adam_moments_recut(saved, resumed, model, reference, tmp_path):
+RESHARD_LAYOUTS = {  # name: (workers, RoleConfig), all with the distributed optimizer
+    "dp1": (1, RoleConfig(lr=1e-3, micro_batch_size=3, use_distributed_optimizer=True)),
+    "dp2": (2, RoleConfig(lr=1e-3, dp=2, micro_batch_size=3, use_distributed_optimizer=True)),
+    "tp2pp2": (4, RoleConfig(lr=1e-3, tp=2, pp=2, micro_batch_size=3, use_distributed_optimizer=True)),
+    "tp2dp2": (4, RoleConfig(lr=1e-3, tp=2, dp=2, micro_batch_size=3, use_distributed_optimizer=True)),
+}
+
+
+@pytest.mark.parametrize("saved,resumed", [("dp2", "dp1"), ("dp1", "dp2"), ("dp2", "tp2pp2"), ("tp2dp2", "dp1")])
+def test_a_run_resumes_at_another_layout_with_its_adam_moments_resharded(saved, resumed, model, reference, tmp_path):
     """Going from 4 nodes to 8: each DP rank saved its flat range of the fp32 masters and Adam
-    moments; at the other DP size each rank cuts its new range from all of them, and step 2 is
-    the uninterrupted run's (the DP=1 reference, within the layouts' 1e-5)."""
-    run_world(_two_steps, LAYOUTS[saved][0], LAYOUTS[saved][1], "float32", model, str(tmp_path / "ck"), timeout=300)
-    metrics, weights = run_world(_second_step_from, LAYOUTS[resumed][0], LAYOUTS[resumed][1], model,
-                                 str(tmp_path / "ck"), timeout=300)[0]
+    moments by name. At another DP size each rank cuts its new range from all of them; at another
+    TP/PP every saved rank's tensors are joined and re-sharded through the HF layout first. Step 2
+    is the uninterrupted run's (the DP=1 reference, within the layouts' 1e-5)."""
+    run_world(_first_step_saved, *RESHARD_LAYOUTS[saved], model, str(tmp_path / "ck"), timeout=300)
+    metrics, weights = run_world(_second_step_from, *RESHARD_LAYOUTS[resumed], model, str(tmp_path / "ck"),
+                                 timeout=300)[0]
     for key, value in reference["metrics"][1].items():
         assert _close(metrics[key], value), (key, metrics[key], value)
     for name, w in reference["weights"].items():

@@ -9,7 +9,7 @@ Megatron's layout differs from HF's in three places:
 Row-parallel layers (`linear_proj`, `linear_fc2`) split columns; norms are replicated.
 Layer i of the model is local layer i - pp_rank * layers_per_stage on its pipeline stage.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -190,6 +190,37 @@ def megatron_to_hf(
             if rule.megatron == OUTPUT and arch.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             yield from zip(rule.hf, to_hf(rule, [s[rule.megatron] for s in states], arch))
+
+
+def reshard(
+    read: Callable[[int, int, str], torch.Tensor], arch: ModelArch, saved: Layout, layout: Layout
+) -> dict[str, torch.Tensor]:
+    """`layout`'s state dict from tensors saved at another TP/PP layout, through the HF names
+    (any TP/PP to any other); `read(tp_rank, pp_rank, megatron_name)` reads one saved tensor.
+
+    Works for any per-parameter quantity (weights, fp32 masters, Adam moments): the maps are
+    slicing and concatenation only. Padded vocabulary rows are dropped and come back as zeros. A
+    critic's value head (replicated, on the last stage) is copied from the saved last stage.
+    """
+    source = {}  # HF name -> (saved stage, rule)
+    for pp_rank in range(saved.pp):
+        for rule in param_rules(arch, replace(saved, tp_rank=0, pp_rank=pp_rank)):
+            if not (rule.megatron == OUTPUT and arch.tie_word_embeddings):
+                source.update((name, (pp_rank, rule)) for name in rule.hf)
+    done: dict[str, dict[str, torch.Tensor]] = {}  # a rule's HF tensors, read once for q, k and v
+
+    def get_hf(name: str) -> torch.Tensor:
+        pp_rank, rule = source[name]
+        key = f"{pp_rank}/{rule.megatron}"
+        if name not in done.get(key, {}):
+            shards = [read(tp_rank, pp_rank, rule.megatron) for tp_rank in range(saved.tp)]
+            done[key] = dict(zip(rule.hf, to_hf(rule, shards, arch)))
+        return done[key].pop(name)
+
+    state = hf_to_megatron(get_hf, arch, layout)
+    if layout.critic and layout.last_stage:
+        state |= {f"{VALUE_HEAD}.{p}": read(0, saved.pp - 1, f"{VALUE_HEAD}.{p}") for p in ("weight", "bias")}
+    return state
 
 
 def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +22,14 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orz.config import AlgorithmConfig, RoleConfig
+from orz.models.optimizer_shards import (
+    distributed_optimizers,
+    load_resharded_states,
+    load_shard_states,
+    resharded_weights,
+    saved_layout,
+    shard_states,
+)
 from orz.ppo.core_algos import (
     POLICY_LOSSES,
     aggregate,
@@ -374,27 +381,19 @@ class MegatronWorker:
         layout = self.engine.layout
         return Path(root) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}"
 
-    def _distributed_optimizers(self) -> list:
-        """The DistributedOptimizer(s) inside the engine's optimizer ([] without ZeRO-1)."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        optimizer = self.engine.optimizer
-        inner = getattr(optimizer, "chained_optimizers", [optimizer])
-        return [o for o in inner if isinstance(o, DistributedOptimizer)]
-
     def save(self, root: str) -> None:
         """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
         state, written by DP rank 0 (replicas hold identical copies). With the distributed
-        optimizer each DP rank also writes its own shard of the fp32 masters and Adam moments
-        (`optim_dp_NN_I.pt`), which Megatron's `state_dict` leaves out, by parameter name and
-        range: a run at another DP size re-cuts them (`load`)."""
+        optimizer each DP rank also writes its own shard of the fp32 masters and Adam moments,
+        which Megatron's `state_dict` leaves out, by parameter name and range
+        (`optimizer_shards`): a run at another layout re-cuts them (`load`)."""
         from safetensors.torch import save_file
 
         shard = self._shard_dir(root)
         names = {param: name for name, param in self.engine.model.named_parameters()}
-        for i, optimizer in enumerate(self._distributed_optimizers()):
+        for i, optimizer in enumerate(distributed_optimizers(self.engine.optimizer)):
             shard.mkdir(parents=True, exist_ok=True)
-            torch.save(_shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
+            torch.save(shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
         if self._dp[0] != 0:
             return
         shard.mkdir(parents=True, exist_ok=True)
@@ -407,25 +406,35 @@ class MegatronWorker:
 
     def load(self, root: str) -> None:
         """The inverse of `save`, exactly: fp32 masters of a bf16 model come from the optimizer's
-        state, never from the bf16 weights."""
+        state, never from the bf16 weights. At another DP size each rank re-cuts its optimizer
+        range; at another TP/PP (distributed optimizer only) weights, masters and moments are
+        re-sharded through the HF layout."""
         from safetensors.torch import load_file
 
-        shard = self._shard_dir(root)
-        layout = self.engine.layout
+        root = Path(root)
+        shard, layout = self._shard_dir(root), self.engine.layout
         mine = {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}
-        state = torch.load(shard / "optim.pt", weights_only=False) if (shard / "optim.pt").is_file() else {}
+        # A rank of a new TP/PP may have no shard of its own: rank (0, 0) of the saved run has one.
+        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else root / "mp_rank_00_000" / "optim.pt"
+        if not state_file.is_file():
+            raise ValueError(f"{root}: holds no checkpoint of {self.spec.name} ({state_file} is missing)")
+        state = torch.load(state_file, weights_only=False)
         saved = state.get("layout", {**mine, "dp": None})  # checkpoints before layouts were recorded: DP unknown
-        if not state or (saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"]):
-            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved) if state else 'another layout'}; "
-                             f"this run has {_sizes(mine)}. A run may change its DP size, not TP or PP: resume "
-                             "at the saved TP and PP, or export it with `orz.convert mcore2hf` and start a new "
-                             "run from the HF weights")
-        distributed = self._distributed_optimizers()
-        if self.spec.train and bool(distributed) != any(shard.glob("optim_dp_*.pt")):
+        distributed = distributed_optimizers(self.engine.optimizer) if self.spec.train else []
+        if self.spec.train and bool(distributed) != any(root.glob("mp_rank_*/optim_dp_*.pt")):
             have, want = ("with", "without") if not distributed else ("without", "with")
             raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
                              f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
-        self.engine.load_local_state(load_file(shard / "model.safetensors"))
+        same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"])
+        if not same_mp and self.spec.train and not distributed:
+            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
+                             "Without the distributed optimizer a run may change its DP size, not TP or PP: resume "
+                             f"at the saved TP and PP, save with {self.spec.name}.use_distributed_optimizer=true, or "
+                             "export it with `orz.convert mcore2hf` and start a new run from the HF weights")
+        from_layout = None if same_mp else saved_layout(root, saved["tp"], saved["pp"], layout)
+        weights = (load_file(shard / "model.safetensors") if same_mp
+                   else resharded_weights(root, self.engine.arch, from_layout, layout))
+        self.engine.load_local_state(weights)
         torch.set_rng_state(state["rng"])
         if not self.spec.train:
             return
@@ -434,10 +443,12 @@ class MegatronWorker:
         _set_group_lr(state["optimizer"], self.spec.cfg)
         self.engine.optimizer.load_state_dict(state["optimizer"])
         names = {param: name for name, param in self.engine.model.named_parameters()}
-        same_dp = saved["dp"] in (None, mine["dp"])
         for i, optimizer in enumerate(distributed):
-            paths = sorted(shard.glob(f"optim_dp_*_{i}.pt"))
-            _load_shard_states(optimizer, names, paths, self._dp[0] if same_dp else None)
+            if same_mp:
+                paths = sorted(shard.glob(f"optim_dp_*_{i}.pt"))
+                load_shard_states(optimizer, names, paths, self._dp[0] if saved["dp"] in (None, mine["dp"]) else None)
+            else:
+                load_resharded_states(optimizer, names, i, root, self.engine.arch, from_layout, layout)
         # Checkpoints before stages kept the scheduler's whole state dict.
         self.scheduler.num_steps = state.get("scheduler_steps") or state["scheduler"]["num_steps"]
         # The optimizer's state brought the saved stage's param-group settings (max_lr, betas):
@@ -461,76 +472,6 @@ def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
 
 def _sizes(layout: dict) -> str:
     return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}"
-
-
-def _shard_params(optimizer) -> list:
-    """A DistributedOptimizer's model parameters in its buffers' order (fixed by the layout)."""
-    return [param for buffer in optimizer.gbuf_ranges for by_dtype in buffer.values()
-            for bucket in by_dtype for param in bucket["param_map"]]
-
-
-def _owned_range(optimizer, param) -> tuple[int, int]:
-    """[start, end) of the flattened parameter that this DP rank's optimizer shard holds."""
-    owned = optimizer._get_model_param_range_map(param)["param"]
-    return owned.start, owned.end
-
-
-def _shard_states(optimizer, names: dict) -> list[dict]:
-    """This DP rank's fp32 master shard and Adam moments, parameter by parameter: its name, the
-    flat range it holds and the tensors. Megatron's own `get_parameter_state_dp_reshardable`
-    output cannot be fed back to its loader (it has no `padding` entries), so the per-parameter
-    accessors both use are called directly."""
-    return [{"name": names[p], "range": _owned_range(optimizer, p),
-             "tensors": {k: v.detach().clone() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}}
-            for p in _shard_params(optimizer)]
-
-
-def _cut(pieces: list[dict], start: int, end: int) -> dict[str, torch.Tensor]:
-    """[start, end) of one parameter's states from the saved pieces that cover it (each DP rank
-    of the saving run held one flat range); 0-d states (Adam's step) are the same in each."""
-    inside = sorted((p for p in pieces if p["range"][0] < end and p["range"][1] > start), key=lambda p: p["range"][0])
-    out = {}
-    for key, tensor in inside[0]["tensors"].items():
-        if tensor.dim() == 0:
-            out[key] = tensor.clone()
-            continue
-        slices = []
-        for piece in inside:
-            offset = piece["range"][0]
-            slices.append(piece["tensors"][key].reshape(-1)[max(start, offset) - offset:min(end, piece["range"][1]) - offset])
-        out[key] = torch.cat(slices)
-    if out["param"].numel() != end - start:
-        raise ValueError(f"the saved optimizer shards cover {out['param'].numel()} of the {end - start} values asked")
-    return out
-
-
-@torch.no_grad()  # the masters are leaves that require grad
-def _load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: int | None) -> None:
-    """Sets this DP rank's masters and moments: from its own saved shard (saved_dp_rank: the run
-    keeps the saved DP size), else its range of each parameter cut from every saved shard,
-    memory-mapped so that a rank reads only what it holds."""
-    params = _shard_params(optimizer)
-    # Without TE/Apex, Megatron's load_state_dict gives every parameter the same `step` tensor,
-    # which torch's Adam then increments once per parameter per step: give each its own.
-    for state in optimizer.optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].clone()
-    if saved_dp_rank is not None:
-        mine = torch.load(paths[saved_dp_rank])
-        if len(mine) != len(params):
-            raise ValueError(f"optimizer shard holds {len(mine)} parameters, this layout has {len(params)}")
-        for param, piece in zip(params, mine):  # older checkpoints saved the tensors alone
-            optimizer._set_main_param_and_optimizer_states(param, piece["tensors"] if "tensors" in piece else piece)
-        return
-    by_name = defaultdict(list)
-    for path in paths:
-        for piece in torch.load(path, mmap=True):
-            if "range" not in piece:
-                raise ValueError(f"{path}: optimizer shards of this age cannot be re-cut; resume at the DP "
-                                 "size they were saved at")
-            by_name[piece["name"]].append(piece)
-    for param in params:
-        optimizer._set_main_param_and_optimizer_states(param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
 
 
 @dataclass(frozen=True)
