@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orz.config import ConfigError, load_config
+from orz.data.datasets import DatasetFormatError
 from orz.ppo.trainer import main as train
 from run_history import deterministic as _deterministic, history as _history
 
@@ -177,3 +178,16 @@ def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override
     with pytest.raises(ConfigError, match=message):
         train(load_config(None, [*tiny_run(tmp_path, "grpo"), *override.split("|")]))
     assert not (tmp_path / "config.yaml").exists()  # nothing started
+
+
+def test_an_eval_prompt_longer_than_prompt_max_tokens_is_refused_naming_its_row(tiny_run, tmp_path):
+    """Training skips a prompt above data.prompt_max_tokens; an evaluation set is never trimmed,
+    so such a prompt would fail inside vLLM mid-run: it stops the run before anything starts."""
+    rows = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "1 + 1 = " * 40, "answer": "2"}]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [*tiny_run(tmp_path / "run", "grpo"), f"data.eval={{long: '{path}'}}"]
+    with pytest.raises(DatasetFormatError, match=rf"{path}, row 2: its prompt is \d+ tokens, above "
+                                                 r"data.prompt_max_tokens=64"):
+        train(load_config(None, overrides))
+    assert not (tmp_path / "run" / "config.yaml").exists()

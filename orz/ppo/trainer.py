@@ -100,8 +100,9 @@ def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int, loaded: d
 def check_data(cfg: ExperimentConfig) -> dict:
     """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
     whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
-    read, for the trainer (load_data)."""
-    loaded = {}
+    read, for the trainer (load_data). Evaluation prompts must fit data.prompt_max_tokens (the
+    engines' context is sized from it): training skips a longer prompt, evaluation refuses it."""
+    loaded, tokenizer = {}, load_tokenizer(cfg.model.path)
     for _, staged in stage_configs(cfg):
         d, router = staged.data, RouterConfig.from_config(staged.reward)
         sources = [(s, "train", d.synthetic_train_size) for s in d.train] + \
@@ -113,6 +114,14 @@ def check_data(cfg: ExperimentConfig) -> dict:
             if scored_by_model is not None and not staged.reward.model.path:
                 raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
                                          "(the reward model's score alone), but reward.model.path is not set")
+        template = make_template(d.template, tokenizer, d.instruction)
+        for spec in d.eval.values():
+            for row in load_data(spec, staged, "test", d.synthetic_eval_size, loaded):
+                length = len(encode_prompt(tokenizer, template, row.prompt))
+                if length > d.prompt_max_tokens:
+                    raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
+                                             f"data.prompt_max_tokens={d.prompt_max_tokens}, which sizes the engines' "
+                                             "context; an evaluation set is never trimmed: raise data.prompt_max_tokens")
     return loaded
 
 
