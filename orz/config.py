@@ -57,7 +57,7 @@ class RoleConfig:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     steps_per_iteration: int = 1  # optimizer steps per iteration: the buffer is cut into this many mini-batches
     micro_batch_size: int = 8  # rows per forward/backward pass (ignored when micro_batch_tokens > 0)
-    micro_batch_tokens: int = 0  # > 0: dynamic micro-batches by a token budget instead
+    micro_batch_tokens: int = 0  # > 0: length-sorted rows, as many per pass as keep rows × the longest ≤ this
     use_distributed_optimizer: bool = False  # ZeRO-1 over DP (GPU; untested on CPU)
 
 

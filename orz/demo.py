@@ -155,7 +155,7 @@ def rl_config(base: Path, spec: BaseModelSpec, root: Path, overrides: list[str])
         f"data.instruction={INSTRUCTION}", f"data.synthetic_digits=[{spec.digits[0]}, {spec.digits[1]}]",
         f"data.synthetic_ops='{spec.ops}'", "data.synthetic_eval_size=200", "data.prompt_max_tokens=64",
         "algorithm.advantage=grpo", "algorithm.whiten_advantages=false",
-        "actor.lr=1e-4", "actor.steps_per_iteration=2", "actor.micro_batch_size=64",
+        "actor.lr=1e-4", "actor.steps_per_iteration=2", "actor.micro_batch_tokens=4096",  # 1.08x padding where 64 rows pad 1.27x
         "rollout.n_samples=8", "rollout.temperature=1.0", "rollout.max_new_tokens=128", "rollout.kv_cache_gib=2",
         "rollout.stop=['</answer>']",
         "trainer.iterations=15", "trainer.prompts_per_iteration=32", "trainer.eval_every=5", "trainer.eval_n=4",

@@ -238,7 +238,7 @@ def _logprobs(rank, world, role, model, experience):
 
 @pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens"])
 def test_the_logprob_pass_returns_rows_in_their_order(layout, model):
-    """Micro-batches sorted by length (row splits) or packed first-fit (a token budget) reorder
+    """Micro-batches sorted by length (cut by rows or by a token budget) reorder
     the rows; the pass puts them back: each row's log π equals transformers' log_softmax."""
     from transformers import AutoModelForCausalLM
 

@@ -182,11 +182,25 @@ def test_gradient_accumulation_does_not_change_loss_or_gradients(experience, mic
 @PROPERTY
 @given(experiences(max_rows=10), st.integers(1, 6))
 def test_micro_batches_respect_the_token_budget(experience, slack):
+    """The budget bounds the padded micro-batch (rows × width: what a pass computes and holds),
+    and the bins follow length order, so that rows of like lengths pad together."""
     budget = int(experience.sequence_lengths().max()) + slack
     micro_batches = MiniBatch.of(experience).micro_batches(max_tokens=budget)
-    assert all(int(micro.experience.sequence_lengths().sum()) <= budget for micro in micro_batches)
+    assert all(micro.experience.sequences.numel() <= budget for micro in micro_batches)
+    lengths = [micro.experience.sequence_lengths() for micro in micro_batches]
+    assert all(int(a.max()) <= int(b.min()) for a, b in zip(lengths, lengths[1:]))
+    assert sorted(torch.cat([micro.rows for micro in micro_batches]).tolist()) == list(range(experience.batch_size))
     sized = MiniBatch.of(experience).micro_batches(size=3)
     assert [micro.experience.batch_size for micro in sized][:-1] == [3] * (len(sized) - 1)
+
+
+def test_a_token_budget_never_pads_a_short_row_to_a_long_one():
+    """Lengths 8, 5, 2 in a budget of 10: first-fit on real tokens would put 8 and 2 together
+    (16 padded tokens); the padded budget gives [2, 5] (10) and [8] (8)."""
+    experience = make_experience([1, 1, 1], [7, 4, 1])
+    micro_batches = MiniBatch.of(experience).micro_batches(max_tokens=10)
+    assert [micro.rows.tolist() for micro in micro_batches] == [[2, 1], [0]]
+    assert [tuple(micro.experience.sequences.shape) for micro in micro_batches] == [(2, 5), (1, 8)]
 
 
 def test_micro_batches_need_exactly_one_way_to_split():

@@ -221,27 +221,24 @@ def _cat_padded(values: Sequence[Tensor]) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Token budgets. (No packing: Megatron's THD layout needs Transformer Engine's attention, which
-# the CPU path lacks; token-budget micro-batches cut most of the padding without it.)
+# the CPU path lacks. A padded micro-batch computes and holds rows × its longest row.)
 
 
-def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into bins of total ≤ capacity, longest first; each bin sorted."""
+def _padded_bins(lengths: Tensor, capacity: int) -> list[Tensor]:
+    """Row indices sorted by length and cut so that each bin's rows × its longest length ≤
+    capacity: the padded micro-batch stays within the budget, and rows of like lengths share one."""
     if capacity <= 0:
         raise ValueError(f"max_tokens must be positive, got {capacity}")
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        length = lengths[index]
+    order = torch.argsort(lengths, stable=True)
+    bins, start = [], 0
+    for end, index in enumerate(order.tolist(), start=1):
+        length = int(lengths[index])
         if length > capacity:
             raise ValueError(f"row {index} has {length} tokens, more than max_tokens={capacity}")
-        free = next((b for b, load in enumerate(loads) if load + length <= capacity), None)
-        if free is None:
-            bins.append([index])
-            loads.append(length)
-        else:
-            bins[free].append(index)
-            loads[free] += length
-    return [sorted(indices) for indices in bins]
+        if (end - start) * length > capacity:  # sorted: the new row is the bin's longest
+            bins.append(order[start:end - 1])
+            start = end - 1
+    return bins + [order[start:]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,10 +282,10 @@ class MiniBatch:
         return MiniBatch(self.experience.select(rows), self.loss_denominators)
 
     def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:
-        """Split by row count (``size``: rows sorted by prompt + response length, so that each
-        micro-batch pads to lengths like its own) or by a token budget (``max_tokens``, dynamic
-        batching: rows grouped first-fit decreasing by length). Padding columns are trimmed; each
-        micro-batch's ``rows`` say where its results go back (``MiniBatch.in_row_order``)."""
+        """Rows sorted by prompt + response length, so that each micro-batch pads to lengths like
+        its own, then split by row count (``size``) or by a token budget (``max_tokens``: as many
+        rows as fit with rows × the longest ≤ max_tokens, dynamic batching). Padding columns are
+        trimmed; each micro-batch's ``rows`` say where its results go back (``in_row_order``)."""
         if (size is None) == (max_tokens is None):
             raise ValueError("pass exactly one of size or max_tokens")
         lengths = self.experience.sequence_lengths()
@@ -297,7 +294,7 @@ class MiniBatch:
                 raise ValueError(f"size must be positive, got {size}")
             bins = torch.argsort(lengths, stable=True).split(size)
         else:
-            bins = [torch.tensor(b, dtype=torch.long) for b in _first_fit_decreasing(lengths.tolist(), max_tokens)]
+            bins = _padded_bins(lengths, max_tokens)
         return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators, rows)
                 for rows in bins if len(rows)]
 
