@@ -47,7 +47,6 @@ class RoleConfig:
     # ... and while they do not (a synchronous run's passes; an asynchronous update once the next
     # batch is generated), taken at the worker's next micro-batch; 0: `threads`
     threads_alone: int = 0
-    gpus_per_worker: float = 1.0  # on GPU; < 1 lets roles share a GPU (colocation)
     lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
@@ -204,6 +203,9 @@ class TrainerConfig:
     dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
+    # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines
+    # sleep (vLLM's sleep mode) from the end of a rollout to the weight sync (orz.colocation).
+    colocate: bool = False
     ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
     # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor
     # trains on batch i, so batch i comes from weights max(0, i − k); a stage boundary drains.

@@ -224,10 +224,11 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def gpu_demand(cfg: ExperimentConfig, with_critic: bool) -> dict[str, float]:
-    """GPUs each role asks Ray for: TP·PP·DP workers × gpus_per_worker (< 1 when roles are colocated
-    and share GPUs), and engines × engine_tp for the vLLM fleet (whole GPUs, one bundle per engine)."""
-    roles = _roles(cfg, with_critic)
-    demand = {name: role.tp * role.pp * role.dp * role.gpus_per_worker for name, role in roles.items()}
+    """GPUs each role asks Ray for: one per worker (TP·PP·DP), and engines × engine_tp for the vLLM
+    fleet (whole GPUs, one bundle per engine). Colocated (trainer.colocate), the roles share the
+    engines' GPUs and ask for none of their own."""
+    roles, own = _roles(cfg, with_critic), 0 if cfg.trainer.colocate else 1
+    demand = {name: float(role.tp * role.pp * role.dp * own) for name, role in roles.items()}
     demand["rollout"] = float(cfg.rollout.num_engines * cfg.rollout.engine_tp)
     return demand
 
@@ -244,12 +245,11 @@ def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_
     for label, stage in stage_configs(cfg):
         demand, roles, r = gpu_demand(stage, with_critic), _roles(stage, with_critic), stage.rollout
         if sum(demand.values()) > total + 1e-9:
-            parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers × "
-                     f"{role.gpus_per_worker:g} GPU)" for name, role in roles.items()]
+            parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers)" for name, role in roles.items()]
             parts.append(f"rollout {demand['rollout']:g} ({r.num_engines} engines × TP{r.engine_tp})")
             problems.append(f"{label}the recipe needs {' + '.join(parts)} = {sum(demand.values()):g} GPUs > {total} "
                             f"GPUs in this job ({nodes} nodes × {gpus_per_node}); add nodes, shrink DP or engines, "
-                            "or colocate roles (gpus_per_worker < 1)")
+                            "or colocate the roles with the engines (trainer.colocate=true)")
         if r.engine_tp > gpus_per_node:
             problems.append(f"{label}rollout.engine_tp={r.engine_tp} > {gpus_per_node} GPUs per node: "
                             "an engine's GPUs must be on one node")

@@ -742,7 +742,7 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
         ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, micro_batch_tokens=tokens(ref)) if ref else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
-        colocate=any(role.gpus_per_worker < 1 for role in roles.values()),
+        colocate=cfg.trainer.colocate,
         offload_idle_roles=cfg.trainer.offload_idle_roles)
 
 

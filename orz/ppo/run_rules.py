@@ -128,6 +128,7 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     if k > 0 and a.is_correction is False:
         problems.append(f"trainer.max_staleness={k} trains on samples of older weights: algorithm.is_correction=false "
                         "would leave them uncorrected; leave it unset (on) or true")
+    problems += colocation_problems(cfg)
     if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
         problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
                         "samples from seeds of its own)")
@@ -154,6 +155,29 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             problems.append(f"{name}.threads={role.threads}, threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def colocation_problems(cfg: ExperimentConfig) -> list[str]:
+    """Colocated roles take turns on the same GPUs: one bundle per GPU, holding one worker of each
+    role and one single-GPU engine."""
+    t, r = cfg.trainer, cfg.rollout
+    if not t.colocate:
+        return []
+    problems = []
+    if t.max_staleness > 0:
+        problems.append(f"trainer.colocate=true takes turns on the same GPUs, so trainer.max_staleness={t.max_staleness} "
+                        "cannot overlap rollout with training: set max_staleness=0 or colocate=false")
+    if r.engine_tp != 1:
+        problems.append(f"trainer.colocate=true places one engine per GPU: rollout.engine_tp={r.engine_tp} must be 1")
+    if r.transport != "object_store":
+        problems.append(f"trainer.colocate=true needs rollout.transport=object_store (got {r.transport!r}): NCCL cannot "
+                        "join two ranks on one GPU, and the CUDA IPC path is not built")
+    gpus = r.num_engines * r.engine_tp
+    for name, role in roles(cfg).items():
+        if role.tp * role.pp * role.dp != gpus:
+            problems.append(f"trainer.colocate=true: {name}'s TP·PP·DP = {role.tp}·{role.pp}·{role.dp} must equal the "
+                            f"engines' {gpus} GPUs (rollout.num_engines × engine_tp): colocated roles share every GPU")
+    return problems
 
 
 def _logger_problems(loggers: list[str]) -> list[str]:

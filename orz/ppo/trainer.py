@@ -36,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from orz.bundles import Bundles
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import DatasetFormatError, Row, load_source
 from orz.data.sampler import PromptLoader
@@ -196,18 +197,20 @@ class RayPPOTrainer:
     def _setup_roles(self):
         cfg = self.run_cfg
         console.print(f"[bold]orz:[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
-        roles = run_rules.roles(cfg)
-        self.actor = WorkerGroup(self._role("actor"))
-        self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path)) \
-            if "critic" in roles else None
-        self.ref = WorkerGroup(self._role("ref", train=False)) if "ref" in roles else None
+        roles, r = run_rules.roles(cfg), cfg.rollout
+        # Colocated: one bundle per GPU for a worker of every role and an engine (run_rules checks the sizes).
+        self.bundles = Bundles.create(r.num_engines, sum(role.cpus_per_worker for role in roles.values()) + r.cpus_per_engine,
+                                      gpu_share=1 / (len(roles) + 1)) if cfg.trainer.colocate else None
+        self.actor = WorkerGroup(self._role("actor"), self.bundles)
+        self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path),
+                                  self.bundles) if "critic" in roles else None
+        self.ref = WorkerGroup(self._role("ref", train=False), self.bundles) if "ref" in roles else None
         rm = cfg.reward.model
-        self.reward_model = WorkerGroup(self._role("reward_model", critic=True, train=False, model_path=rm.path)) \
-            if "reward_model" in roles else None
+        self.reward_model = WorkerGroup(self._role("reward_model", critic=True, train=False, model_path=rm.path),
+                                        self.bundles) if "reward_model" in roles else None
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
-        r = cfg.rollout
         max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
                                           for _, staged in stage_configs(cfg))
         engine_args = {"max_model_len": max_len, "max_num_seqs": r.max_num_seqs}
@@ -217,7 +220,8 @@ class RayPPOTrainer:
             num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
             engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
             request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=self.log_dir,
-        ), seed=cfg.trainer.seed)
+            sleep_mode=cfg.trainer.colocate,
+        ), seed=cfg.trainer.seed, shared=self.bundles)
         self.weights = ActorWeightSource(self.actor)
 
     def _setup_controllers(self):
@@ -304,6 +308,10 @@ class RayPPOTrainer:
                 self.pending.append(self._rollout_and_reward(self.iteration + len(self.pending), self.version))
             experience, metrics = self.pending.popleft()
             metrics |= self._staleness(experience, k)
+            colocated = self.run_cfg.trainer.colocate  # the roles' turn: the engines sleep until the sync
+            if colocated:
+                with timer("sleep"):
+                    self.fleet.sleep()
             ahead, prefetch = self.iteration + k, None
             if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
                 self._share_cores(engines_generate=True)
@@ -323,6 +331,9 @@ class RayPPOTrainer:
                 if prefetch is not None:
                     show("waiting for the next batch")
                     self.pending.append(prefetch.result())
+            if colocated:
+                with timer("wake_up"):
+                    self.fleet.wake_up()
             show("weight sync")
             with timer("sync"):
                 self.version += 1
@@ -666,6 +677,8 @@ class RayPPOTrainer:
         self.fleet.shutdown()
         for group in self._groups():
             group.shutdown()
+        if self.bundles is not None:
+            self.bundles.remove()
 
 
 def _summary(metrics: dict) -> str:

