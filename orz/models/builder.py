@@ -19,6 +19,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from orz.models.arch import ModelArch
+from orz.models.attention import SDPAttention
 
 
 def use_transformer_engine() -> bool:
@@ -75,9 +76,12 @@ def transformer_config(
 
 
 def layer_spec() -> ModuleSpec:
+    """TE's layers where TE runs; else Megatron's local layers with torch's fused attention."""
     if use_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec()  # untested here: no GPU
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def _stage_flags() -> dict:
