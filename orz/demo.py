@@ -80,7 +80,7 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
 
     from orz.data.tokenizers import load_tokenizer
     from orz.models.checkpoint import HFCheckpoint, save_hf
-    from orz.models.engine import ModelEngine, OptimConfig
+    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
@@ -109,12 +109,12 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
         n_tokens = target_mask.sum()
 
         def nll(logits, b):
-            logprobs, _ = logprobs_and_entropy(logits[:, :-1], b["input_ids"][:, 1:], ckpt.arch.vocab_size,
+            logprobs, _ = logprobs_and_entropy(logits[:, :-1], b.input_ids[:, 1:], ckpt.arch.vocab_size,
                                                ps.get_tensor_model_parallel_group(), with_entropy=False)
             loss = -(logprobs * target_mask).sum() / n_tokens
             return loss, {"loss": loss.item()}
 
-        out = engine.train_step([{"input_ids": ids, "position_ids": torch.arange(width).expand_as(ids)}], nll)
+        out = engine.train_step([ModelInputs(ids)], nll)
         if step % 10 == 0 or step == spec.steps - 1:
             log.write(json.dumps({"step": step, "loss": out["metrics"][0]["loss"], "lr": lr}) + "\n")
             log.flush()

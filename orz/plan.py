@@ -759,7 +759,13 @@ def plan_recipe(cfg: ExperimentConfig, cluster: ClusterFile) -> list[tuple[str, 
     """(stage label, plan) for every stage of the run (one, labelled "", without stages)."""
     if not cfg.model.path:
         raise PlanError("model.path is not set: give a preset (model.path=Qwen2.5-7B) or an HF model directory")
+    from orz.ppo import run_rules  # imports torch: kept out of the arithmetic above
+
     name, arch = resolve_model(cfg.model.path)
+    try:
+        run_rules.check(cfg, arch)  # what the trainer refuses, the planner refuses
+    except ConfigError as err:
+        raise PlanError("\n".join(f"the trainer refuses it: {line}" for line in str(err).splitlines())) from None
     plans, problems = [], []
     for label, staged in stage_configs(cfg):
         try:

@@ -20,7 +20,7 @@ def _train_step(rank, world, skip, path):
     """Build, load, one forward/backward and Adam step: every patched code path."""
     megatron_patches.apply(skip=skip)
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, OptimConfig
+    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=1, pp=world)
@@ -28,8 +28,7 @@ def _train_step(rank, world, skip, path):
     engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3))
     engine.load_hf(ckpt)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
-    batch = {"input_ids": tokens, "position_ids": torch.arange(8).expand(2, 8)}
-    out = engine.train_step([batch], lambda logits, b: (logits.float().mean(), {}))
+    out = engine.train_step([ModelInputs(tokens)], lambda logits, b: (logits.float().mean(), {}))
     return out["update_ok"]
 
 

@@ -33,7 +33,7 @@ def checkpoints(tmp_path_factory):
 
 def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine
+    from orz.models.engine import ModelEngine, ModelInputs
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp)
@@ -46,7 +46,7 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
         exported = dict(engine.hf_tensors())
         critic = ModelEngine(ckpt.arch, critic=True)
         critic.load_hf(ckpt)
-        values = critic.run([{"input_ids": tokens, "position_ids": torch.arange(SEQ).expand_as(tokens)}], collect=lambda o, b: o)
+        values = critic.run([ModelInputs(tokens)], collect=lambda o, b: o)
         result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None}
     return result
 
@@ -76,7 +76,7 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
 
 def _train_one_step(rank, world, tp, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, OptimConfig
+    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
     from megatron.core import parallel_state as ps
@@ -89,21 +89,20 @@ def _train_one_step(rank, world, tp, tokens, path):
     engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6))
     engine.load_hf(ckpt)
     initial_optimizer = copy.deepcopy(engine.optimizer.state_dict())
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     total_tokens = tokens[:, 1:].numel()
 
     def nll(logits, batch):
         logprobs, _ = logprobs_and_entropy(
-            logits[:, :-1], batch["input_ids"][:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
+            logits[:, :-1], batch.input_ids[:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
         )
         loss = -logprobs.sum() / total_tokens
         return loss, {"loss": loss.detach()}
 
     # Micro-batches of 2: the accumulated loss and gradient must equal those of the whole batch.
-    whole = engine.train_step([{"input_ids": tokens, "position_ids": positions}], nll)
+    whole = engine.train_step([ModelInputs(tokens)], nll)
     engine.load_hf(ckpt)
     engine.optimizer.load_state_dict(initial_optimizer)
-    micro = [{"input_ids": t, "position_ids": p} for t, p in zip(tokens.split(2), positions.split(2))]
+    micro = [ModelInputs(t) for t in tokens.split(2)]
     out = engine.train_step(micro, nll)
     assert abs(whole["grad_norm"] - out["grad_norm"]) < 1e-6 * max(1.0, whole["grad_norm"])
     assert abs(whole["metrics"][0]["loss"].item() - sum(m["loss"] for m in out["metrics"]).item()) < 1e-6

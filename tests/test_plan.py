@@ -322,6 +322,9 @@ def test_placements_that_cannot_run(changes, message):
     ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["model.path=Qwen9"], "neither a preset"),
     ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["actor.tpp=2"], "did you mean 'actor.tp'?"),
     ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["model.path="], "model.path is not set"),
+    # What the trainer refuses (run_rules), the planner refuses too.
+    ("cluster: {nodes: 1, gpus_per_node: 8, gpu_mem_gib: 80}", ["trainer.colocate=true", "trainer.max_staleness=1"],
+     "the trainer refuses it: trainer.colocate=true takes turns on the same GPUs"),
 ])
 def test_bad_input_exits_2_naming_the_file_and_key(tmp_path, capsys, yaml_text, overrides, message):
     path = tmp_path / "bad.yaml"

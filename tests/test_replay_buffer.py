@@ -66,7 +66,6 @@ def test_response_positions_and_gather_response_by_hand():
     assert experience.response_positions().tolist() == [[2, 3, 4], [3, 4, 4]]
     # a per-token result equal to the token id reads back the response ids, 0 on padding
     assert experience.gather_response(experience.sequences).tolist() == [[13, 14, 15], [24, 0, 0]]
-    assert experience.position_ids().tolist() == [[0, 1, 2, 3, 4]] * 2
     assert experience.sequence_lengths().tolist() == [5, 4]
 
 

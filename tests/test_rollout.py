@@ -107,7 +107,7 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature):
     from megatron.core import parallel_state as ps
 
-    from orz.models.engine import ModelEngine
+    from orz.models.engine import ModelEngine, ModelInputs
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
@@ -117,14 +117,13 @@ def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperatur
     engine.load_hf(ckpt)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-    batch = {"input_ids": ids, "position_ids": torch.arange(width).expand_as(ids)}
 
     def logprobs(logits, b):
-        lp, _ = logprobs_and_entropy(logits[:, :-1], b["input_ids"][:, 1:], ckpt.arch.vocab_size,
+        lp, _ = logprobs_and_entropy(logits[:, :-1], b.input_ids[:, 1:], ckpt.arch.vocab_size,
                                      ps.get_tensor_model_parallel_group(), temperature, with_entropy=False)
         return [lp[i, p - 1 : len(s) - 1] for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
-    return engine.run([batch], collect=logprobs)[0]
+    return engine.run([ModelInputs(ids)], collect=logprobs)[0]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -24,9 +24,12 @@ from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
 from orz.models.convert import HF_SCORE, OUTPUT, VALUE_HEAD, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
+from orz.models.inputs import ModelInputs
 
-# A per-micro-batch loss: (model output of the last stage, micro-batch) -> (loss, metrics)
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+# A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
+LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
 
 
 @dataclass
@@ -192,33 +195,31 @@ class ModelEngine:
     # ---- compute -------------------------------------------------------------------------
     def run(
         self,
-        microbatches: list[dict],
+        microbatches: list[ModelInputs],
         loss_fn: LossFn | None = None,
         forward_only: bool = True,
-        collect: Callable[[torch.Tensor, dict], object] | None = None,
+        collect: Callable[[torch.Tensor, ModelInputs], object] | None = None,
     ) -> list:
-        """Runs micro-batches through the pipeline.
-
-        Each micro-batch has `input_ids` and `position_ids` (B, S). With `collect`, returns
+        """Runs micro-batches through the pipeline, each at its own (B, S). With `collect`, returns
         collect(output, micro-batch) per micro-batch on the last stage ([] elsewhere); with
         `loss_fn`, returns its metrics dicts (last stage) and, unless forward_only, accumulates
         gradients.
         """
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = model(batch["input_ids"], batch["position_ids"], None)
+            output = model(batch.input_ids, batch.position_ids, None)
             if collect is not None:
                 return output, lambda out, non_loss_data=False: collect(out, batch)
             return output, partial(_loss_with_count, loss_fn, batch)
 
-        seq_length = microbatches[0]["input_ids"].shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
+        seq_length = microbatches[0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
             model=[self.model],
             num_microbatches=len(microbatches),
             seq_length=seq_length,
-            micro_batch_size=microbatches[0]["input_ids"].shape[0],
+            micro_batch_size=microbatches[0].input_ids.shape[0],
             forward_only=forward_only,
             collect_non_loss_data=collect is not None,
         )
@@ -231,11 +232,10 @@ class ModelEngine:
             dist.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
             return torch.cat(shards, dim=-1)[..., : self.arch.vocab_size]
 
-        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        out = self.run([{"input_ids": input_ids, "position_ids": positions}], collect=gather)
+        out = self.run([ModelInputs(input_ids)], collect=gather)
         return out[0] if out and self.layout.tp_rank == 0 else None
 
-    def train_step(self, microbatches: list[dict], loss_fn: LossFn) -> dict:
+    def train_step(self, microbatches: list[ModelInputs], loss_fn: LossFn) -> dict:
         """One optimizer step over a mini-batch given as micro-batches (gradient accumulation)."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -245,7 +245,7 @@ class ModelEngine:
         return {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
 
 
-def _loss_with_count(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor):
     loss, metrics = loss_fn(output, batch)
     # Returning a count makes Megatron skip its division by the number of micro-batches; the
     # count itself is ignored (see _finalize_without_token_scaling).

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from orz.bundles import Bundles
 from orz.config import AlgorithmConfig, RoleConfig
+from orz.models.inputs import ModelInputs
 from orz.models.optimizer_shards import (
     distributed_optimizers,
     load_resharded_states,
@@ -37,7 +38,7 @@ from orz.ppo.core_algos import (
     truncated_is_weights,
     value_loss,
 )
-from orz.ppo.replay_buffer import Experience, MiniBatch
+from orz.ppo.replay_buffer import Experience, MicroBatch, MiniBatch
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,16 @@ class MegatronWorker:
             return shard.micro_batches(max_tokens=cfg.micro_batch_tokens)
         return shard.micro_batches(size=cfg.micro_batch_size)
 
-    def _inputs(self, micro_batches: list) -> list[dict]:
+    def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
         """Megatron inputs, each micro-batch at its own width (PP exchanges shapes)."""
-        return [{"input_ids": mb.experience.sequences, "position_ids": mb.experience.position_ids(), "micro": mb}
-                for mb in micro_batches]
+        return [ModelInputs(mb.experience.sequences, mb) for mb in micro_batches]
 
-    def _token_logprobs(self, logits: torch.Tensor, batch: dict, temperature: float, with_entropy: bool):
+    def _token_logprobs(self, logits: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool):
         from orz.models.logprobs import logprobs_and_entropy
 
-        exp: Experience = batch["micro"].experience
+        exp: Experience = batch.micro.experience
         width = exp.sequences.shape[1]
-        ids = batch["input_ids"]
+        ids = batch.input_ids
         logprobs, entropy = logprobs_and_entropy(
             logits[:, :-1], ids[:, 1:], self.engine.arch.vocab_size,
             self.ps.get_tensor_model_parallel_group(), temperature, with_entropy,
@@ -239,11 +239,11 @@ class MegatronWorker:
     def values(self, experience: Experience):
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
 
-        return self._forward(experience, lambda values, batch: _token_values(values, batch["micro"].experience))
+        return self._forward(experience, lambda values, batch: _token_values(values, batch.micro.experience))
 
     def scores(self, experience: Experience):
         """(dp_rank, (B_shard, T)): a reward model's score on each sequence's last token."""
-        return self._forward(experience, lambda values, batch: _last_token_values(values, batch["micro"].experience))
+        return self._forward(experience, lambda values, batch: _last_token_values(values, batch.micro.experience))
 
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, shards: list[MiniBatch], loss_fn) -> dict | None:
@@ -288,7 +288,7 @@ class MegatronWorker:
             shards[1:] = [self._with_old_logprobs(shard, temperature) for shard in shards[1:]]
 
         def loss_fn(logits, batch):
-            mb = batch["micro"]
+            mb = batch.micro
             exp, agg = mb.experience, algo.loss_agg
             denominator = mb.denominator(agg)
             logprob, entropy = self._token_logprobs(logits, batch, temperature, True)
@@ -326,7 +326,7 @@ class MegatronWorker:
 
     def train_critic(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> dict | None:
         def loss_fn(values, batch):
-            mb = batch["micro"]
+            mb = batch.micro
             exp = mb.experience
             new_values = _token_values(values, exp)
             loss, metrics = value_loss(new_values, exp.values, exp.returns, exp.response_mask, algo.value_clip,

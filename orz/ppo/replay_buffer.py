@@ -10,7 +10,7 @@ One token layout, everywhere:
 
 Response token t of row b is ``sequences[b, prompt_lengths[b] + t]``; every (B, T) field is indexed
 like ``response_mask``. A response token may be attended but masked out of the loss (tool output in
-a multi-turn response). A Megatron worker feeds ``sequences`` with ``position_ids()``, computes
+a multi-turn response). A Megatron worker feeds ``sequences`` (positions 0, 1, 2, ... on every row), computes
 per-token results over (B, S) — the value at s
 belongs to token s, e.g. its log-prob from the logits at s − 1 — and reads the response part back
 with ``gather_response``.
@@ -159,11 +159,6 @@ class Experience:
     def sequence_lengths(self) -> Tensor:
         """(B,) int64 prompt + response tokens of each row: its forward cost."""
         return self.attention_mask.long().sum(dim=1)
-
-    def position_ids(self) -> Tensor:
-        """(B, S) int64 position of each token; right padding makes it 0, 1, 2, ... on every row."""
-        batch, width = self.sequences.shape
-        return torch.arange(width, device=self.sequences.device).expand(batch, width)
 
     def response_positions(self) -> Tensor:
         """(B, T) int64 position in ``sequences`` of each response token (clamped to S − 1 on padding)."""

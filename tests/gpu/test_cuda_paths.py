@@ -76,6 +76,7 @@ def test_bf16_logits_match_transformers(world, tmp_path):
 
 
 def test_actor_step_on_a_qwen2_0_5b_shaped_model_and_offload(world, tmp_path):
+    from orz.models.inputs import ModelInputs
     from orz.models.tiny import make_tiny_hf
 
     path = make_tiny_hf(tmp_path / "qwen", family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -83,7 +84,7 @@ def test_actor_step_on_a_qwen2_0_5b_shaped_model_and_offload(world, tmp_path):
     ckpt, engine = _engine(path)
     batch, seq = 8, 1024
     tokens = torch.randint(0, 151936, (batch, seq), device="cuda")
-    micro = [{"input_ids": tokens, "position_ids": torch.arange(seq, device="cuda").expand(batch, seq)}]
+    micro = [ModelInputs(tokens)]
 
     def loss(logits, _):
         return logits.float().square().mean() * 1e-3, {}
