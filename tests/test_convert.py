@@ -130,7 +130,7 @@ def test_not_a_directory(tmp_path):
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
-@pytest.mark.parametrize("saved,target", [((2, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (1, 2)), ((1, 2), (2, 1))])
+@pytest.mark.parametrize("saved,target", [((2, 2), (1, 1)), ((2, 1), (1, 2))])
 def test_reshard_gives_what_the_target_layout_reads_from_hf(tmp_path, family, tied, saved, target):
     """Every rank of `target` re-sharded from `saved`'s shards equals its shard cut from the HF
     weights directly, padded vocabulary rows included (each layout pads to its own size)."""

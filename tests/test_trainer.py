@@ -147,8 +147,8 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     actor_pids = []
     build = WorkerGroup.__init__
 
-    def build_and_record(group, spec):
-        build(group, spec)
+    def build_and_record(group, spec, *placement):
+        build(group, spec, *placement)
         if spec.name == "actor":
             actor_pids.append(ray.get([w.__ray_call__.remote(lambda worker: os.getpid()) for w in group.workers]))
 
