@@ -204,7 +204,7 @@ class TrainerConfig:
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
     # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines
-    # sleep (vLLM's sleep mode) from the end of a rollout to the weight sync (orz.colocation).
+    # sleep (vLLM's sleep mode) from the end of a rollout to the weight sync (orz/bundles.py).
     colocate: bool = False
     ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
     # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor

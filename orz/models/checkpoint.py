@@ -122,8 +122,13 @@ def save_hf(
     return Path(out_dir)
 
 
+def rank_dir(tp_rank: int, pp_rank: int) -> str:
+    """The directory of one rank's shard inside a Megatron checkpoint."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
 def rank_file(layout: Layout) -> str:
-    return f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}/model.safetensors"
+    return f"{rank_dir(layout.tp_rank, layout.pp_rank)}/model.safetensors"
 
 
 def megatron_meta(arch_config: dict, layout: Layout) -> dict:

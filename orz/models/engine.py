@@ -26,8 +26,6 @@ from orz.models.checkpoint import HFCheckpoint
 from orz.models.convert import HF_SCORE, OUTPUT, VALUE_HEAD, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
 from orz.models.inputs import ModelInputs
 
-
-
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
 

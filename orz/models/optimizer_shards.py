@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from orz.models.arch import ModelArch
+from orz.models.checkpoint import rank_dir
 from orz.models.convert import EMBEDDING, Layout, reshard
 
 DDP_PREFIX = "module."  # Megatron DDP's name for the wrapped model
@@ -110,7 +111,7 @@ def load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: 
 def saved_layout(root: Path, tp: int, pp: int, layout: Layout) -> Layout:
     """The layout a checkpoint's shards were written at (its padded vocabulary read from the
     saved embedding); TE naming and the critic flag are this run's."""
-    with safe_open(root / "mp_rank_00_000" / "model.safetensors", "pt") as f:
+    with safe_open(root / rank_dir(0, 0) / "model.safetensors", "pt") as f:
         padded = f.get_slice(EMBEDDING).get_shape()[0] * tp
     return replace(layout, tp=tp, pp=pp, tp_rank=0, pp_rank=0, padded_vocab=padded)
 
@@ -121,7 +122,7 @@ def resharded_weights(root: Path, arch: ModelArch, saved: Layout, layout: Layout
 
     def read(tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
         if (tp_rank, pp_rank) not in files:
-            files[tp_rank, pp_rank] = safe_open(root / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" / "model.safetensors", "pt")
+            files[tp_rank, pp_rank] = safe_open(root / rank_dir(tp_rank, pp_rank) / "model.safetensors", "pt")
         return files[tp_rank, pp_rank].get_tensor(name)
 
     return reshard(read, arch, saved, layout)
@@ -136,7 +137,7 @@ def load_resharded_states(optimizer, names: dict, index: int, root: Path, arch: 
     pieces, shapes = {}, {}
     for tp_rank in range(saved.tp):
         for pp_rank in range(saved.pp):
-            shard = root / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+            shard = root / rank_dir(tp_rank, pp_rank)
             pieces[tp_rank, pp_rank] = _pieces_by_name(sorted(shard.glob(f"optim_dp_*_{index}.pt")))
             with safe_open(shard / "model.safetensors", "pt") as f:
                 shapes[tp_rank, pp_rank] = {k: f.get_slice(k).get_shape() for k in f.keys()}

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from orz.bundles import Bundles
 from orz.config import AlgorithmConfig, RoleConfig
+from orz.models.checkpoint import rank_dir
 from orz.models.inputs import ModelInputs
 from orz.models.optimizer_shards import (
     distributed_optimizers,
@@ -378,7 +379,7 @@ class MegatronWorker:
     # ---- checkpoints -------------------------------------------------------------------------
     def _shard_dir(self, root: str) -> Path:
         layout = self.engine.layout
-        return Path(root) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}"
+        return Path(root) / rank_dir(layout.tp_rank, layout.pp_rank)
 
     def save(self, root: str) -> None:
         """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
@@ -414,7 +415,7 @@ class MegatronWorker:
         shard, layout = self._shard_dir(root), self.engine.layout
         mine = {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}
         # A rank of a new TP/PP may have no shard of its own: rank (0, 0) of the saved run has one.
-        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else root / "mp_rank_00_000" / "optim.pt"
+        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else root / rank_dir(0, 0) / "optim.pt"
         if not state_file.is_file():
             raise ValueError(f"{root}: holds no checkpoint of {self.spec.name} ({state_file} is missing)")
         state = torch.load(state_file, weights_only=False)

@@ -106,6 +106,7 @@ def check_data(cfg: ExperimentConfig) -> dict:
     loaded, tokenizer = {}, load_tokenizer(cfg.model.path)
     for _, staged in stage_configs(cfg):
         d, router = staged.data, RouterConfig.from_config(staged.reward)
+        template = make_template(d.template, tokenizer, d.instruction)
         sources = [(s, "train", d.synthetic_train_size) for s in d.train] + \
                   [(s, "test", d.synthetic_eval_size) for s in d.eval.values()]
         for spec, split, size in sources:
@@ -115,9 +116,7 @@ def check_data(cfg: ExperimentConfig) -> dict:
             if scored_by_model is not None and not staged.reward.model.path:
                 raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
                                          "(the reward model's score alone), but reward.model.path is not set")
-        template = make_template(d.template, tokenizer, d.instruction)
-        for spec in d.eval.values():
-            for row in load_data(spec, staged, "test", d.synthetic_eval_size, loaded):
+            for row in rows if split == "test" else ():
                 length = len(encode_prompt(tokenizer, template, row.prompt))
                 if length > d.prompt_max_tokens:
                     raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
