@@ -30,7 +30,7 @@ demo: install
 	$(BIN)/python -m orz.demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -10,7 +10,7 @@ runs comes from here, computed from Slurm's variables, so it is tested without S
 
     alloc = allocation_from_env(os.environ, nodes)      # nodes: `scontrol show hostnames` of SLURM_JOB_NODELIST
     cfg, overrides = resolve_run(recipe, overrides, submit_dir, alloc.restart_count)
-    problems = preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, needs_critic(cfg), cluster)   # [] to go on
+    problems = preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, cluster)   # [] to go on
     commands = launch_commands(alloc, head_ip, options, overrides)   # head, workers, waits, train
 
 The head is the node the batch script runs on, so the trainer (the Ray driver) shares a node with
@@ -189,27 +189,14 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
 # ---------------------------------------------------------------- checks before any GPU work
 
 
-def needs_critic(cfg: ExperimentConfig) -> bool:
-    """Whether the trainer starts a critic (orz.ppo.run_rules.roles; imports torch)."""
+def _roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
+    """The Megatron roles the trainer starts: orz.ppo.run_rules.roles, which imports torch."""
     from orz.ppo import run_rules
 
     try:
-        return "critic" in run_rules.roles(cfg)
+        return run_rules.roles(cfg)
     except ConfigError as err:  # an unknown estimator; the message lists the valid ones
         raise LaunchError(str(err)) from None
-
-
-def _roles(cfg: ExperimentConfig, with_critic: bool) -> dict[str, RoleConfig]:
-    """The Megatron roles the trainer starts (orz.ppo.run_rules.roles), the critic's presence
-    given as `with_critic` = needs_critic(cfg), so that the rest needs no torch."""
-    roles = {"actor": cfg.actor}
-    if with_critic:
-        roles["critic"] = cfg.critic
-    if cfg.algorithm.kl_coef > 0:
-        roles["ref"] = cfg.ref
-    if cfg.reward.model.path:
-        roles["reward_model"] = cfg.reward.model
-    return roles
 
 
 def config_problems(cfg: ExperimentConfig) -> list[str]:
@@ -223,17 +210,17 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
     return []
 
 
-def gpu_demand(cfg: ExperimentConfig, with_critic: bool) -> dict[str, float]:
+def gpu_demand(cfg: ExperimentConfig) -> dict[str, float]:
     """GPUs each role asks Ray for: one per worker (TP·PP·DP), and engines × engine_tp for the vLLM
     fleet (whole GPUs, one bundle per engine). Colocated (trainer.colocate), the roles share the
     engines' GPUs and ask for none of their own."""
-    roles, own = _roles(cfg, with_critic), 0 if cfg.trainer.colocate else 1
+    roles, own = _roles(cfg), 0 if cfg.trainer.colocate else 1
     demand = {name: float(role.tp * role.pp * role.dp * own) for name, role in roles.items()}
     demand["rollout"] = float(cfg.rollout.num_engines * cfg.rollout.engine_tp)
     return demand
 
 
-def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_critic: bool) -> list[str]:
+def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int) -> list[str]:
     """Why the recipe's parallel sizes cannot be placed on nodes × gpus_per_node GPUs; [] when they can.
 
     Ray would otherwise wait forever for placement groups it cannot satisfy: more GPUs than the
@@ -243,7 +230,7 @@ def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_
         return []  # a CPU partition: roles reserve CPUs, which Ray shares out
     problems, total = [], nodes * gpus_per_node
     for label, stage in stage_configs(cfg):
-        demand, roles, r = gpu_demand(stage, with_critic), _roles(stage, with_critic), stage.rollout
+        demand, roles, r = gpu_demand(stage), _roles(stage), stage.rollout
         if sum(demand.values()) > total + 1e-9:
             parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers)" for name, role in roles.items()]
             parts.append(f"rollout {demand['rollout']:g} ({r.num_engines} engines × TP{r.engine_tp})")
@@ -274,12 +261,11 @@ def plan_problems(cluster: str | Path, cfg: ExperimentConfig, nodes: int, gpus_p
     return [f"{where}: {label}{problem}" for label, p in plans for problem in planner.check(p)]
 
 
-def preflight(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, with_critic: bool,
-              cluster: str | Path | None = None) -> list[str]:
+def preflight(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, cluster: str | Path | None = None) -> list[str]:
     """Every reason not to start: the recipe against the allocation, then, given a cluster file,
     the planner's verdict on memory; [] to go on."""
     config = config_problems(cfg)
-    problems = config + recipe_problems(cfg, nodes, gpus_per_node, with_critic)
+    problems = config + recipe_problems(cfg, nodes, gpus_per_node)
     if cluster and not config:  # the planner reads the config as the trainer would
         problems += plan_problems(cluster, cfg, nodes, gpus_per_node)
     return problems
@@ -461,8 +447,8 @@ def _refuse(problems: list[str]) -> int:
     return 1
 
 
-def _summary(cfg: ExperimentConfig, with_critic: bool) -> str:
-    demand = gpu_demand(cfg, with_critic)
+def _summary(cfg: ExperimentConfig) -> str:
+    demand = gpu_demand(cfg)
     return " + ".join(f"{name} {n:g}" for name, n in demand.items()) + f" = {sum(demand.values()):g} GPUs"
 
 
@@ -486,13 +472,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             alloc = allocation_from_env(env, args.node_list.split(), args.gpus_per_node)
             nodes, gpus, restarts = alloc.nodes_count, alloc.gpus_per_node, alloc.restart_count
         cfg, overrides = resolve_run(args.recipe, args.overrides, Path.cwd(), restarts)
-        with_critic = needs_critic(cfg)
-        problems = preflight(cfg, nodes, gpus, with_critic, args.cluster)
+        problems = preflight(cfg, nodes, gpus, args.cluster)
     except LaunchError as err:
         return _refuse([str(err)])
     if problems:
         return _refuse(problems)
-    print(f"orz.launch_slurm: {args.recipe} on {nodes} nodes × {gpus} GPUs: {_summary(cfg, with_critic)}"
+    print(f"orz.launch_slurm: {args.recipe} on {nodes} nodes × {gpus} GPUs: {_summary(cfg)}"
           + (f"; it fits {args.cluster}" if args.cluster else ""), file=sys.stderr)
     if args.command == "check":
         return 0

@@ -51,8 +51,6 @@ def model(tmp_path):
 def in_repo(monkeypatch):
     """Recipes are given relative to the submit directory, the repository root."""
     monkeypatch.chdir(REPO)
-    # The registry lookup imports torch (seconds); the 7B recipe's GAE needs a critic, GRPO does not.
-    monkeypatch.setattr(launch_slurm, "needs_critic", lambda cfg: cfg.algorithm.advantage == "gae")
 
 
 def user_overrides(model):
@@ -68,7 +66,7 @@ def ray_start(node, *args):
 def test_commands_for_a_four_node_allocation(in_repo, model):
     alloc = allocation_from_env(ENV, NODES)
     cfg, overrides = resolve_run(RECIPE, user_overrides(model), REPO, alloc.restart_count)
-    assert preflight(cfg, alloc.nodes_count, alloc.gpus_per_node, with_critic=True) == []
+    assert preflight(cfg, alloc.nodes_count, alloc.gpus_per_node) == []
     cmds = launch_commands(alloc, pick_ip("10.0.0.11 172.17.0.1 fe80::1"), LaunchOptions(recipe=RECIPE, python=PY),
                            overrides)
 
@@ -206,25 +204,26 @@ def test_the_plan_uses_the_jobs_nodes_not_the_files(in_repo, model, capsys):
 
 def test_recipe_sizes_against_the_allocation(in_repo):
     cfg = load_recipe(RECIPE)
-    [problem] = preflight(cfg, nodes=2, gpus_per_node=8, with_critic=True)
+    grpo = replace(cfg, algorithm=replace(cfg.algorithm, advantage="grpo"))
+    [problem] = preflight(cfg, nodes=2, gpus_per_node=8)
     assert problem.startswith("the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + rollout 16 "
                               "(16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
-    assert preflight(cfg, nodes=3, gpus_per_node=8, with_critic=False) == []  # GRPO: no critic
+    assert preflight(grpo, nodes=3, gpus_per_node=8) == []  # GRPO: no critic
     # Colocated roles share the engines' GPUs: 16 actor and 16 critic workers beside 16 engines.
     shared = RoleConfig(tp=2, dp=8)
     colocated = replace(cfg, actor=shared, critic=shared, trainer=replace(cfg.trainer, colocate=True),
                         rollout=replace(cfg.rollout, transport="object_store"))
-    assert preflight(colocated, nodes=2, gpus_per_node=8, with_critic=True) == []
-    assert preflight(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01)), 4, 8, True)[0].startswith(
+    assert preflight(colocated, nodes=2, gpus_per_node=8) == []
+    assert preflight(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01)), 4, 8)[0].startswith(
         "the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + ref 1")
-    problems = preflight(replace(cfg, rollout=replace(cfg.rollout, num_engines=2, engine_tp=8), actor=RoleConfig(tp=3)),
-                         nodes=8, gpus_per_node=4, with_critic=False)
+    problems = preflight(replace(grpo, rollout=replace(cfg.rollout, num_engines=2, engine_tp=8), actor=RoleConfig(tp=3)),
+                         nodes=8, gpus_per_node=4)
     assert problems == ["rollout.engine_tp=8 > 4 GPUs per node: an engine's GPUs must be on one node",
                         "actor.tp=3 does not divide 4 GPUs per node (a TP group must stay inside one node)"]
     staged = replace(cfg, stages=[StageConfig(iterations=1),
                                   StageConfig(iterations=1, overrides={"rollout.num_engines": 32})])
     # A stage cannot resize the fleet (the trainer's own rule, run_rules), and it would not fit either.
-    config, fit = preflight(staged, nodes=4, gpus_per_node=8, with_critic=True)
+    config, fit = preflight(staged, nodes=4, gpus_per_node=8)
     assert config.startswith("stages[1].overrides: 'rollout.num_engines' cannot change between stages")
     assert fit.startswith("stage 1: the recipe needs") and "= 48 GPUs > 32" in fit
 
@@ -265,8 +264,9 @@ def test_sbatch_shellcheck():
 
 FAKE_RECIPE = '''
 import os, signal, sys, time
-from orz.config import ExperimentConfig, RoleConfig, RolloutConfig, TrainerConfig
-RECIPE = ExperimentConfig(actor=RoleConfig(tp=2, dp=8), rollout=RolloutConfig(num_engines=16),
+from orz.config import AlgorithmConfig, ExperimentConfig, RoleConfig, RolloutConfig, TrainerConfig
+RECIPE = ExperimentConfig(algorithm=AlgorithmConfig(advantage="grpo"), actor=RoleConfig(tp=2, dp=8),
+                          rollout=RolloutConfig(num_engines=16),
                           trainer=TrainerConfig(output_dir="/shared/runs/fake"))
 if __name__ == "__main__":  # a trainer that checkpoints on SIGUSR1 and exits 75, has no handler, or ignores it
     log = os.path.join(os.environ["ORZ_TEST_LOG"], "trainer.log")
@@ -300,8 +300,7 @@ def _slurm_job(tmp_path, scripts: dict[str, str], slurm_env: dict[str, str]):
 
 def fake_slurm(tmp_path):
     """bin/ with srun, scontrol and hostname that log their calls, and a python wrapper whose
-    `wait` succeeds once each node's srun has started (no Ray) and whose registry lookup skips the
-    torch import."""
+    `wait` succeeds once each node's srun has started (no Ray)."""
     scripts = {
         "srun": ('echo "srun $*" >> "$ORZ_TEST_LOG/srun.log"\n'
                  'echo "$RAY_AUTH_MODE ${#RAY_AUTH_TOKEN}" >> "$ORZ_TEST_LOG/srun_auth.log"\n'
@@ -314,8 +313,7 @@ def fake_slurm(tmp_path):
                    '[[ $arg == --* ]] || until grep -q -- "-w $arg " "$ORZ_TEST_LOG/srun.log" 2>/dev/null; '
                    'do sleep 0.05; done; done; exit 0; fi\n'
                    'if [[ "$1 $2 $3" == "-m orz.launch_slurm script" ]]; then shift 2; set -o pipefail; ' + sys.executable
-                   + ' -c "import sys, orz.launch_slurm as l; l.needs_critic = lambda cfg: False; '
-                   'sys.exit(l.main(sys.argv[1:]))" "$@" '  # the launcher's shortest requeue delay is 61 s
+                   + ' -m orz.launch_slurm "$@" '  # the launcher's shortest requeue delay is 61 s
                    '| sed "${ORZ_TEST_REQUEUE_AFTER_S:+s/^orz_requeue_after_s=.*/orz_requeue_after_s=$ORZ_TEST_REQUEUE_AFTER_S/}"; exit; fi\n'
                    'exec ' + sys.executable + ' "$@"'),
     }
@@ -428,12 +426,13 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
 
 
 def test_the_slurm_check_counts_the_roles_the_trainer_starts(in_repo):
-    """launch_slurm keeps a torch-free copy of run_rules.roles; they must agree, reward model included."""
+    """The check asks for GPUs for exactly run_rules.roles: no critic for GRPO, a reference with KL,
+    the reward model when one is set."""
     from orz.config import RewardModelConfig
-    from orz.ppo import run_rules
 
     cfg = load_recipe(RECIPE)
     with_rm = replace(cfg, reward=replace(cfg.reward, model=RewardModelConfig(path="/models/rm", tp=2, dp=2)))
-    for variant in (cfg, replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01, advantage="grpo")), with_rm):
-        assert launch_slurm._roles(variant, launch_slurm.needs_critic(variant)) == run_rules.roles(variant)
-    assert launch_slurm.gpu_demand(with_rm, True)["reward_model"] == 4
+    grpo_kl = replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01, advantage="grpo"))
+    assert list(launch_slurm.gpu_demand(cfg)) == ["actor", "critic", "rollout"]
+    assert list(launch_slurm.gpu_demand(grpo_kl)) == ["actor", "ref", "rollout"]
+    assert launch_slurm.gpu_demand(with_rm)["reward_model"] == 4

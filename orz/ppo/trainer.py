@@ -210,17 +210,10 @@ class RayPPOTrainer:
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
-        max_len = r.max_model_len or max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens
-                                          for _, staged in stage_configs(cfg))
-        engine_args = {"max_model_len": max_len, "max_num_seqs": r.max_num_seqs}
-        if torch.cuda.is_available():
-            engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
-        self.fleet = EngineFleet(cfg.model.path, FleetConfig(
-            num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
-            engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
-            request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=self.log_dir,
-            sleep_mode=cfg.trainer.colocate,
-        ), seed=cfg.trainer.seed, shared=self.bundles)
+        longest = max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens for _, staged in stage_configs(cfg))
+        self.fleet = EngineFleet(cfg.model.path, FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate,
+                                                                         log_dir=self.log_dir),
+                                 seed=cfg.trainer.seed, shared=self.bundles)
         self.weights = ActorWeightSource(self.actor)
 
     def _setup_controllers(self):
@@ -382,13 +375,11 @@ class RayPPOTrainer:
 
     # ---- phases ------------------------------------------------------------------------------
     def _sampling(self, batch: int, draw: int) -> SamplingConfig:
-        r = self.stage_cfg.rollout
         # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
         # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,
         # no two draws of the run (up to 64 per batch) share one.
         seed = ((self.run_cfg.trainer.seed * 2**20 + batch) * 2**6 + draw) * 2**24
-        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                              stop=list(r.stop), n=r.n_samples, seed=seed)
+        return SamplingConfig.from_config(self.stage_cfg.rollout, seed)
 
     def _prompt_ids(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
         out = []

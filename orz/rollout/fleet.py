@@ -12,6 +12,8 @@ the same buckets into the Ray object store. The fleet remembers the last source 
 an engine that dies or hangs is restarted, re-synced to the current version, and its
 unfinished requests are issued again.
 """
+from __future__ import annotations
+
 import logging
 import os
 import time
@@ -23,6 +25,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from orz.bundles import Bundles
+from orz.config import RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
 from orz.models.local_world import free_port
 from orz.rollout.weight_sync import (
@@ -51,6 +54,20 @@ class FleetConfig:
     max_restarts: int = 3  # per generate call
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
     sleep_mode: bool = False  # colocated: engines can sleep between rollouts (vLLM's sleep mode, GPU only)
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, max_model_len: int, *, sleep_mode: bool = False,
+                    log_dir: str = "") -> FleetConfig:
+        """The fleet of a run's `rollout` section. max_model_len: what its context must hold when
+        rollout.max_model_len is 0 (the longest prompt + response of any stage)."""
+        r = rollout
+        engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs}
+        if torch.cuda.is_available():
+            engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
+        return cls(num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
+                   engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
+                   request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
+                   sleep_mode=sleep_mode)
 
 
 class WeightSource(Protocol):
