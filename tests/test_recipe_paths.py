@@ -79,6 +79,9 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tin
     train(load_config(None, overrides(whole)))
     history = _history(whole)[1:]
     assert all("critic/vf_loss" in row and math.isfinite(row["actor/grad_norm"]) for row in history)
+    # The token budget cuts each DP shard into passes of at most 96 padded tokens; the critic splits by rows.
+    assert all(row["actor/pass_tokens_max"] <= 96 and row["actor/micro_batches"] > 1 for row in history)
+    assert all(row["critic/micro_batches"] == 2 for row in history)  # 16 samples, 2 steps, 4 rows a pass
     shards = sorted(p.name for p in (whole / "checkpoints/iter_000002/actor/mp_rank_00_000").iterdir())
     assert shards == ["model.safetensors", "optim.pt", "optim_dp_00_0.pt", "optim_dp_01_0.pt"]
     assert (whole / "checkpoints/iter_000002/critic/mp_rank_00_001/optim.pt").is_file()

@@ -267,6 +267,9 @@ class MegatronWorker:
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
                 step[f"{self.spec.name}/threads"] = float(torch.get_num_threads())  # at the step's end
+                # What the token budget (or row count) made of the shard: passes, and the widest one's rows × width.
+                step[f"{self.spec.name}/micro_batches"] = float(len(micro))
+                step[f"{self.spec.name}/pass_tokens_max"] = float(max(mb.experience.sequences.numel() for mb in micro))
             steps.append(step)
         if not self._reports:
             return None

@@ -194,26 +194,35 @@ class RayPPOTrainer:
         )
 
     def _setup_roles(self):
+        """Every role's workers and the engines, started side by side (each loads its model in its
+        own processes). Colocated, the engines start after the roles: vLLM sizes its share of a
+        GPU from what is free, which it must not measure while a worker beside it allocates."""
         cfg = self.run_cfg
         console.print(f"[bold]orz:[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
         roles, r = run_rules.roles(cfg), cfg.rollout
         # Colocated: one bundle per GPU for a worker of every role and an engine (run_rules checks the sizes).
         self.bundles = Bundles.create(r.num_engines, sum(role.cpus_per_worker for role in roles.values()) + r.cpus_per_engine,
                                       gpu_share=1 / (len(roles) + 1)) if cfg.trainer.colocate else None
-        self.actor = WorkerGroup(self._role("actor"), self.bundles)
-        self.critic = WorkerGroup(self._role("critic", critic=True, model_path=cfg.model.critic_path or cfg.model.path),
-                                  self.bundles) if "critic" in roles else None
-        self.ref = WorkerGroup(self._role("ref", train=False), self.bundles) if "ref" in roles else None
         rm = cfg.reward.model
-        self.reward_model = WorkerGroup(self._role("reward_model", critic=True, train=False, model_path=rm.path),
-                                        self.bundles) if "reward_model" in roles else None
+        role_args = {"actor": {}, "ref": {"train": False},
+                     "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
+                     "reward_model": {"critic": True, "train": False, "model_path": rm.path}}
+        longest = max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens for _, staged in stage_configs(cfg))
+        fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir)
+
+        def start_fleet() -> EngineFleet:
+            return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles)
+
+        with ThreadPoolExecutor(len(roles) + 1, thread_name_prefix="orz-start") as pool:
+            fleet = None if cfg.trainer.colocate else pool.submit(start_fleet)
+            groups = {name: pool.submit(WorkerGroup, self._role(name, **role_args[name]), self.bundles) for name in roles}
+            groups = {name: group.result() for name, group in groups.items()}
+            self.fleet = start_fleet() if fleet is None else fleet.result()
+        self.actor = groups["actor"]
+        self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
-        longest = max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens for _, staged in stage_configs(cfg))
-        self.fleet = EngineFleet(cfg.model.path, FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate,
-                                                                         log_dir=self.log_dir),
-                                 seed=cfg.trainer.seed, shared=self.bundles)
         self.weights = ActorWeightSource(self.actor)
 
     def _setup_controllers(self):
