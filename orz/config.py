@@ -79,6 +79,9 @@ class RolloutConfig:
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
     sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
     max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
+    # Partial rollout (max_staleness > 0): when the actor's update ends before the next batch is
+    # generated, the engines stop, take the new weights, and continue each unfinished response.
+    partial: bool = False
 
 
 @dataclass

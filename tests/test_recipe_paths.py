@@ -160,10 +160,27 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     _resumed_matches(whole, overrides, 2, tmp_path)
 
 
+def test_partial_rollout_finishes_the_batch_ahead_with_the_new_weights(ray_cluster, tiny_run, tmp_path):
+    """rollout.partial: the update ends before the batch ahead is generated (the engine decodes
+    one sequence at a time, every response runs to its cap), so the engine pauses, takes the new
+    weights and finishes each unfinished response with them. The staleness bound still holds:
+    a response's version is its oldest token's."""
+    out = tmp_path / "run"
+    train(load_config(None, [*tiny_run(out, "grpo", iterations=3), "trainer.max_staleness=1", "rollout.partial=true",
+                             "rollout.max_num_seqs=1", "rollout.stop=[]"]))
+    rows = _history(out)[1:]
+    assert [row["rollout/sample_weight_version"] for row in rows] == [0, 0, 1]
+    assert [row["rollout/staleness_max"] for row in rows] == [0, 1, 1]
+    assert rows[0]["rollout/partial_samples"] == 0  # generated before any update
+    assert all(0 < row["rollout/partial_samples"] <= row["rollout/samples"] for row in rows[1:])
+    assert all(row["response/length_max"] == 12 for row in rows)
+
+
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_staleness=-1", "max_staleness=-1 must be >= 0"),
     ("trainer.max_staleness=1|algorithm.rollout_logprobs_as_old=true", "the proximal π_old must be the actor's own"),
     ("trainer.max_staleness=1|algorithm.is_correction=false", "would leave them uncorrected"),
+    ("rollout.partial=true", "with trainer.max_staleness=0 none comes during a rollout"),
     ("stages=[{iterations: 1, overrides: {actor.tp: 2}}]", "'actor.tp' cannot change between stages"),
     ("stages=[{iterations: 1, overrides: {algorithm.kl_coef: 0.1}}]", "'algorithm.kl_coef' cannot change"),
     ("stages=[{iterations: 1, overrides: {trainer.eval_every: 2}}]", "'trainer.eval_every' cannot change"),

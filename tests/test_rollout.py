@@ -3,6 +3,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 import ray
@@ -100,6 +101,45 @@ def test_stream_yields_each_prompts_group_and_equals_generate(fleet):
     assert all(len(group) == 3 and {s.index for s in group} == {group[0].index} for group in groups)
     in_order = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]
     assert _responses(in_order) == _responses(fleet.generate(PROMPTS, sampling))
+
+
+def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights):
+    """Partial rollout: `interrupt` stops a stream at its engine's next step; once the fleet holds
+    new weights, each unfinished response continues from its last token. Its first tokens are the
+    uninterrupted generation's, each token records its version, and the rest is exactly what the
+    new weights sample from prompt + response so far (the continuation's seed: its own + 2^23)."""
+    original, perturbed = weights
+    fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
+    old = fleet.weight_version
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=64, n=8, seed=11)
+    prompts = PROMPTS * 4
+    reference = fleet.generate(prompts, sampling)
+    groups = []
+    streaming = threading.Thread(target=lambda: groups.extend(fleet.stream(prompts, sampling, interruptible=True)))
+    streaming.start()
+    while not fleet._in_flight:  # submitted
+        time.sleep(0.001)
+    fleet.interrupt()
+    fleet.sync(TensorSource(perturbed), version=old + 1)
+    streaming.join(timeout=120)
+    samples = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]
+    assert [s.index for s in samples] == [s.index for s in reference]
+    continued = [(i, s) for i, s in enumerate(samples) if set(s.token_versions) == {old, old + 1}]
+    assert continued, "the interrupt came after every response had finished"
+    for s, ref in zip(samples, reference):
+        kept = s.token_versions.count(old)
+        assert s.token_versions == [old] * kept + [old + 1] * (len(s.response_ids) - kept)
+        assert s.weight_version == old and len(s.logprobs) == len(s.response_ids) <= 64
+        assert s.response_ids[:kept] == ref.response_ids[:kept] and s.logprobs[:kept] == ref.logprobs[:kept]
+        assert s.finish_reason == ("length" if len(s.response_ids) == 64 else "stop")
+    for i, s in continued[:3]:
+        kept, j = s.token_versions.count(old), i % sampling.n
+        alone = SamplingConfig(temperature=1.0, max_new_tokens=64 - kept, n=1,
+                               seed=sampling.seed + s.index * sampling.n + j + 2**23)
+        [rest] = fleet.generate([s.prompt_ids + s.response_ids[:kept]], alone)
+        assert s.response_ids[kept:] == rest.response_ids
+        assert s.logprobs[kept:] == pytest.approx(rest.logprobs, abs=1e-6)
+    fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
 
 
 def test_stale_version_is_refused(fleet):

@@ -128,6 +128,9 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     if k > 0 and a.is_correction is False:
         problems.append(f"trainer.max_staleness={k} trains on samples of older weights: algorithm.is_correction=false "
                         "would leave them uncorrected; leave it unset (on) or true")
+    if cfg.rollout.partial and k == 0:
+        problems.append("rollout.partial=true continues generations across a weight update, and with "
+                        "trainer.max_staleness=0 none comes during a rollout: set max_staleness >= 1 or partial=false")
     problems += colocation_problems(cfg)
     if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
         problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "

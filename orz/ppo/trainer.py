@@ -328,6 +328,10 @@ class RayPPOTrainer:
                 show("update")
                 with timer("update"):
                     update_metrics = self._update(experience)
+            partial = prefetch is not None and self.stage_cfg.rollout.partial
+            if partial:  # the engines pause mid-batch, take the new weights, and finish it with them
+                self.fleet.interrupt()
+                sync = self._sync(timer, show)
             with timer("wait_rollout"):
                 if prefetch is not None:
                     show("waiting for the next batch")
@@ -335,10 +339,8 @@ class RayPPOTrainer:
             if colocated:
                 with timer("wake_up"):
                     self.fleet.wake_up()
-            show("weight sync")
-            with timer("sync"):
-                self.version += 1
-                sync = self.fleet.sync(self.weights, self.version)
+            if not partial:
+                sync = self._sync(timer, show)
         metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
         # What ran at once this iteration: the background rollout beside the actor's work.
         generating = self.pending[-1][1]["timing/rollout"] if prefetch is not None else 0.0
@@ -357,6 +359,13 @@ class RayPPOTrainer:
         if every and (self.iteration + 1) % every == 0:
             self._dump(experience)
         return metrics
+
+    def _sync(self, timer: Timer, show) -> dict:
+        """The actor's new weights into every engine, as the next version."""
+        show("weight sync")
+        with timer("sync"):
+            self.version += 1
+            return self.fleet.sync(self.weights, self.version)
 
     def _prefetch(self, batch: int, version: int) -> tuple[Experience, dict]:
         """_rollout_and_reward in the background; once it is done the workers may take every core."""
@@ -404,7 +413,8 @@ class RayPPOTrainer:
         after the last sample: each prompt's group goes to the reward router as soon as its samples
         finish, so scoring overlaps generation."""
         pending = []
-        for group in self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version):
+        for group in self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
+                                       interruptible=self.stage_cfg.rollout.partial):
             row = prompts[group[0].index][0]
             pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
                                                       [s.finish_reason for s in group])))
@@ -463,6 +473,8 @@ class RayPPOTrainer:
             "rollout/samples": float(len(samples)),
             # What the engines report they generated with (the fleet refuses anything older).
             "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
+            # Partial rollout: responses continued by newer weights than they started with.
+            "rollout/partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
         }
         if self.reward_model is not None:
             metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+import ray
 import torch
 
 from orz.config import RolloutConfig
@@ -44,7 +45,24 @@ class Sample:
     logprobs: list[float]  # engine log π(token), after temperature (vLLM's processed_logprobs)
     finish_reason: str  # "stop" | "length"
     text: str
-    weight_version: int
+    weight_version: int  # the oldest weights that generated any of it
+    token_versions: list[int] = field(default_factory=list)  # each response token's weights (partial rollout)
+
+
+@dataclass
+class _Response:
+    """One response in progress: what it has generated so far, and by which weights."""
+
+    index: int
+    prompt_ids: list[int]
+    seed: int  # its own sampling stream; a continuation takes seed + 2^23 · resumes
+    started_at: int  # the weight version it started with
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    resumes: int = 0
 
 
 class StaleWeightsError(RuntimeError):
@@ -76,54 +94,101 @@ class VLLMEngine:
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))
         self.llm = LLM(**args)
         self.weight_version = 0
+        self._interrupted: set[int] = set()  # calls asked to stop (interrupt)
+        self._paused: dict[int, tuple] = {}  # call -> (its sampling, the groups it left unfinished)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0):
+    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0,
+                 call: int | None = None):
         """requests: (index in batch, prompt token ids). Yields each request's n Sample dicts as
         soon as all n have finished (in order of finishing; EngineFleet calls this as a Ray
-        streaming generator, so that rewards can score a group while the others generate)."""
+        streaming generator, so that rewards can score a group while the others generate).
+
+        call: an id that makes the generation interruptible (partial rollout): after
+        `interrupt(call)` it stops at its next step, keeps what each unfinished response has
+        generated, and ends; `resume(call)` finishes those responses with the weights loaded since."""
+        self._check_version(min_version)
+        cfg = SamplingConfig(**sampling)
+        groups = {index: [_Response(index, list(prompt_ids), cfg.seed + index * cfg.n + j, self.weight_version)
+                          for j in range(cfg.n)] for index, prompt_ids in requests}
+        yield from self._run(call, cfg, groups, first=True)
+
+    def resume(self, call: int, min_version: int = 0):
+        """The interrupted call's unfinished groups, each response continued from its last token
+        with the weights held now (its prompt + response so far re-read), yielded as in generate."""
+        self._check_version(min_version)
+        cfg, groups = self._paused.pop(call)
+        yield from self._run(call, cfg, groups, first=False)
+
+    @ray.method(concurrency_group="control")
+    def interrupt(self, call: int) -> None:
+        """Asks call `call` to stop at its next step (runs beside it; a call already ended ignores it)."""
+        self._interrupted.add(call)
+
+    def _check_version(self, min_version: int) -> None:
+        if self.weight_version < min_version:
+            raise StaleWeightsError(f"engine holds weight version {self.weight_version}, {min_version} required")
+
+    def _run(self, call: int | None, cfg: SamplingConfig, groups: dict[int, list[_Response]], first: bool):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if self.weight_version < min_version:
-            raise StaleWeightsError(f"engine holds weight version {self.weight_version}, {min_version} required")
-        cfg = SamplingConfig(**sampling)
-        params = [
-            SamplingParams(
-                n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                max_tokens=cfg.max_new_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
-                seed=cfg.seed + index * cfg.n, logprobs=0,  # vLLM adds j for the j-th of n
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            for index, _ in requests
-        ]
-        engine, unfinished = self.llm.llm_engine, {}
-        for (index, prompt_ids), request_params in zip(requests, params):
-            request_id = f"orz-{index}"  # outputs carry the id given here (vLLM's own adds a suffix)
-            engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, request_params)
-            unfinished[request_id] = (index, prompt_ids)
-        try:
-            while unfinished:
-                for out in engine.step():
-                    if out.finished and out.request_id in unfinished:
-                        yield self._samples(*unfinished.pop(out.request_id), out)
-        finally:  # a stream abandoned part-way leaves nothing behind in the engine
-            if unfinished:
-                engine.abort_request(list(unfinished))
+        # Interruptible calls receive each step's new tokens (DELTA), so that an interrupted response
+        # keeps them; the others only each request's final output.
+        kind = RequestOutputKind.FINAL_ONLY if call is None else RequestOutputKind.DELTA
+        engine, live = self.llm.llm_engine, {}  # request id -> the responses its completions fill
 
-    def _samples(self, index: int, prompt_ids: list[int], out) -> list[dict]:
-        samples = []
-        for completion in out.outputs:
-            ids = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-            samples.append(asdict(Sample(
-                index=index, prompt_ids=list(prompt_ids), response_ids=ids, logprobs=logprobs,
-                finish_reason="length" if completion.finish_reason == "length" else "stop",
-                text=completion.text, weight_version=self.weight_version,
-            )))
-        return samples
+        def add(request_id: str, prompt_ids: list[int], responses: list[_Response], seed: int, max_tokens: int):
+            params = SamplingParams(n=len(responses), temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    max_tokens=max_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
+                                    seed=seed, logprobs=0, output_kind=kind)  # vLLM adds j for the j-th of n
+            engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+            live[request_id] = responses
+
+        for index, responses in groups.items():
+            if first:  # outputs carry the id given here (vLLM's own adds a suffix)
+                add(f"orz-{index}", responses[0].prompt_ids, responses, responses[0].seed, cfg.max_new_tokens)
+                continue
+            for j, r in enumerate(responses):
+                if r.finish_reason is None:
+                    add(f"orz-{index}-{j}-{r.resumes}", r.prompt_ids + r.ids, [r], r.seed + 2**23 * r.resumes,
+                        cfg.max_new_tokens - len(r.ids))
+        try:
+            while live:
+                for out in engine.step():
+                    for completion in out.outputs if out.request_id in live else ():
+                        self._extend(live[out.request_id][completion.index], completion)
+                    if all(r.finish_reason for r in live.get(out.request_id, ())):
+                        live.pop(out.request_id, None)
+                for index in [i for i, responses in groups.items() if all(r.finish_reason for r in responses)]:
+                    yield [asdict(self._sample(r)) for r in groups.pop(index)]
+                if live and call in self._interrupted:
+                    engine.abort_request(list(live))
+                    live.clear()
+                    for r in (r for responses in groups.values() for r in responses if r.finish_reason is None):
+                        r.resumes += 1
+                    self._paused[call] = (cfg, groups)
+        finally:  # a stream abandoned part-way leaves nothing behind in the engine
+            if live:
+                engine.abort_request(list(live))
+            self._interrupted.discard(call)
+
+    def _extend(self, response: _Response, completion) -> None:
+        ids = list(completion.token_ids)
+        response.ids += ids
+        response.logprobs += [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+        response.versions += [self.weight_version] * len(ids)
+        response.text += completion.text  # a continuation's text is decoded after its prompt + response so far
+        if completion.finish_reason is not None:
+            response.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+
+    @staticmethod
+    def _sample(r: _Response) -> Sample:
+        return Sample(index=r.index, prompt_ids=r.prompt_ids, response_ids=r.ids, logprobs=r.logprobs,
+                      finish_reason=r.finish_reason, text=r.text, weight_version=min(r.versions, default=r.started_at),
+                      token_versions=r.versions)
 
     # ---- weights ---------------------------------------------------------------------------
     def init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s):

