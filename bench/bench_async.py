@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/bench_async.py [--iterations 15] [--eval-size 400]
 
-Runs the CPU demo (its pre-trained tiny base, cached in runs/demo) twice in one process, with
-trainer.max_staleness=0 (generate, then train) and =1 (the engines generate batch i + 1 while
-the actor trains on batch i), the same seed, iterations and held-out set, and prints ONE JSON
+Runs the CPU demo (its pre-trained tiny base, cached in runs/demo) three times in one process, with
+trainer.max_staleness=0 (generate, then train), =1 (the engines generate batch i + 1 while
+the actor trains on batch i) and =1 with rollout.partial=true (an update that ends first
+interrupts the batch ahead, which the new weights finish), the same seed, iterations and
+held-out set, and prints ONE JSON
 line: seconds per iteration of each (mean after the first iteration), their ratio, the ideal
 overlap measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
 machine's CPU utilisation during each, and held-out greedy accuracy with its standard error and
@@ -55,22 +57,24 @@ class CpuMeter:
         return statistics.mean(self.samples) if self.samples else 0.0
 
 
-def _run(base, spec, out: Path, staleness: int, args) -> dict:
-    cfg = rl_config(base, spec, out, [
+def _run(base, spec, out: Path, staleness: int, args, partial: bool = False) -> dict:
+    name = f"run_{staleness}{'_partial' if partial else ''}"
+    cfg = rl_config(base, spec, out, [f"rollout.partial={str(partial).lower()}",
         f"trainer.iterations={args.iterations}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
         "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.export_hf=false",
-        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run_{staleness}",
+        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/{name}",
     ])
     with CpuMeter() as cpu:
         train(cfg)
-    rows = [json.loads(line) for line in (out / f"run_{staleness}/metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "timing/step" in r][1:]  # the first iteration has no overlap yet
     mean = {k: statistics.mean(r[k] for r in steps) for k in steps[0] if k.startswith("timing/")}
     accuracy = rows[-1]["eval/accuracy_greedy"]
     return {"seconds_per_iteration": mean["timing/step"], "phases_s": {k[7:]: v for k, v in mean.items()},
             "cpu_utilisation": cpu.mean, "heldout_accuracy": accuracy,
             "heldout_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / args.eval_size),
-            "reward_mean_last": rows[-1]["reward/mean"]}
+            "reward_mean_last": rows[-1]["reward/mean"],
+            "partial_samples_per_iteration": statistics.mean(r.get("rollout/partial_samples", 0.0) for r in steps)}
 
 
 def run(args) -> dict:
@@ -80,6 +84,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         sync = _run(base, spec, Path(out), 0, args)
         pipelined = _run(base, spec, Path(out), 1, args)
+        partial = _run(base, spec, Path(out), 1, args, partial=True)
     p = sync["phases_s"]
     ideal = max(p["rollout"], p["train"]) + p["sync"]
     diff = pipelined["heldout_accuracy"] - sync["heldout_accuracy"]
@@ -88,8 +93,9 @@ def run(args) -> dict:
         "bench": "async_vs_sync",
         "settings": {"iterations": args.iterations, "heldout_problems": args.eval_size, "precision": "float32",
                      "engines": 1, "actor_workers": 1},
-        "sync": sync, "async_staleness_1": pipelined,
+        "sync": sync, "async_staleness_1": pipelined, "async_staleness_1_partial": partial,
         "ratio_async_over_sync": pipelined["seconds_per_iteration"] / sync["seconds_per_iteration"],
+        "ratio_partial_over_async": partial["seconds_per_iteration"] / pipelined["seconds_per_iteration"],
         "ideal_overlap_s": ideal,
         "async_over_ideal": pipelined["seconds_per_iteration"] / ideal,
         "accuracy_difference": diff, "accuracy_difference_se": diff_se,

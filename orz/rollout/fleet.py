@@ -5,6 +5,7 @@
     samples = fleet.generate(prompt_ids, SamplingConfig(n=8), min_version=1)
     for group in fleet.stream(prompt_ids, SamplingConfig(n=8)):   # each prompt's 8 as they finish
         ...
+    fleet.interrupt()   # partial rollout: interruptible streams pause, and after the next sync finish
 
 Weights come from a WeightSource: something that can join a process group as its rank 0 and
 broadcast (the trainer's actor rank 0, or an in-process source in tests and benchmarks), or put
