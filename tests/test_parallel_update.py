@@ -104,6 +104,10 @@ def reference(model, reference_checkpoint):
     return run_world(_two_steps, 1, LAYOUTS["dp1"][1], "float32", model, reference_checkpoint)[0]
 
 
+# What each rank's passes looked like: its DP shard's micro-batches, so they follow the layout.
+LAYOUT_METRICS = {"actor/micro_batches", "actor/pass_tokens_max"}
+
+
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
 
@@ -114,7 +118,7 @@ def test_layout_matches_dp1_and_resumes_exactly(layout, model, reference, tmp_pa
     out = run_world(_two_steps, workers, role, "float32", model, str(tmp_path / "ck"), timeout=300)[0]
     for mine, ref in zip(out["metrics"], reference["metrics"]):
         assert mine.keys() == ref.keys()
-        for key in ref:
+        for key in ref.keys() - LAYOUT_METRICS:
             assert _close(mine[key], ref[key]), (key, mine[key], ref[key])
     # Weights within 1e-5 absolute, ~lr: Adam's early steps are ~lr·sign(g), so an element whose
     # gradient is ~0 turns fp32 summation-order noise (another layout reduces in another order)
@@ -178,15 +182,9 @@ def _load(rank, world, role, model, ckpt):
     w.load(ckpt)
 
 
-@pytest.mark.parametrize("layout,message", [
-    ("pp2", r"actor was saved at TP1 PP1 DP1; this run has TP1 PP2 DP1. Without the distributed optimizer a run "
-            r"may change its DP size, not TP or PP"),
-    ("dp2_distributed_optimizer", r"actor was saved without the distributed optimizer and this run is with it"),
-])
-def test_a_checkpoint_of_another_layout_is_refused_naming_both(layout, message, model, reference,
-                                                               reference_checkpoint):
-    workers, role = LAYOUTS[layout]
-    with pytest.raises(RuntimeError, match=message):
+def test_a_checkpoint_without_the_distributed_optimizer_is_refused_with_it(model, reference, reference_checkpoint):
+    workers, role = LAYOUTS["dp2_distributed_optimizer"]
+    with pytest.raises(RuntimeError, match=r"actor was saved without the distributed optimizer and this run is with it"):
         run_world(_load, workers, role, model, reference_checkpoint)
 
 
@@ -205,7 +203,9 @@ def _second_step_from(rank, world, role, model, ckpt):
     return (metrics, weights) if rank == 0 else None
 
 
-RESHARD_LAYOUTS = {  # name: (workers, RoleConfig), all with the distributed optimizer
+RESHARD_LAYOUTS = {  # name: (workers, RoleConfig), with the distributed optimizer unless "plain"
+    "tp2_plain": (2, RoleConfig(lr=1e-3, tp=2, micro_batch_size=3)),
+    "pp2_plain": (2, RoleConfig(lr=1e-3, pp=2, micro_batch_size=3)),
     "dp1": (1, RoleConfig(lr=1e-3, micro_batch_size=3, use_distributed_optimizer=True)),
     "dp2": (2, RoleConfig(lr=1e-3, dp=2, micro_batch_size=3, use_distributed_optimizer=True)),
     "tp2pp2": (4, RoleConfig(lr=1e-3, tp=2, pp=2, micro_batch_size=3, use_distributed_optimizer=True)),
@@ -213,17 +213,19 @@ RESHARD_LAYOUTS = {  # name: (workers, RoleConfig), all with the distributed opt
 }
 
 
-@pytest.mark.parametrize("saved,resumed", [("dp2", "dp1"), ("dp2", "tp2pp2"), ("tp2dp2", "dp1")])
+@pytest.mark.parametrize("saved,resumed", [("dp2", "dp1"), ("dp2", "tp2pp2"), ("tp2dp2", "dp1"),
+                                            ("tp2_plain", "pp2_plain")])
 def test_a_run_resumes_at_another_layout_with_its_adam_moments_resharded(saved, resumed, model, reference, tmp_path):
     """Going from 4 nodes to 8: each DP rank saved its flat range of the fp32 masters and Adam
-    moments by name. At another DP size each rank cuts its new range from all of them; at another
-    TP/PP every saved rank's tensors are joined and re-sharded through the HF layout first. Step 2
-    is the uninterrupted run's (the DP=1 reference, within the layouts' 1e-5)."""
+    moments by name (without the distributed optimizer, DP rank 0 the whole tensors). At another
+    DP size each rank cuts its new range from them; at another TP/PP every saved rank's tensors
+    are joined and re-sharded through the HF layout first. Step 2 is the uninterrupted run's (the
+    DP=1 reference, within the layouts' 1e-5)."""
     run_world(_first_step_saved, *RESHARD_LAYOUTS[saved], model, str(tmp_path / "ck"), timeout=300)
     metrics, weights = run_world(_second_step_from, *RESHARD_LAYOUTS[resumed], model, str(tmp_path / "ck"),
                                  timeout=300)[0]
-    for key, value in reference["metrics"][1].items():
-        assert _close(metrics[key], value), (key, metrics[key], value)
+    for key in reference["metrics"][1].keys() - LAYOUT_METRICS:
+        assert _close(metrics[key], reference["metrics"][1][key]), (key, metrics[key], reference["metrics"][1][key])
     for name, w in reference["weights"].items():
         assert (weights[name] - w).abs().max() <= 1e-5, name
 

@@ -1,10 +1,11 @@
-"""A role's checkpoint at another layout: the distributed optimizer's per-rank shards of fp32
+"""A role's optimizer state by parameter name, and its checkpoint at another layout: fp32
 masters and Adam moments, saved by parameter name and flat range, re-cut for another DP size and
 re-sharded for another TP/PP (through `convert.reshard`); and the model weights re-sharded too.
 
-On disk (one role): `mp_rank_TT_PPP/model.safetensors` (written by DP rank 0) and, with the
-distributed optimizer, `mp_rank_TT_PPP/optim_dp_NN_I.pt`: DP rank NN's pieces of its I-th
-optimizer, a list of {name, range, tensors} in the optimizer's buffer order.
+On disk (one role): `mp_rank_TT_PPP/model.safetensors` (written by DP rank 0) and
+`mp_rank_TT_PPP/optim_dp_NN_I.pt`: DP rank NN's pieces of its I-th optimizer, a list of
+{name, range, tensors} in the optimizer's order. With the distributed optimizer every DP rank
+writes the flat range it holds; without it DP rank 0 writes whole tensors (replicas are equal).
 """
 from collections import defaultdict
 from dataclasses import replace
@@ -20,34 +21,73 @@ from orz.models.convert import EMBEDDING, Layout, reshard
 DDP_PREFIX = "module."  # Megatron DDP's name for the wrapped model
 
 
-def distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizer(s) inside a Megatron optimizer ([] without ZeRO-1)."""
+def optimizers(optimizer) -> list:
+    """The optimizers inside a Megatron optimizer (a ChainedOptimizer holds one per param-group kind)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def _is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+    return isinstance(optimizer, DistributedOptimizer)
 
 
-def _shard_params(optimizer) -> list:
-    """A DistributedOptimizer's model parameters in its buffers' order (fixed by the layout)."""
-    return [param for buffer in optimizer.gbuf_ranges for by_dtype in buffer.values()
-            for bucket in by_dtype for param in bucket["param_map"]]
+def distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizer(s) inside a Megatron optimizer ([] without ZeRO-1)."""
+    return [o for o in optimizers(optimizer) if _is_distributed(o)]
+
+
+def _main(param) -> torch.Tensor:
+    """The fp32 tensor a non-distributed optimizer steps for a model parameter: its copy in mixed
+    precision (Megatron's `main_param`), else the parameter itself."""
+    return getattr(param, "main_param", param)
+
+
+def _shard_params(optimizer, names: dict) -> list:
+    """An optimizer's model parameters in its order (fixed by the layout): the distributed
+    optimizer's buffers', or the param groups' of a non-distributed one."""
+    if _is_distributed(optimizer):
+        return [param for buffer in optimizer.gbuf_ranges for by_dtype in buffer.values()
+                for bucket in by_dtype for param in bucket["param_map"]]
+    model_param = {id(_main(p)): p for p in names}
+    return [model_param[id(main)] for group in optimizer.optimizer.param_groups for main in group["params"]]
 
 
 def _owned_range(optimizer, param) -> tuple[int, int]:
-    """[start, end) of the flattened parameter that this DP rank's optimizer shard holds."""
+    """[start, end) of the flattened parameter whose states this DP rank's optimizer holds."""
+    if not _is_distributed(optimizer):
+        return 0, param.numel()
     owned = optimizer._get_model_param_range_map(param)["param"]
     return owned.start, owned.end
 
 
+def _states(optimizer, param) -> dict[str, torch.Tensor]:
+    """The fp32 master (`param`) and Adam moments (and step) this rank holds for `param`, flat."""
+    if _is_distributed(optimizer):
+        return optimizer._get_main_param_and_optimizer_states(param)
+    main = _main(param)
+    adam = optimizer.optimizer.state.get(main, {})
+    return {"param": main.detach().reshape(-1), **{k: v.reshape(-1) if v.dim() else v for k, v in adam.items()}}
+
+
+def _set_states(optimizer, param, states: dict[str, torch.Tensor]) -> None:
+    if _is_distributed(optimizer):
+        optimizer._set_main_param_and_optimizer_states(param, states)
+        return
+    main = _main(param)
+    main.data.copy_(states["param"].reshape(main.shape))
+    optimizer.optimizer.state[main] = {k: v.clone() if v.dim() == 0 else v.reshape(main.shape).clone()
+                                       for k, v in states.items() if k != "param"}
+
+
 def shard_states(optimizer, names: dict) -> list[dict]:
-    """This DP rank's fp32 master shard and Adam moments, parameter by parameter: its name, the
-    flat range it holds and the tensors. Megatron's own `get_parameter_state_dp_reshardable`
-    output cannot be fed back to its loader (it has no `padding` entries), so the per-parameter
-    accessors both use are called directly."""
+    """This DP rank's fp32 masters and Adam moments, parameter by parameter: its name, the flat
+    range it holds and the tensors. (Megatron's own `get_parameter_state_dp_reshardable` output
+    cannot be fed back to its loader, which wants `padding` entries, so the per-parameter
+    accessors both use are called directly.)"""
     return [{"name": names[p], "range": _owned_range(optimizer, p),
-             "tensors": {k: v.detach().clone() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}}
-            for p in _shard_params(optimizer)]
+             "tensors": {k: v.detach().clone() for k, v in _states(optimizer, p).items()}}
+            for p in _shard_params(optimizer, names)]
 
 
 def _cut(pieces: list[dict], start: int, end: int) -> dict[str, torch.Tensor]:
@@ -84,7 +124,7 @@ def _pieces_by_name(paths: list[Path]) -> dict[str, list[dict]]:
 def _give_each_its_own_step(optimizer) -> None:
     """Without TE/Apex, Megatron's load_state_dict gives every parameter the same `step` tensor,
     which torch's Adam then increments once per parameter per step: give each its own."""
-    for state in optimizer.optimizer.state.values():
+    for state in optimizer.optimizer.state.values() if _is_distributed(optimizer) else ():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
 
@@ -94,18 +134,18 @@ def load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: 
     """Sets this DP rank's masters and moments, at the saved TP/PP: from its own saved shard
     (saved_dp_rank: the run keeps the saved DP size), else its range of each parameter cut from
     every saved shard, so that a rank reads only what it holds."""
-    params = _shard_params(optimizer)
+    params = _shard_params(optimizer, names)
     _give_each_its_own_step(optimizer)
     if saved_dp_rank is not None:
         mine = torch.load(paths[saved_dp_rank])
         if len(mine) != len(params):
             raise ValueError(f"optimizer shard holds {len(mine)} parameters, this layout has {len(params)}")
         for param, piece in zip(params, mine):  # older checkpoints saved the tensors alone
-            optimizer._set_main_param_and_optimizer_states(param, piece["tensors"] if "tensors" in piece else piece)
+            _set_states(optimizer, param, piece["tensors"] if "tensors" in piece else piece)
         return
     by_name = _pieces_by_name(paths)
     for param in params:
-        optimizer._set_main_param_and_optimizer_states(param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
+        _set_states(optimizer, param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
 
 
 def saved_layout(root: Path, tp: int, pp: int, layout: Layout) -> Layout:
@@ -147,14 +187,14 @@ def load_resharded_states(optimizer, names: dict, index: int, root: Path, arch: 
         states = _cut(pieces[tp_rank, pp_rank][DDP_PREFIX + name], 0, int(torch.Size(shape).numel()))
         return {k: v if v.dim() == 0 else v.reshape(shape) for k, v in states.items()}
 
-    params = _shard_params(optimizer)
+    params = _shard_params(optimizer, names)
     _give_each_its_own_step(optimizer)
-    keys = optimizer._get_main_param_and_optimizer_states(params[0]).keys()
-    step = next(iter(pieces[0, 0].values()))[0]["tensors"].get("step")  # Adam's, the same everywhere
+    saved_tensors = next(iter(pieces[0, 0].values()))[0]["tensors"]  # the keys every piece has
+    step = saved_tensors.get("step")  # Adam's, the same everywhere
     states = {key: reshard(lambda t, p, name: whole(t, p, name)[key], arch, saved, layout)
-              for key in keys if key != "step"}
+              for key in saved_tensors if key != "step"}
     for param in params:
         start, end = _owned_range(optimizer, param)
         name = names[param][len(DDP_PREFIX):]
         mine = {key: states[key][name].reshape(-1)[start:end] for key in states}
-        optimizer._set_main_param_and_optimizer_states(param, mine | ({} if step is None else {"step": step.clone()}))
+        _set_states(optimizer, param, mine | ({} if step is None else {"step": step.clone()}))

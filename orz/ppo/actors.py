@@ -27,6 +27,7 @@ from orz.models.optimizer_shards import (
     distributed_optimizers,
     load_resharded_states,
     load_shard_states,
+    optimizers,
     resharded_weights,
     saved_layout,
     shard_states,
@@ -385,18 +386,20 @@ class MegatronWorker:
         return Path(root) / rank_dir(layout.tp_rank, layout.pp_rank)
 
     def save(self, root: str) -> None:
-        """Model shard (safetensors, the orz Megatron layout) and optimizer, scheduler and RNG
-        state, written by DP rank 0 (replicas hold identical copies). With the distributed
-        optimizer each DP rank also writes its own shard of the fp32 masters and Adam moments,
-        which Megatron's `state_dict` leaves out, by parameter name and range
-        (`optimizer_shards`): a run at another layout re-cuts them (`load`)."""
+        """Model shard (safetensors, the orz Megatron layout), scheduler and RNG state, and the
+        optimizer's fp32 masters and Adam moments by parameter name and range (`optimizer_shards`),
+        from which a run at another layout cuts and re-shards its own (`load`). DP rank 0 writes
+        everything (replicas hold identical copies); with the distributed optimizer every DP rank
+        writes its own shard of the masters and moments, which Megatron's `state_dict` leaves out."""
         from safetensors.torch import save_file
 
         shard = self._shard_dir(root)
         names = {param: name for name, param in self.engine.model.named_parameters()}
-        for i, optimizer in enumerate(distributed_optimizers(self.engine.optimizer)):
+        distributed = bool(distributed_optimizers(self.engine.optimizer))
+        if self.spec.train and (distributed or self._dp[0] == 0):
             shard.mkdir(parents=True, exist_ok=True)
-            torch.save(shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
+            for i, optimizer in enumerate(optimizers(self.engine.optimizer)):
+                torch.save(shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
         if self._dp[0] != 0:
             return
         shard.mkdir(parents=True, exist_ok=True)
@@ -404,14 +407,16 @@ class MegatronWorker:
         layout = self.engine.layout
         state = {"rng": torch.get_rng_state(), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}}
         if self.spec.train:  # the schedule's settings come from the stage's config (configure)
-            state |= {"optimizer": self.engine.optimizer.state_dict(), "scheduler_steps": self.scheduler.num_steps}
+            state |= {"scheduler_steps": self.scheduler.num_steps, "distributed": distributed}
+            if distributed:  # its param groups (the masters and moments are in the shards)
+                state["optimizer"] = self.engine.optimizer.state_dict()
         torch.save(state, shard / "optim.pt")
 
     def load(self, root: str) -> None:
         """The inverse of `save`, exactly: fp32 masters of a bf16 model come from the optimizer's
-        state, never from the bf16 weights. At another DP size each rank re-cuts its optimizer
-        range; at another TP/PP (distributed optimizer only) weights, masters and moments are
-        re-sharded through the HF layout."""
+        state, never from the bf16 weights. At another DP size each rank cuts its optimizer
+        range; at another TP/PP the weights, masters and moments are re-sharded through the HF
+        layout first."""
         from safetensors.torch import load_file
 
         root = Path(root)
@@ -423,17 +428,21 @@ class MegatronWorker:
             raise ValueError(f"{root}: holds no checkpoint of {self.spec.name} ({state_file} is missing)")
         state = torch.load(state_file, weights_only=False)
         saved = state.get("layout", {**mine, "dp": None})  # checkpoints before layouts were recorded: DP unknown
-        distributed = distributed_optimizers(self.engine.optimizer) if self.spec.train else []
-        if self.spec.train and bool(distributed) != any(root.glob("mp_rank_*/optim_dp_*.pt")):
+        distributed = self.spec.train and bool(distributed_optimizers(self.engine.optimizer))
+        # Before the flag, only the distributed optimizer wrote shards; a non-distributed one kept
+        # its whole state in Megatron's state_dict, which cannot be re-sharded.
+        saved_distributed = state.get("distributed", any(root.glob("mp_rank_*/optim_dp_*.pt")))
+        by_name = "distributed" in state or saved_distributed
+        if self.spec.train and distributed != saved_distributed:
             have, want = ("with", "without") if not distributed else ("without", "with")
             raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
                              f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
         same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"])
-        if not same_mp and self.spec.train and not distributed:
+        if not same_mp and self.spec.train and not by_name:
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
-                             "Without the distributed optimizer a run may change its DP size, not TP or PP: resume "
-                             f"at the saved TP and PP, save with {self.spec.name}.use_distributed_optimizer=true, or "
-                             "export it with `orz.convert mcore2hf` and start a new run from the HF weights")
+                             "This checkpoint keeps its optimizer state in Megatron's own format, which can "
+                             "change its DP size, not TP or PP: resume at the saved TP and PP, or export it with "
+                             "`orz.convert mcore2hf` and start a new run from the HF weights")
         from_layout = None if same_mp else saved_layout(root, saved["tp"], saved["pp"], layout)
         weights = (load_file(shard / "model.safetensors") if same_mp
                    else resharded_weights(root, self.engine.arch, from_layout, layout))
@@ -441,15 +450,17 @@ class MegatronWorker:
         torch.set_rng_state(state["rng"])
         if not self.spec.train:
             return
-        # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
-        # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
-        _set_group_lr(state["optimizer"], self.spec.cfg)
-        self.engine.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # the distributed optimizer's param groups, or an older checkpoint's whole state
+            # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
+            # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
+            _set_group_lr(state["optimizer"], self.spec.cfg)
+            self.engine.optimizer.load_state_dict(state["optimizer"])
         names = {param: name for name, param in self.engine.model.named_parameters()}
-        for i, optimizer in enumerate(distributed):
+        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name else ()):
             if same_mp:
                 paths = sorted(shard.glob(f"optim_dp_*_{i}.pt"))
-                load_shard_states(optimizer, names, paths, self._dp[0] if saved["dp"] in (None, mine["dp"]) else None)
+                keeps_dp = distributed and saved["dp"] in (None, mine["dp"])
+                load_shard_states(optimizer, names, paths, self._dp[0] if keeps_dp else None)
             else:
                 load_resharded_states(optimizer, names, i, root, self.engine.arch, from_layout, layout)
         # Checkpoints before stages kept the scheduler's whole state dict.
