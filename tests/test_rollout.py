@@ -103,11 +103,14 @@ def test_stream_yields_each_prompts_group_and_equals_generate(fleet):
     assert _responses(in_order) == _responses(fleet.generate(PROMPTS, sampling))
 
 
-def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights):
-    """Partial rollout: `interrupt` stops a stream at its engine's next step; once the fleet holds
-    new weights, each unfinished response continues from its last token. Its first tokens are the
-    uninterrupted generation's, each token records its version, and the rest is exactly what the
-    new weights sample from prompt + response so far (the continuation's seed: its own + 2^23)."""
+@pytest.mark.parametrize("interrupt_first", [False, True])
+def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights, interrupt_first):
+    """Partial rollout: `interrupt` stops a stream at its engine's next step, also one submitted
+    after it but before the sync (the trainer's update may end before the batch ahead has begun);
+    once the fleet holds new weights, each unfinished response continues from its last token. Its
+    first tokens are the uninterrupted generation's, each token records its version, and the rest
+    is exactly what the new weights sample from prompt + response so far (the continuation's
+    seed: its own + 2^23)."""
     original, perturbed = weights
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
     old = fleet.weight_version
@@ -116,10 +119,13 @@ def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights)
     reference = fleet.generate(prompts, sampling)
     groups = []
     streaming = threading.Thread(target=lambda: groups.extend(fleet.stream(prompts, sampling, interruptible=True)))
+    if interrupt_first:
+        fleet.interrupt()
     streaming.start()
     while not fleet._in_flight:  # submitted
         time.sleep(0.001)
-    fleet.interrupt()
+    if not interrupt_first:
+        fleet.interrupt()
     fleet.sync(TensorSource(perturbed), version=old + 1)
     streaming.join(timeout=120)
     samples = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]

@@ -139,8 +139,9 @@ class EngineFleet:
         self._group: GroupSpec | None = None
         self._group_source: WeightSource | None = None
         self._group_ids: list[int] = []
-        # Partial rollout: interruptible calls by engine, and the version they wait to move past.
-        self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, 0
+        # Partial rollout: interruptible calls by engine, and the version of the last interrupt
+        # (pending until a sync moves weight_version past it: a call submitted meanwhile pauses too).
+        self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, -1
         self._synced = threading.Condition()  # notified whenever weight_version moves
         tp = self.cfg.tensor_parallel_size  # vLLM's own workers take an engine's GPUs when TP > 1
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
@@ -325,21 +326,25 @@ class EngineFleet:
                     streams[self._submit(engine_id, left[engine_id], sampling, min_version, interruptible)] = engine_id
 
     def interrupt(self) -> None:
-        """Partial rollout: every interruptible generation in flight stops at its engine's next
-        step, keeps what its unfinished responses generated, and waits for the next sync; its
-        stream then finishes them with the new weights (each token records its version)."""
+        """Partial rollout: every interruptible generation in flight, or submitted before the next
+        sync, stops at its engine's next step, keeps what its unfinished responses generated, and
+        waits for that sync; its stream then finishes them with the new weights (each token
+        records its version)."""
         with self._synced:
             self._interrupted_at = self.weight_version
             ray.get([self.engines[e].interrupt.remote(call) for e, call in self._in_flight.items()])
 
     def _submit(self, engine_id: int, prompts: dict[int, list[int]], sampling: SamplingConfig, min_version: int,
                 interruptible: bool = False):
-        call = None
-        if interruptible:
-            with self._synced:
+        engine, call = self.engines[engine_id], None
+        with self._synced:
+            if interruptible:
                 call = self._in_flight[engine_id] = next(self._calls)
-        return self.engines[engine_id].generate.options(num_returns="streaming").remote(
-            list(prompts.items()), asdict(sampling), min_version, call)
+            stream = engine.generate.options(num_returns="streaming").remote(list(prompts.items()), asdict(sampling),
+                                                                             min_version, call)
+            if call is not None and self._interrupted_at == self.weight_version:  # asked before this call existed
+                ray.get(engine.interrupt.remote(call))
+        return stream
 
     def _resume(self, engine_id: int, call: int | None):
         """An interrupted call's stream of the rest, once the fleet holds weights newer than at the interrupt."""
