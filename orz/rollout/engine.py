@@ -157,12 +157,16 @@ class VLLMEngine:
                         cfg.max_new_tokens - len(r.ids))
         try:
             while live:
+                finished = set()  # groups with a response that finished this step
                 for out in engine.step():
                     for completion in out.outputs if out.request_id in live else ():
-                        self._extend(live[out.request_id][completion.index], completion)
+                        response = live[out.request_id][completion.index]
+                        self._extend(response, completion)
+                        if response.finish_reason:
+                            finished.add(response.index)
                     if all(r.finish_reason for r in live.get(out.request_id, ())):
                         live.pop(out.request_id, None)
-                for index in [i for i, responses in groups.items() if all(r.finish_reason for r in responses)]:
+                for index in sorted(i for i in finished if all(r.finish_reason for r in groups[i])):
                     yield [asdict(self._sample(r)) for r in groups.pop(index)]
                 if live and call in self._interrupted:
                     engine.abort_request(list(live))
