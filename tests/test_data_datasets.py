@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orz.data.datasets import COMMON_IMPORTS, CodeTests, DatasetFormatError, load_rows, load_source
+from orz.config import DataConfig
+from orz.data.datasets import COMMON_IMPORTS, CodeTests, DatasetFormatError, RunData, load_rows, load_source
 
 CONVERSATION = [{"from": "human", "value": "What is 2+2?"},
                 {"from": "assistant", "ground_truth": {"value": "4"}}]
@@ -163,3 +164,19 @@ def test_synthetic_sources_split_and_name_their_verifier():
         assert not {r.prompt for r in train} & {r.prompt for r in test}
     with pytest.raises(ValueError, match="unknown synthetic task 'synthetic:poetry'"):
         load_source("synthetic:poetry", split="train", size=1, seed=0)
+
+
+def test_a_runs_data_sections_are_read_once_at_their_splits_sizes(tmp_path):
+    flat = _write_jsonl(tmp_path / "flat.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    data = DataConfig(train=["synthetic:code", str(flat)], eval={"held": "synthetic:code", "flat": str(flat)},
+                      synthetic_train_size=30, synthetic_eval_size=10, synthetic_digits=(1, 2))
+    run = RunData(seed=3)
+    train, sets = run.train(data), run.eval_sets(data)
+    assert len(train) == 31 and train[-1].answer == "2" and train[:30] == load_source(
+        "synthetic:code", split="train", size=30, seed=3, digits=(1, 2))
+    assert {name: len(rows) for name, rows in sets.items()} == {"held": 10, "flat": 1}
+    assert not {r.prompt for r in train[:30]} & {r.prompt for r in sets["held"]}
+    flat.write_text("")  # read once: a later stage naming the same file gets what was read
+    assert run.eval_sets(data)["flat"] is sets["flat"] and run.train(data) == train
+    with pytest.raises(ValueError, match="data.train is empty"):
+        run.train(DataConfig())

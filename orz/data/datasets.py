@@ -2,6 +2,8 @@
 
     rows = load_rows("skywork_or1.parquet")        # [Row(prompt, verifier, answers | tests | choices, ...)]
     rows = load_source("synthetic:code", split="test", size=200, seed=0)
+    run = RunData(seed=0)                          # a run's data sections, each source read once
+    train, eval_sets = run.train(cfg.data), run.eval_sets(cfg.data)
 
 Row formats accepted (one file may mix them, and so may a run's data.train across files):
 - ORZ conversation: `[{"from": "human", "value": q}, {"from": "assistant", "ground_truth": {"value": a}}]`
@@ -35,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orz.config import DataConfig
 
 BUILTIN_VERIFIERS = ("math", "code", "multiple_choice")
 LETTERS = "ABCDEFGHIJ"
@@ -151,6 +155,33 @@ def load_source(spec: str, *, split: str, size: int, seed: int, digits: tuple[in
             raise ValueError(f"unknown synthetic task {spec!r}; valid: {sorted(makers)}")
         return parse_rows(spec, enumerate(({"data_source": spec, **row} for row in makers[spec]()), start=1))
     return load_rows(spec)
+
+
+class RunData:
+    """The rows a run's `data` sections name, each file or synthetic task read once for the whole
+    run: its check before start-up, every stage and the evaluation share what was read."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._read: dict[tuple, list[Row]] = {}
+
+    def train(self, data: DataConfig) -> list[Row]:
+        """Every `data.train` source's rows, in order."""
+        if not data.train:
+            raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
+        return [row for spec in data.train for row in self._source(data, spec, "train")]
+
+    def eval_sets(self, data: DataConfig) -> dict[str, list[Row]]:
+        """`data.eval`'s sets by name (a synthetic task's test split never overlaps its train split)."""
+        return {name: self._source(data, spec, "test") for name, spec in data.eval.items()}
+
+    def _source(self, data: DataConfig, spec: str, split: str) -> list[Row]:
+        size = data.synthetic_train_size if split == "train" else data.synthetic_eval_size
+        key = (spec, split, size, tuple(data.synthetic_digits), data.synthetic_ops)
+        if key not in self._read:
+            self._read[key] = load_source(spec, split=split, size=size, seed=self.seed,
+                                          digits=tuple(data.synthetic_digits), ops=data.synthetic_ops)
+        return self._read[key]
 
 
 def _read_raw_rows(path: Path) -> Iterator[tuple[int, Any]]:

@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orz.bundles import Bundles
 from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
-from orz.data.datasets import DatasetFormatError, Row, load_source
+from orz.data.datasets import DatasetFormatError, Row, RunData
 from orz.data.sampler import PromptLoader
 from orz.data.templates import make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
@@ -87,42 +87,29 @@ class ActorWeightSource:
         return self.actor.put_weights(bucket_bytes, with_digests)
 
 
-def load_data(spec: str, cfg: ExperimentConfig, split: str, size: int, loaded: dict) -> list[Row]:
-    """The rows of a data file or synthetic task (orz.data.datasets.load_source), read once per
-    run: `loaded` keeps what was read (check_data fills it before the trainer starts)."""
-    d = cfg.data
-    key = (spec, split, size, cfg.trainer.seed, tuple(d.synthetic_digits), d.synthetic_ops)
-    if key not in loaded:
-        loaded[key] = load_source(spec, split=split, size=size, seed=cfg.trainer.seed,
-                                  digits=tuple(d.synthetic_digits), ops=d.synthetic_ops)
-    return loaded[key]
-
-
-def check_data(cfg: ExperimentConfig) -> dict:
+def check_data(cfg: ExperimentConfig) -> RunData:
     """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
     whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
-    read, for the trainer (load_data). Evaluation prompts must fit data.prompt_max_tokens (the
-    engines' context is sized from it): training skips a longer prompt, evaluation refuses it."""
-    loaded, tokenizer = {}, load_tokenizer(cfg.model.path)
+    read, for the trainer. Evaluation prompts must fit data.prompt_max_tokens (the engines'
+    context is sized from it): training skips a longer prompt, evaluation refuses it."""
+    data, tokenizer = RunData(cfg.trainer.seed), load_tokenizer(cfg.model.path)
     for _, staged in stage_configs(cfg):
         d, router = staged.data, RouterConfig.from_config(staged.reward)
         template = make_template(d.template, tokenizer, d.instruction)
-        sources = [(s, "train", d.synthetic_train_size) for s in d.train] + \
-                  [(s, "test", d.synthetic_eval_size) for s in d.eval.values()]
-        for spec, split, size in sources:
-            rows = load_data(spec, staged, split, size, loaded)
-            check_verifiers(rows, router)
-            scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
-            if scored_by_model is not None and not staged.reward.model.path:
-                raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
-                                         "(the reward model's score alone), but reward.model.path is not set")
-            for row in rows if split == "test" else ():
-                length = len(encode_prompt(tokenizer, template, row.prompt))
-                if length > d.prompt_max_tokens:
-                    raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
-                                             f"data.prompt_max_tokens={d.prompt_max_tokens}, which sizes the engines' "
-                                             "context; an evaluation set is never trimmed: raise data.prompt_max_tokens")
-    return loaded
+        evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
+        rows = data.train(d) + evaluated
+        check_verifiers(rows, router)
+        scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
+        if scored_by_model is not None and not staged.reward.model.path:
+            raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
+                                     "(the reward model's score alone), but reward.model.path is not set")
+        for row in evaluated:
+            length = len(encode_prompt(tokenizer, template, row.prompt))
+            if length > d.prompt_max_tokens:
+                raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
+                                         f"data.prompt_max_tokens={d.prompt_max_tokens}, which sizes the engines' "
+                                         "context; an evaluation set is never trimmed: raise data.prompt_max_tokens")
+    return data
 
 
 class CheckpointError(RuntimeError):
@@ -153,7 +140,7 @@ class RayPPOTrainer:
     and `run_cfg` for everything else (layouts, output, seeds, checkpoint cadence)."""
 
     def __init__(self, cfg: ExperimentConfig, resume_from: Path | None = None, restarts: int = 0,
-                 data: dict | None = None):
+                 data: RunData | None = None):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric); data: rows already
         read (check_data), kept across restarts."""
@@ -168,7 +155,7 @@ class RayPPOTrainer:
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.data = {} if data is None else data
+        self.data = RunData(cfg.trainer.seed) if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.reward, self.evaluators, self.loader = None, {}, None
         self._setup_roles()
@@ -243,16 +230,12 @@ class RayPPOTrainer:
         d = cfg.data
         self.template = make_template(d.template, self.tokenizer, d.instruction)
         if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
-            if not d.train:
-                raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
-            train = [row for spec in d.train
-                     for row in load_data(spec, cfg, "train", d.synthetic_train_size, self.data)]
-            self.loader = PromptLoader(train, cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
+            self.loader = PromptLoader(self.data.train(d), cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         if self.reward is not None:
             self.reward.close()
-        self.reward = RewardRouter(RouterConfig.from_config(cfg.reward), self.loader.rows)
+        self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows)
         self._setup_eval()
         roles = run_rules.roles(cfg)
         for name, group in self._named_groups():
@@ -591,8 +574,7 @@ class RayPPOTrainer:
         t, r = cfg.trainer, cfg.rollout
         for evaluator in self.evaluators.values():
             evaluator.close()
-        benchmarks = [benchmark_from_rows(name, load_data(spec, cfg, "test", cfg.data.synthetic_eval_size, self.data))
-                      for name, spec in cfg.data.eval.items()]
+        benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.data.eval_sets(cfg.data).items()]
         verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass"),
                            weights={})
         common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=self.run_cfg.trainer.seed,
@@ -736,7 +718,7 @@ def main(cfg: ExperimentConfig) -> dict:
                 signal.signal(signal.SIGTERM, previous)
 
 
-def _train_with_restarts(cfg: ExperimentConfig, data: dict, stop: threading.Event) -> dict:
+def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.Event) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
         trainer = RayPPOTrainer(cfg, resume_from, restarts, data)

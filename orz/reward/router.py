@@ -147,6 +147,11 @@ class RewardRouter:
         self.endpoints = {n: custom.EndpointReward(n, self.specs[n], cfg.endpoint_batch_size, cfg.custom_timeout_s)
                           for n in needed if n in self.specs and custom.is_endpoint(self.specs[n])}
 
+    @classmethod
+    def from_config(cls, reward: RewardConfig, rows: Sequence[Row]) -> RewardRouter:
+        """The router of a run's `reward` section, for `rows`."""
+        return cls(RouterConfig.from_config(reward), rows)
+
     def check(self, rows: Sequence[Row]) -> None:
         """Refuses a row whose verifier nothing defines, or one this router was not built for."""
         check_verifiers(rows, self.cfg)
