@@ -312,3 +312,30 @@ def _threads(rank, world, role, model):
 
 def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model):
     assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]
+
+
+def _first_step_saved_as_before(rank, world, role, model, ckpt):
+    """Step 1 saved as orz did before optimizer state went by name: without the distributed
+    optimizer, Megatron's whole `state_dict` in optim.pt, no shards, the scheduler's state dict."""
+    w = _worker(rank, world, role, "float32", model)
+    _step(w, world, _minibatches()[0])
+    w.save(ckpt)
+    shard = w._shard_dir(ckpt)
+    state = torch.load(shard / "optim.pt", weights_only=False)
+    del state["distributed"]
+    state["scheduler"] = {"num_steps": state.pop("scheduler_steps")}
+    state["optimizer"] = w.engine.optimizer.state_dict()
+    torch.save(state, shard / "optim.pt")
+    for path in shard.glob("optim_dp_*.pt"):
+        path.unlink()
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_another(model, reference, tmp_path):
+    ckpt = str(tmp_path / "ck")
+    run_world(_first_step_saved_as_before, *LAYOUTS["dp1"], model, ckpt)
+    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, ckpt)[0]
+    assert metrics == reference["metrics"][1]
+    assert all(torch.equal(weights[n], w) for n, w in reference["weights"].items())
+    with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer state in Megatron's own format.*"
+                                           r"resume at the saved TP and PP"):
+        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, ckpt)

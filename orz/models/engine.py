@@ -39,7 +39,7 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # max global grad norm
-    use_distributed_optimizer: bool = False  # ZeRO-1 over DP; GPU only (untested on CPU)
+    use_distributed_optimizer: bool = False  # ZeRO-1: fp32 masters and Adam moments sharded over DP
 
 
 def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
