@@ -1,6 +1,6 @@
 """One RL iteration, this stack against TRL's GRPOTrainer, on the same model, task and workload.
 
-    .venv-bench/bin/python bench/vs_trl.py [--iterations 6] [--prompts 32] [--samples 8] \
+    .venv-bench/bin/python bench/vs_trl.py [--iterations 15] [--prompts 32] [--samples 8] \
         [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR | --random-model 24m]
         [--skip-trl-defaults] [--orz KEY=VALUE ...]
 
@@ -370,7 +370,7 @@ def _base(args) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--iterations", type=int, default=15)  # the demo's
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
