@@ -92,6 +92,8 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     assert proc.wait(timeout=600) == 75, console.read_text()
     assert latest.read_text() == "iter_000001"
     _check_quiet_console(console.read_text(), killed / "logs")
+    summary = json.loads(console.read_text().splitlines()[-1])  # the final JSON line
+    assert (summary["iterations"], summary["preempted"], summary["restarts"]) == (1, True, 0)
     _kill_ray_cluster_of(proc.pid)
 
     proc = start_and_wait_for(lambda: latest.read_text() >= "iter_000002")
