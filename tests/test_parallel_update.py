@@ -336,6 +336,6 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_an
     metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, ckpt)[0]
     assert metrics == reference["metrics"][1]
     assert all(torch.equal(weights[n], w) for n, w in reference["weights"].items())
-    with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer state in Megatron's own format.*"
-                                           r"resume at the saved TP and PP"):
+    with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
+                                           r"state in Megatron's own format.*resume at the saved TP and PP"):
         run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, ckpt)

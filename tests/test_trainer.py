@@ -201,7 +201,7 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
 
 
 def test_an_error_before_start_reaches_the_console_in_full(tiny_run, tmp_path):
-    """The quiet console (checked on a whole run by the stop-and-resume test) still shows errors."""
+    """The quiet console (checked on a real run's output by the stop-and-resume test) still shows errors."""
     bad = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(tmp_path / "bad", "grpo", iterations=1),
                           "data.train=[/nonexistent.jsonl]"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "/nonexistent.jsonl" in bad.stderr
