@@ -35,7 +35,8 @@ Sides 1-3 run once per `--seeds` value (trainer.seed on orz's side, GRPOConfig.s
 one run's accuracy has a binomial standard error of √(p(1 − p)/n) on n problems, but that says
 nothing of how much another seed would move it. With several seeds each figure is the mean over
 seeds, and an accuracy's standard error is the seeds' sample standard deviation over √seeds,
-which holds both sources of noise; the figures of each seed are kept beside the means.
+which holds both sources of noise (never below one run's binomial error over √seeds); the
+figures of each seed are kept beside the means.
 
 Prints ONE JSON line: each side's seconds per iteration (mean over iterations after the first),
 generated and trained tokens/s, held-out accuracy before (base) and after with its standard
@@ -291,7 +292,8 @@ def _figures(run: dict, args, tokenizer_dir: str, params: int, limits: dict) -> 
 
 def _over_seeds(runs: list[dict]) -> dict:
     """A side's figures as means over its seeds' runs, each seed's kept in `by_seed`. With more
-    than one seed, the accuracy's standard error is the seeds' sample sd / √seeds."""
+    than one seed, the accuracy's standard error is the seeds' sample sd / √seeds, and never below
+    the evaluation's own, one run's binomial SE / √seeds (seeds that agree by chance say little)."""
     if len(runs) == 1:
         return runs[0]
     side = {}
@@ -300,12 +302,13 @@ def _over_seeds(runs: list[dict]) -> dict:
             side[key] = statistics.mean(r[key] for r in runs)
         elif isinstance(value, dict):  # orz's timing/* means
             side[key] = {k: statistics.mean(r[key][k] for r in runs) for k in value}
-        elif not isinstance(value, list):  # a setting, the same for every seed
+        elif not isinstance(value, list) and key != "seed":  # a setting, the same for every seed
             side[key] = value
     accuracies = [r["heldout_accuracy"] for r in runs]
     side["heldout_accuracy_se_one_run"] = side.pop("heldout_accuracy_se")  # binomial, mean over seeds
     side["heldout_accuracy_seed_sd"] = statistics.stdev(accuracies)
-    side["heldout_accuracy_se"] = side["heldout_accuracy_seed_sd"] / len(runs) ** 0.5
+    spread = max(side["heldout_accuracy_seed_sd"], side["heldout_accuracy_se_one_run"])
+    side["heldout_accuracy_se"] = spread / len(runs) ** 0.5
     side["by_seed"] = {r["seed"]: {"seconds_per_iteration": r["seconds_per_iteration"],
                                    "heldout_accuracy": r["heldout_accuracy"]} for r in runs}
     return side
@@ -358,8 +361,8 @@ def driver(args, argv: list[str]) -> dict:
     if "error" not in sides["orz_sync"] and "error" not in sides["orz_async"]:
         ratios["orz_async_over_orz_sync_s_per_iteration"] = (sides["orz_async"]["seconds_per_iteration"]
                                                              / sides["orz_sync"]["seconds_per_iteration"])
-        ratios["orz_async_over_orz_sync_by_seed"] = [
-            a["seconds_per_iteration"] / s["seconds_per_iteration"] for a, s in zip(runs["orz_async"], runs["orz_sync"])]
+        ratios["orz_async_over_orz_sync_by_seed"] = [a["seconds_per_iteration"] / s["seconds_per_iteration"]
+                                                     for a, s in zip(runs["orz_async"], runs["orz_sync"])]
     return {
         "bench": "vs_trl",
         "settings": {"model": str(base), "params": params, "iterations": args.iterations,
