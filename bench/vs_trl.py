@@ -298,11 +298,13 @@ def _over_seeds(runs: list[dict]) -> dict:
         return runs[0]
     side = {}
     for key, value in runs[0].items():
-        if isinstance(value, (int, float)) and key != "seed":
+        if key == "seed" or isinstance(value, list):  # per iteration: kept in each seed's result file
+            continue
+        if isinstance(value, (int, float)):
             side[key] = statistics.mean(r[key] for r in runs)
         elif isinstance(value, dict):  # orz's timing/* means
             side[key] = {k: statistics.mean(r[key][k] for r in runs) for k in value}
-        elif not isinstance(value, list) and key != "seed":  # a setting, the same for every seed
+        else:  # a setting, the same for every seed
             side[key] = value
     accuracies = [r["heldout_accuracy"] for r in runs]
     side["heldout_accuracy_se_one_run"] = side.pop("heldout_accuracy_se")  # binomial, mean over seeds
