@@ -7,7 +7,8 @@ trainer.max_staleness=0 (generate, then train), =1 (the engines generate batch i
 the actor trains on batch i) and =1 with rollout.partial=true (an update that ends first
 interrupts the batch ahead, which the new weights finish), the same seed, iterations and
 held-out set, and prints ONE JSON
-line: seconds per iteration of each (mean after the first iteration), their ratio, the ideal
+line: seconds per iteration of each (mean over the steady iterations: all but the first and the
+last, common.steady), their ratio, the ideal
 overlap measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
 machine's CPU utilisation during each, and held-out greedy accuracy with its standard error and
 the difference's.
@@ -26,7 +27,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, machine, set_threads  # noqa: E402
+from common import emit, machine, set_threads, steady  # noqa: E402
 
 from orz.demo import BaseModelSpec, base_model, rl_config  # noqa: E402
 from orz.ppo.trainer import main as train  # noqa: E402
@@ -67,7 +68,7 @@ def _run(base, spec, out: Path, staleness: int, args, partial: bool = False) -> 
     with CpuMeter() as cpu:
         train(cfg)
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "timing/step" in r][1:]  # the first iteration has no overlap yet
+    steps = steady([r for r in rows if "timing/step" in r])
     mean = {k: statistics.mean(r[k] for r in steps) for k in steps[0] if k.startswith("timing/")}
     accuracy = rows[-1]["eval/accuracy_greedy"]
     return {"seconds_per_iteration": mean["timing/step"], "phases_s": {k[7:]: v for k, v in mean.items()},

@@ -51,6 +51,15 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def steady(per_iteration: list) -> list:
+    """The iterations of an RL run between its pipeline's fill and drain. The first has nothing to
+    overlap yet and pays the warm-up; an asynchronous run's last has no next batch to generate
+    beside its update, so it runs alone and short. Every side of a comparison drops both."""
+    if len(per_iteration) < 3:
+        raise ValueError(f"--iterations: a steady iteration needs at least 3, got {len(per_iteration)}")
+    return per_iteration[1:-1]
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """The fp32 matmul rate of an n³ product at the current thread setting (median of `repeats`)."""
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -5,7 +5,7 @@
         [--seeds 0 1 2] [--skip-trl-defaults] [--orz KEY=VALUE ...]
 
     # the work-dominated size: a random 24M Llama, every response 64 tokens on both sides
-    .venv-bench/bin/python bench/vs_trl.py --random-model 24m --max-new-tokens 64 --iterations 3 --eval-n 50
+    .venv-bench/bin/python bench/vs_trl.py --random-model 24m --max-new-tokens 64 --iterations 4 --eval-n 50
 
 (needs the `bench` extra: trl==1.16.0.)  Runs, one after the other on this machine, each in its
 own process so that thread settings do not leak between them:
@@ -38,7 +38,8 @@ seeds, and an accuracy's standard error is the seeds' sample standard deviation 
 which holds both sources of noise (never below one run's binomial error over √seeds); the
 figures of each seed are kept beside the means.
 
-Prints ONE JSON line: each side's seconds per iteration (mean over iterations after the first),
+Prints ONE JSON line: each side's seconds per iteration (mean over the steady iterations: all but
+the first and the last, common.steady),
 generated and trained tokens/s, held-out accuracy before (base) and after with its standard
 error, the ratios TRL/orz with the accuracy differences and their standard errors, the async
 over sync ratio of each seed, and the fraction of the fp32 matmul limit.
@@ -89,7 +90,7 @@ def _cut_at_stop(text: str) -> tuple[str, bool]:
 
 
 def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
-    from common import set_threads
+    from common import set_threads, steady
 
     set_threads(1)
     from orz.demo import BaseModelSpec, rl_config
@@ -112,7 +113,7 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
     train(cfg)
     rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "timing/step" in r]
-    measured = steps[1:]
+    measured = steady(steps)
     return {
         "iteration_s": [r["timing/step"] for r in steps],
         "seconds_per_iteration": statistics.mean(r["timing/step"] for r in measured),
@@ -129,6 +130,7 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
 
 def side_trl(args, base: Path, out: Path, mode: str) -> dict:
     import torch
+    from common import steady
 
     if mode == "one_thread":
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -207,14 +209,12 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
     trainer.save_model(str(out / "final"))
     tokenizer.save_pretrained(str(out / "final"))
     iteration_s = [b - a for a, b in zip(marks, marks[1:])]
-    measured = slice(1, None)
-    gen_s = gen["s"][measured]
-    tokens = gen["tokens"][measured]
+    gen_s, tokens = steady(gen["s"]), steady(gen["tokens"])
     return {
         "mode": mode, "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation,
         "iteration_s": iteration_s,
-        "seconds_per_iteration": statistics.mean(iteration_s[measured]),
+        "seconds_per_iteration": statistics.mean(steady(iteration_s)),
         "generation_s_per_iteration": statistics.mean(gen_s),
         "generated_tokens_per_iteration": statistics.mean(tokens),
         "generated_tokens_per_s": sum(tokens) / sum(gen_s),
@@ -368,7 +368,7 @@ def driver(args, argv: list[str]) -> dict:
     return {
         "bench": "vs_trl",
         "settings": {"model": str(base), "params": params, "iterations": args.iterations,
-                     "iterations_measured": args.iterations - 1, "seeds": args.seeds,
+                     "iterations_measured": args.iterations - 2, "seeds": args.seeds,
                      "prompts_x_samples": f"{args.prompts}x{args.samples}", "max_new_tokens": args.max_new_tokens,
                      "optimizer_steps_per_iteration": args.steps_per_iteration, "lr": LR, "eval_n": args.eval_n,
                      "orz_overrides": args.orz, "precision": {"orz": "float32", "trl": "float32 (bf16=False)"},
