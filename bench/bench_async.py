@@ -6,10 +6,9 @@ Runs the CPU demo (its pre-trained tiny base, cached in runs/demo) three times i
 trainer.max_staleness=0 (generate, then train), =1 (the engines generate batch i + 1 while
 the actor trains on batch i) and =1 with rollout.partial=true (an update that ends first
 interrupts the batch ahead, which the new weights finish), the same seed, iterations and
-held-out set, and prints ONE JSON
-line: seconds per iteration of each (mean over the steady iterations: all but the first and the
-last, common.steady), their ratio, the ideal
-overlap measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
+held-out set, and prints ONE JSON line: seconds per iteration of each (mean over the steady
+iterations, all but the first and the last: common.steady), their ratio, the ideal overlap
+measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
 machine's CPU utilisation during each, and held-out greedy accuracy with its standard error and
 the difference's.
 """
