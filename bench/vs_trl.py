@@ -42,7 +42,8 @@ Prints ONE JSON line: each side's seconds per iteration (mean over the steady it
 the first and the last, common.steady),
 generated and trained tokens/s, held-out accuracy before (base) and after with its standard
 error, the ratios TRL/orz with the accuracy differences and their standard errors, the async
-over sync ratio of each seed, and the fraction of the fp32 matmul limit.
+over sync ratio of each seed, and the fraction of the fp32 matmul limit of all the machine's
+cores (both sides use them all).
 """
 from __future__ import annotations
 
@@ -319,7 +320,8 @@ def _over_seeds(runs: list[dict]) -> dict:
 def driver(args, argv: list[str]) -> dict:
     from common import best_limits, machine, machine_limits, param_count, set_threads
 
-    threads = set_threads(1)
+    # Both sides may use every core, so the limit is every core's (one thread reaches 1/1.6 of it here).
+    threads = set_threads(os.cpu_count() or 1)
     before = machine_limits()
     base = _base(args)
     params = param_count(base)
