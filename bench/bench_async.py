@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, machine, set_threads, steady  # noqa: E402
+from common import emit, iterations_arg, machine, set_threads, steady  # noqa: E402
 
 from orz.demo import BaseModelSpec, base_model, rl_config  # noqa: E402
 from orz.ppo.trainer import main as train  # noqa: E402
@@ -105,6 +105,6 @@ def run(args) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=15)
+    parser.add_argument("--iterations", type=iterations_arg, default=15)
     parser.add_argument("--eval-size", type=int, default=400)
     emit(run(parser.parse_args()))

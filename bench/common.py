@@ -12,6 +12,7 @@ and reports fractions of them, never a lone absolute time.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -58,6 +59,14 @@ def steady(per_iteration: list) -> list:
     if len(per_iteration) < 3:
         raise ValueError(f"--iterations: a steady iteration needs at least 3, got {len(per_iteration)}")
     return per_iteration[1:-1]
+
+
+def iterations_arg(text: str) -> int:
+    """The `type` of an RL bench's --iterations: enough of them for one steady iteration."""
+    n = int(text)
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"needs at least 3 (the first and the last are not steady), got {n}")
+    return n
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

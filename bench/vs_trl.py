@@ -421,8 +421,10 @@ def _base(args) -> Path:
 
 
 def main() -> None:
+    from common import iterations_arg
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=15)  # the demo's
+    parser.add_argument("--iterations", type=iterations_arg, default=15)  # the demo's
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
