@@ -160,7 +160,7 @@ def rl_config(base: Path, spec: BaseModelSpec, root: Path, overrides: list[str])
         "rollout.stop=['</answer>']",
         "trainer.iterations=15", "trainer.prompts_per_iteration=32", "trainer.eval_every=5", "trainer.eval_n=4",
         f"trainer.output_dir={root / 'grpo'}", "trainer.resume=false", "trainer.ray_num_cpus=8",
-        # One-step off-policy: the engine generates the next batch while the actor trains (0.59-0.76x the
+        # One-step off-policy: the engine generates the next batch while the actor trains (0.60-0.76x the
         # time per iteration at equal held-out accuracy, bench/bench_async.py, bench/vs_trl.py).
         "trainer.max_staleness=1",
         # One thread each while the engine generates the next batch; every core for the rest of the update.
