@@ -117,6 +117,14 @@ class AlgorithmConfig:
     # trainer.max_staleness > 0.
     is_correction: bool | None = None
     is_cap: float = 2.0
+    # token: wₜ = min(rₜ, is_cap) | sequence: wᵢ = min(Πₜ rᵢₜ, is_cap) on every token of the sequence
+    is_level: str = "token"
+    # [low, high] (either end null: open; null: off): tokens whose r = π_old/π_engine leaves the band
+    # leave the actor's loss and its normalisers (MIS; IcePop when two-sided). E.g. [0.5, 2.0].
+    mismatch_mask: tuple[float | None, float | None] | None = None
+    # [low, high]: sequences whose geometric-mean ratio exp(mean log r) leaves the band leave the
+    # actor's loss whole (Geo-RS). The geometric mean is close to 1: e.g. [0.999, 1.001].
+    mismatch_reject_geo: tuple[float | None, float | None] | None = None
     # π_old = the engine's log-probs of its samples, skipping the actor's log-prob pass (slime's
     # --use-rollout-logprobs): right only where engine and trainer agree (fp32; no top-p/top-k).
     rollout_logprobs_as_old: bool = False
@@ -204,6 +212,9 @@ class TrainerConfig:
     project: str = "orz"  # the W&B project and the MLflow experiment
     run_name: str = ""  # the trackers' run name; "": output_dir's last part
     dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
+    # True: those dumps list every token's figures (engine and trainer log-probs, advantages, IS
+    # weights, the loss mask after mismatch masking) instead of each sample's means.
+    dump_per_token: bool = False
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
     # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines

@@ -48,7 +48,7 @@ def _minibatches() -> list[MiniBatch]:
     mask = exp.response_mask
     exp = replace(exp, old_logprobs=torch.full(mask.shape, OLD_LOGPROB) * mask,
                   advantages=advantages.expand_as(mask) * mask)
-    return [MiniBatch.of(exp.select(range(i, i + 8)).trim()) for i in (0, 8)]
+    return [MiniBatch.of(exp.select(range(i, i + 8)).trim(), rows=torch.arange(i, i + 8)) for i in (0, 8)]
 
 
 def _worker(rank, world, role, dtype, model):
@@ -62,7 +62,7 @@ def _step(w, world, mb):
     """One optimizer step on `mb`; the metrics merged over the world's reporting ranks."""
     out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
     parts = [None] * world
-    dist.all_gather_object(parts, out)
+    dist.all_gather_object(parts, out and out.metrics)
     return combine_metrics([p for p in parts if p])
 
 
@@ -269,7 +269,10 @@ def _update_with_and_without_old(rank, world, role, model):
         out = w.train_actor(minibatches, ActorStep(ALGO, 0.7, 0.0, 0.0))
         parts = [None] * world
         dist.all_gather_object(parts, out)
-        return combine_metrics([p for p in parts if p]), dict(w.engine.hf_tensors())
+        read_old = torch.zeros(16, max(mb.experience.response_mask.shape[1] for mb in minibatches))
+        for rows, values in (piece for p in parts if p for piece in p.old_logprobs):
+            read_old[rows, : values.shape[1]] = values
+        return combine_metrics([p.metrics for p in parts if p]), dict(w.engine.hf_tensors()), read_old
 
     minibatches = [replace(mb, experience=replace(mb.experience, old_logprobs=None)) for mb in _minibatches()]
     separate = worker()
@@ -280,7 +283,7 @@ def _update_with_and_without_old(rank, world, role, model):
              for mb, rows in zip(minibatches, old.split(8))]
     with_pass = train(separate, given)
     in_update = train(worker(), minibatches)
-    return (with_pass, in_update) if rank == 0 else None
+    return (with_pass, in_update, old) if rank == 0 else None
 
 
 def _whole(minibatches: list[MiniBatch]):
@@ -292,8 +295,12 @@ def _whole(minibatches: list[MiniBatch]):
 @pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens", "tp2pp2"])
 def test_pi_old_read_in_the_update_equals_a_separate_pass(layout, model):
     workers, role = LAYOUTS[layout]
-    (pass_metrics, pass_weights), (metrics, weights) = run_world(_update_with_and_without_old, workers, role, model,
-                                                                  timeout=300)[0]
+    (pass_metrics, pass_weights, none_read), (metrics, weights, read_old), old = run_world(
+        _update_with_and_without_old, workers, role, model, timeout=300)[0]
+    # The π_old the update read comes back by row, as the separate pass gave it (given: none read).
+    assert not none_read.any()
+    torch.testing.assert_close(read_old, old[:, : read_old.shape[1]] * (read_old != 0), atol=1e-5, rtol=0)
+    assert (read_old != 0).sum() == sum(len(r) for r in _rollouts()[1])
     assert metrics.keys() == pass_metrics.keys()
     for key in pass_metrics:
         assert _close(metrics[key], pass_metrics[key]), (key, metrics[key], pass_metrics[key])

@@ -32,14 +32,7 @@ from orz.models.optimizer_shards import (
     saved_layout,
     shard_states,
 )
-from orz.ppo.core_algos import (
-    POLICY_LOSSES,
-    aggregate,
-    entropy_bonus,
-    kl_penalty,
-    truncated_is_weights,
-    value_loss,
-)
+from orz.ppo.core_algos import actor_loss, value_loss
 from orz.ppo.replay_buffer import Experience, MicroBatch, MiniBatch
 
 
@@ -283,46 +276,40 @@ class MegatronWorker:
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
-    def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> dict | None:
+    def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> ActorUpdate | None:
         """Without old_logprobs, π_old is this actor's weights before the update: the first
         mini-batch reads it from its own forward (detached; the weights have not moved yet), the
-        others from one no-grad pass before the first step. One pass fewer than a separate one."""
-        algo, temperature, entropy_coef, kl_coef = step.algo, step.temperature, step.entropy_coef, step.kl_coef
+        others from one no-grad pass before the first step. One pass fewer than a separate one.
+        The objective is core_algos.actor_loss; the π_old read here goes back with the metrics."""
+        algo, temperature = step.algo, step.temperature
         shards = [minibatch.shard(*self._dp) for minibatch in minibatches]
-        if shards[0].experience.old_logprobs is None:
+        reads_old = shards[0].experience.old_logprobs is None
+        first_old = torch.zeros(shards[0].experience.response_mask.shape)  # (B_shard, T) π_old of shard 0
+        if reads_old:
             shards[1:] = [self._with_old_logprobs(shard, temperature) for shard in shards[1:]]
 
         def loss_fn(logits, batch):
             mb = batch.micro
-            exp, agg = mb.experience, algo.loss_agg
-            denominator = mb.denominator(agg)
+            exp = mb.experience
             logprob, entropy = self._token_logprobs(logits, batch, temperature, True)
-            mask = exp.response_mask
-            old = logprob.detach() if exp.old_logprobs is None else exp.old_logprobs
-            is_weights = None
-            if algo.is_correction:
-                is_weights = truncated_is_weights(old, exp.rollout_logprobs, mask, algo.is_cap)
-            loss, metrics = POLICY_LOSSES.get(algo.policy_loss)(
-                old, logprob, exp.advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip, agg,
-                is_weights, denominator=denominator)
-            mismatch = (old - exp.rollout_logprobs).abs() * mask  # π_old against the engine's sampler
-            metrics["rollout/logprob_mismatch_mean"] = mismatch.sum() / mask.sum().clamp_min(1)
-            metrics["rollout/logprob_mismatch_max"] = mismatch.max()
-            if entropy_coef:  # its metrics include actor/entropy
-                bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
-                loss = loss + bonus
-                metrics |= entropy_metrics
-            else:
-                metrics["actor/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
-            if kl_coef and not algo.kl_in_reward:
-                kl = kl_penalty(logprob, exp.ref_logprobs, algo.kl_kind, mask)
-                kl_loss = aggregate(kl, mask, agg, denominator=denominator)
-                loss = loss + kl_coef * kl_loss
-                metrics["actor/kl_loss"] = kl_loss.detach()
-            metrics["tokens"] = mask.sum()
+            old = exp.old_logprobs
+            if old is None:  # shard 0's own forward, before any step
+                old = logprob.detach()
+                first_old[mb.rows, : old.shape[1]] = old
+            loss, metrics = actor_loss(
+                logprob, old, exp.advantages, exp.response_mask, policy_loss=algo.policy_loss,
+                clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.loss_agg,
+                denominator=mb.denominator(algo.loss_agg), rollout_logprob=exp.rollout_logprobs,
+                is_level=algo.is_level if algo.is_correction else None, is_cap=algo.is_cap,
+                entropy=entropy, entropy_coef=step.entropy_coef,
+                ref_logprob=exp.ref_logprobs, kl_coef=step.kl_coef, kl_kind=algo.kl_kind)
             return loss, {k: float(v) for k, v in metrics.items()}
 
-        return self._train(shards, loss_fn)
+        metrics = self._train(shards, loss_fn)
+        if metrics is None:
+            return None
+        old = [(shard.rows, shard.experience.old_logprobs) for shard in shards[1:]] if reads_old else []
+        return ActorUpdate(metrics, [(shards[0].rows, first_old), *old] if reads_old else [])
 
     def _with_old_logprobs(self, shard: MiniBatch, temperature: float) -> MiniBatch:
         """The shard with log π of the current weights, on every last-stage rank (all compute the loss)."""
@@ -499,6 +486,16 @@ class ActorStep:
 
 
 @dataclass(frozen=True)
+class ActorUpdate:
+    """What a reporting rank's actor update gives back."""
+
+    metrics: dict[str, float]  # its actor/* metrics, merged over its optimizer steps
+    # π_old it read itself, by shard: (rows of the Experience the mini-batch was cut from, (B_shard, T));
+    # empty when π_old came with the mini-batches
+    old_logprobs: list[tuple[torch.Tensor | None, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class PendingRows:
     """Refs to the reporting ranks' (dp_rank, rows); `.get()` concatenates them in DP order."""
 
@@ -507,6 +504,22 @@ class PendingRows:
     def get(self) -> torch.Tensor:
         parts = sorted((r for r in ray.get(self.refs) if r is not None), key=lambda part: part[0])
         return torch.cat([rows for _, rows in parts])
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """Refs to the reporting ranks' ActorUpdates; `.get()` merges their metrics (combine_metrics)
+    and puts the π_old they read into a (B, T) tensor like ``like``, None when they read none."""
+
+    refs: list
+
+    def get(self, like: torch.Tensor) -> tuple[dict[str, float], torch.Tensor | None]:
+        updates = [u for u in ray.get(self.refs) if u is not None]
+        pieces = [piece for u in updates for piece in u.old_logprobs]
+        old = torch.zeros(like.shape) if pieces else None
+        for rows, values in pieces:
+            old[rows, : values.shape[1]] = values
+        return combine_metrics([u.metrics for u in updates]), old
 
 
 @dataclass(frozen=True)
@@ -551,9 +564,10 @@ class WorkerGroup:
         """(B, T) a reward model's score on each row's last response token, once `.get()`."""
         return PendingRows(self._call("scores", experience))
 
-    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingMetrics:
-        """One optimizer step per mini-batch; the merged `actor/*` metrics once `.get()`."""
-        return PendingMetrics(self._call("train_actor", minibatches, step))
+    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingUpdate:
+        """One optimizer step per mini-batch; the merged `actor/*` metrics and the π_old the
+        actor read (rows in the mini-batches' source Experience) once `.get(like)`."""
+        return PendingUpdate(self._call("train_actor", minibatches, step))
 
     def train_critic_async(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> PendingMetrics:
         return PendingMetrics(self._call("train_critic", minibatches, algo))

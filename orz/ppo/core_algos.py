@@ -38,7 +38,8 @@ __all__ = [
     "compute_reinforce_pp_advantages", "whiten", "AdvantageInputs", "AdvantageEstimator",
     "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
     "aggregate", "aggregate_denominator", "policy_loss", "gspo_policy_loss", "cispo_policy_loss",
-    "truncated_is_weights", "value_loss",
+    "truncated_is_weights", "sequence_is_weights", "IS_LEVELS", "masked_mean", "check_band", "mismatch_keep_mask",
+    "mismatch_metrics", "actor_loss", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
     "AdaptiveKLController", "AdaptiveEntropyController",
 ]
@@ -610,21 +611,6 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, norm_len: int | None = None
 # Losses.
 
 
-def truncated_is_weights(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
-    """Truncated importance-sampling weights for the rollout/trainer mismatch (Yao et al. 2025, TIS).
-
-        wₜ = min(π_old(aₜ) / π_rollout(aₜ), cap)
-
-    vLLM's log-probs differ from the trainer's for the same weights; the PPO ratio is taken against
-    π_old, and w corrects for sampling from π_rollout. Detached. (B, T) each; returns (B, T).
-    """
-    real = _real_mask(mask, old_logprob, "old_logprob")
-    log_ratio = _real_values("old_logprob", old_logprob, real) - _real_values("rollout_logprob", rollout_logprob, real)
-    if cap <= 0:
-        raise ValueError(f"cap must be positive, got {cap}")
-    return torch.where(real, log_ratio.clamp(max=math.log(cap)).exp(), 0.0).detach()
-
-
 @POLICY_LOSSES.register("ppo")
 def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
@@ -798,6 +784,191 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, agg: str = "token-
         "actor/entropy_coef": torch.tensor(float(coef), device=entropy.device),
     }
     return loss, {key: value.detach() for key, value in metrics.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's policy against the trainer's: measuring and correcting the mismatch.
+#
+# With r = π_old/π_engine per response token (π_engine: the vLLM engine that sampled it; π_old:
+# the trainer's actor before the update), the samples come from π_engine while PPO's ratio is
+# taken against π_old. Three corrections (each in the actor's objective, all detached):
+#   truncated IS, per token    wₜ = min(rₜ, cap)                     (TIS, Yao et al. 2025)
+#   truncated IS, per sequence wᵢ = min(Πₜ rᵢₜ, cap) on every token   (verl's sequence-level IS)
+#   masking (MIS / IcePop)     tokens with rₜ outside [low, high] leave the actor's loss
+#   rejection (Geo-RS)         sequences with exp(mean log r) outside [low, high] leave it whole
+# A dropped token leaves every normaliser too (verl's choice: its rejection mask replaces the
+# response mask before the update), so token-mean divides by the kept tokens and the seq-mean
+# modes count the sequences that keep at least one.
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Σ(x·m) / Σm over the tokens of ``mask``; 0 when there are none. (B, T) each; 0-d float32."""
+    real = _real_mask(mask, x, "x")
+    return _masked_mean(_real_values("x", x, real), real)
+
+
+def _log_ratio(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(real, log rₜ = log π_old − log π_engine, 0 off the mask)."""
+    real = _real_mask(mask, old_logprob, "old_logprob")
+    log_ratio = _real_values("old_logprob", old_logprob, real) - _real_values("rollout_logprob", rollout_logprob, real)
+    return real, log_ratio
+
+
+def _check_cap(cap: float) -> None:
+    if not cap > 0:
+        raise ValueError(f"cap must be positive, got {cap}")
+
+
+def truncated_is_weights(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated token-level IS weights (Yao et al. 2025, TIS), detached:
+
+        wₜ = min(π_old(aₜ)/π_engine(aₜ), cap)
+
+    (B, T) each; returns (B, T), 0 off the mask."""
+    _check_cap(cap)
+    real, log_ratio = _log_ratio(old_logprob, rollout_logprob, mask)
+    return torch.where(real, log_ratio.clamp(max=math.log(cap)).exp(), 0.0).detach()
+
+
+def sequence_is_weights(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated sequence-level IS weights, the same on every token of a sequence:
+
+        wᵢ = min(Πₜ π_old(aᵢₜ)/π_engine(aᵢₜ), cap) = exp(min(Σₜ log rᵢₜ, log cap))
+
+    Detached. (B, T) each; returns (B, T), 0 off the mask."""
+    _check_cap(cap)
+    real, log_ratio = _log_ratio(old_logprob, rollout_logprob, mask)
+    per_sequence = log_ratio.sum(dim=1).clamp(max=math.log(cap)).exp()  # (B,)
+    return _broadcast(per_sequence, real).detach()
+
+
+def _outside(x: Tensor, band: Sequence[float | None]) -> Tensor:
+    """x < low or x > high; a None end is open."""
+    low, high = band
+    out = torch.zeros_like(x, dtype=torch.bool)
+    if low is not None:
+        out |= x < low
+    if high is not None:
+        out |= x > high
+    return out
+
+
+def check_band(name: str, band: Sequence[float | None] | None) -> None:
+    """A band [low, high] around 1 (either end None: open): low < 1 < high, else ValueError naming it."""
+    if band is None:
+        return
+    if len(band) != 2 or all(end is None for end in band):
+        raise ValueError(f"{name} must be [low, high] with at least one end set (null: open), got {list(band)}")
+    low, high = band
+    if low is not None and not 0 <= low < 1:
+        raise ValueError(f"{name}: its low end {low} must lie in [0, 1): a ratio of 1 (no mismatch) must stay inside")
+    if high is not None and not high > 1:
+        raise ValueError(f"{name}: its high end {high} must be above 1: a ratio of 1 (no mismatch) must stay inside")
+
+
+def mismatch_keep_mask(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
+                       token_band: Sequence[float | None] | None = None,
+                       sequence_geo_band: Sequence[float | None] | None = None) -> Tensor:
+    """(B, T) bool: the tokens of ``mask`` that stay in the actor's loss.
+
+        token_band [l, h]:         drop token t when rₜ ∉ [l, h]                       (MIS; IcePop when two-sided)
+        sequence_geo_band [l, h]:  drop sequence i when exp((1/|yᵢ|)·Σₜ log rᵢₜ) ∉ [l, h]  (Geo-RS)
+
+    None: that correction is off. r = π_old/π_engine."""
+    check_band("token_band", token_band)
+    check_band("sequence_geo_band", sequence_geo_band)
+    real, log_ratio = _log_ratio(old_logprob, rollout_logprob, mask)
+    keep = real.clone()
+    if token_band is not None:
+        keep &= ~_outside(log_ratio.exp(), token_band)
+    if sequence_geo_band is not None:
+        geo = (log_ratio.sum(dim=1) / real.sum(dim=1).clamp_min(1)).exp()  # (B,)
+        keep &= ~_outside(geo, sequence_geo_band)[:, None]
+    return keep
+
+
+def mismatch_metrics(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
+                     keep: Tensor | None = None) -> dict[str, Tensor]:
+    """How far the engine's policy is from the trainer's, over the tokens of ``mask``:
+
+        mismatch/kl_k3                  mean of rₜ − 1 − log rₜ (k3 estimate of KL(π_engine‖π_old))
+        mismatch/logp_abs_diff_mean|max |log π_old − log π_engine|
+        mismatch/ratio_p05|p50|p95, ratio_min|max   quantiles and extremes of rₜ
+        mismatch/seq_ratio_geo_mean|std mean and standard deviation over sequences of exp(mean log r)
+        mismatch/masked_token_frac      share of tokens ``keep`` drops (0 without it)
+        mismatch/rejected_seq_frac      share of sequences ``keep`` drops whole
+
+    Whole-batch figures: quantiles do not add over micro-batches, so call it on the whole batch."""
+    real, log_ratio = _log_ratio(old_logprob, rollout_logprob, mask)
+    ratio = log_ratio.exp()
+    tokens = ratio[real]
+    if not len(tokens):
+        tokens = ratio.new_ones(1)
+    p05, p50, p95 = torch.quantile(tokens, tokens.new_tensor([0.05, 0.5, 0.95]))
+    sequences = real.any(dim=1)
+    geo = (log_ratio.sum(dim=1) / real.sum(dim=1).clamp_min(1)).exp()[sequences]
+    keep = real if keep is None else keep.bool() & real
+    dropped_whole = sequences & ~keep.any(dim=1)
+    metrics = {
+        "mismatch/kl_k3": _masked_mean(ratio - 1 - log_ratio, real),
+        "mismatch/logp_abs_diff_mean": _masked_mean(log_ratio.abs(), real),
+        "mismatch/logp_abs_diff_max": _masked_extreme(log_ratio.abs(), real, largest=True),
+        "mismatch/ratio_min": _masked_extreme(ratio, real, largest=False),
+        "mismatch/ratio_max": _masked_extreme(ratio, real, largest=True),
+        "mismatch/ratio_p05": p05, "mismatch/ratio_p50": p50, "mismatch/ratio_p95": p95,
+        "mismatch/seq_ratio_geo_mean": geo.mean() if len(geo) else ratio.new_tensor(1.0),
+        "mismatch/seq_ratio_geo_std": geo.std(correction=0) if len(geo) else ratio.new_tensor(0.0),
+        "mismatch/masked_token_frac": _masked_mean((real & ~keep).float(), real),
+        "mismatch/rejected_seq_frac": dropped_whole.sum() / sequences.sum().clamp_min(1),
+    }
+    return {key: value.detach().float() for key, value in metrics.items()}
+
+
+IS_LEVELS = {"token": truncated_is_weights, "sequence": sequence_is_weights}
+
+
+def actor_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, *,
+               policy_loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.2,
+               dual_clip: float | None = None, agg: str = "token-mean",
+               denominator: Tensor | float | None = None,
+               rollout_logprob: Tensor | None = None, is_level: str | None = None, is_cap: float = 2.0,
+               entropy: Tensor | None = None, entropy_coef: float = 0.0,
+               ref_logprob: Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k1",
+               ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The whole objective the actor minimises on one micro-batch:
+
+        L = policy_loss(old, logprob, A, m; w)        w: IS weights of ``is_level`` (None: w = 1)
+            − entropy_coef·aggregate(H)               when entropy_coef ≠ 0
+            + kl_coef·aggregate(KL_kind(logprob ‖ ref))  when kl_coef ≠ 0 (KL in the loss)
+
+    every term aggregated by ``agg`` over ``mask`` with the mini-batch's ``denominator``. ``mask``
+    is the response mask after any mismatch masking (``mismatch_keep_mask``), so a dropped token
+    is in no term. Metrics: the policy loss's, actor/entropy (always, when ``entropy`` is given),
+    the entropy bonus's, actor/kl_loss, and ``tokens`` (Σm, the weight ``combine_metrics`` uses).
+    """
+    is_weights = None
+    if is_level is not None:
+        if is_level not in IS_LEVELS:
+            raise ValueError(f"is_level must be one of {sorted(IS_LEVELS)} or None, got {is_level!r}")
+        if rollout_logprob is None:
+            raise ValueError("is_level needs rollout_logprob, the engine's log-probs")
+        is_weights = IS_LEVELS[is_level](old_logprob, rollout_logprob, mask, is_cap)
+    loss, metrics = POLICY_LOSSES.get(policy_loss)(old_logprob, logprob, advantages, mask, clip_low, clip_high,
+                                                    dual_clip, agg, is_weights, denominator=denominator)
+    if entropy is not None and entropy_coef:
+        bonus, entropy_metrics = entropy_bonus(entropy, mask, entropy_coef, agg, denominator=denominator)
+        loss = loss + bonus
+        metrics |= entropy_metrics
+    elif entropy is not None:
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
+    if kl_coef:
+        if ref_logprob is None:
+            raise ValueError("kl_coef > 0 needs ref_logprob")
+        kl_loss = aggregate(kl_penalty(logprob, ref_logprob, kl_kind, mask), mask, agg, denominator=denominator)
+        loss = loss + kl_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.detach()
+    metrics["tokens"] = _as_mask(mask).sum().float()
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------

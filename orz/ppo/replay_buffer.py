@@ -116,7 +116,7 @@ class Experience:
         else:
             order = torch.randperm(self.batch_size, generator=torch.Generator().manual_seed(seed))
         norm_len = self.response_mask.shape[1] if norm_len is None else norm_len
-        return [MiniBatch.of(self.select(rows), norm_len) for rows in order.split(mini_batch_size)]
+        return [MiniBatch.of(self.select(rows), norm_len, rows) for rows in order.split(mini_batch_size)]
 
     def dump_jsonl(self, path: str, tokenizer: Any = None, per_token: bool = False) -> None:
         """One JSON line per sample: prompt and response (text with ``tokenizer``, else token ids),
@@ -261,20 +261,22 @@ class MiniBatch:
 
     experience: Experience
     loss_denominators: Mapping[str, Tensor]  # aggregation mode → 0-d normaliser D over all of it
+    rows: Tensor | None = None  # (B_mini,) int64: where its rows sit in the Experience it was cut from
 
     @classmethod
-    def of(cls, experience: Experience, norm_len: int | None = None) -> MiniBatch:
+    def of(cls, experience: Experience, norm_len: int | None = None, rows: Tensor | None = None) -> MiniBatch:
         """``norm_len`` is for "seq-mean-token-sum-norm"; None means T of ``experience``."""
         denominators = {mode: aggregate_denominator(experience.response_mask, mode, norm_len)
                         for mode in AGGREGATIONS.names()}
-        return cls(experience, denominators)
+        return cls(experience, denominators, rows)
 
     def shard(self, rank: int, world_size: int) -> MiniBatch:
         """Data-parallel rank ``rank``'s contiguous share of the rows, keeping the global normalisers."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         rows = torch.arange(self.experience.batch_size).tensor_split(world_size)[rank]
-        return MiniBatch(self.experience.select(rows), self.loss_denominators)
+        return MiniBatch(self.experience.select(rows), self.loss_denominators,
+                         None if self.rows is None else self.rows[rows])
 
     def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:
         """Rows sorted by prompt + response length, so that each micro-batch pads to lengths like
@@ -319,7 +321,13 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
                 record[name] = on_loss_tokens.tolist()
             else:
                 record[f"{name}_mean"] = on_loss_tokens.mean().item() if len(on_loss_tokens) else 0.0
-    record |= {f"info/{name}": value[row].tolist() for name, value in experience.info.items()}
+    for name, value in experience.info.items():
+        if value.dim() == 2 and per_token:  # a (B, T) figure: on the response tokens, like the fields above
+            record[f"info/{name}"] = value[row][loss_tokens].float().tolist()
+        elif value.dim() == 2:
+            record[f"info/{name}_mean"] = value[row][loss_tokens].float().mean().item() if loss_tokens.any() else 0.0
+        else:
+            record[f"info/{name}"] = value[row].tolist()
     return record
 
 

@@ -16,7 +16,7 @@ from fnmatch import fnmatch
 
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
-from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 
@@ -132,6 +132,7 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         problems.append("rollout.partial=true continues generations across a weight update, and with "
                         "trainer.max_staleness=0 none comes during a rollout: set max_staleness >= 1 or partial=false")
     problems += colocation_problems(cfg)
+    problems += mismatch_problems(cfg)
     if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
         problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
                         "samples from seeds of its own)")
@@ -158,6 +159,26 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             problems.append(f"{name}.threads={role.threads}, threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
+    """The engine/trainer corrections: known levels, bands around 1, and nothing that cannot act."""
+    a, problems = cfg.algorithm, []
+    if a.is_level not in IS_LEVELS:
+        problems.append(f"algorithm.is_level={a.is_level!r} is unknown; valid: {', '.join(IS_LEVELS)}")
+    for key in ("mismatch_mask", "mismatch_reject_geo"):
+        try:
+            check_band(f"algorithm.{key}", getattr(a, key))
+        except ValueError as err:
+            problems.append(str(err))
+    if a.is_level == "sequence" and not algorithm(cfg).is_correction:
+        problems.append("algorithm.is_level=sequence weighs nothing while algorithm.is_correction is off (false, or "
+                        "unset with trainer.max_staleness=0): set algorithm.is_correction=true")
+    if a.rollout_logprobs_as_old:
+        corrections = [key for key in ("is_correction", "mismatch_mask", "mismatch_reject_geo") if getattr(a, key)]
+        problems += [f"algorithm.{key} compares π_old with the engine's policy, and algorithm.rollout_logprobs_as_old"
+                     f"=true makes them the same (every ratio is 1): unset one of them" for key in corrections]
+    return problems
 
 
 def colocation_problems(cfg: ExperimentConfig) -> list[str]:

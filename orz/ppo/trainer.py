@@ -51,11 +51,15 @@ from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
+    IS_LEVELS,
     FixedKLController,
     dynamic_sampling_filter,
     estimate_advantages,
     kl_in_score,
     kl_penalty,
+    masked_mean,
+    mismatch_keep_mask,
+    mismatch_metrics,
     overlong_penalty,
     reward_on_last_token,
     whiten,
@@ -310,7 +314,7 @@ class RayPPOTrainer:
                     experience, adv_metrics = self._advantages(experience)
                 show("update")
                 with timer("update"):
-                    update_metrics = self._update(experience)
+                    experience, update_metrics = self._update(experience)
             partial = prefetch is not None and self.stage_cfg.rollout.partial
             if partial:  # the engines pause mid-batch, take the new weights, and finish it with them
                 self.fleet.interrupt()
@@ -486,19 +490,22 @@ class RayPPOTrainer:
         return self.reward_model.scores_async(ray.put(view)).get().sum(1)
 
     def _forward(self, experience: Experience) -> Experience:
-        """The passes before the update. π_old is read here only where the KL against the
-        reference needs it before the update; otherwise the actor reads it in its update, the
-        first mini-batch at no cost (MegatronWorker.train_actor)."""
-        ref = ray.put(experience)
+        """The passes before the update. π_old is read here only where something needs it before
+        the update: the KL against the reference, or a mismatch mask or rejection, which decide
+        the actor's loss tokens and normalisers (verl's decoupled mode). Otherwise the actor reads
+        it in its update, the first mini-batch at no cost (MegatronWorker.train_actor)."""
+        algo = self.algo
+        shared = ray.put(experience)
         temperature = self.stage_cfg.rollout.temperature
-        old = self.actor.logprobs_async(ref, temperature) if self.ref and not self.algo.rollout_logprobs_as_old else None
-        refs = self.ref.logprobs_async(ref, temperature) if self.ref else None
-        values = self.critic.values_async(ref) if self.critic else None
-        as_old = experience.rollout_logprobs if self.algo.rollout_logprobs_as_old else None
+        old_first = self.ref is not None or _masks_mismatch(algo)
+        old = self.actor.logprobs_async(shared, temperature) if old_first and not algo.rollout_logprobs_as_old else None
+        ref_logprobs = self.ref.logprobs_async(shared, temperature) if self.ref else None
+        values = self.critic.values_async(shared) if self.critic else None
+        as_old = experience.rollout_logprobs if algo.rollout_logprobs_as_old else None
         return replace(
             experience,
             old_logprobs=old.get() if old else as_old,
-            ref_logprobs=refs.get() if refs else None,
+            ref_logprobs=ref_logprobs.get() if ref_logprobs else None,
             values=values.get() if values else None,
         )
 
@@ -510,7 +517,7 @@ class RayPPOTrainer:
         metrics, kl, scores = {}, None, experience.scores
         if experience.ref_logprobs is not None:
             kl = kl_penalty(experience.old_logprobs, experience.ref_logprobs, algo.kl_kind, mask)
-            metrics["actor/kl_ref"] = float((kl * mask).sum() / mask.sum().clamp_min(1))
+            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
             self.kl_ctl.update(metrics["actor/kl_ref"], experience.batch_size)
         in_reward = kl if algo.kl_in_reward else None
         if in_reward is not None and not estimator.reads_token_rewards:
@@ -524,13 +531,16 @@ class RayPPOTrainer:
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask)
         metrics |= {
-            "algorithm/advantage_mean": float((advantages * mask).sum() / mask.sum()),
-            "algorithm/advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum()),
-            "algorithm/return_mean": float((returns * mask).sum() / mask.sum()),
+            "algorithm/advantage_mean": float(masked_mean(advantages, mask)),
+            "algorithm/advantage_abs_mean": float(masked_mean(advantages.abs(), mask)),
+            "algorithm/return_mean": float(masked_mean(returns, mask)),
         }
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
 
-    def _update(self, experience: Experience) -> dict:
+    def _update(self, experience: Experience) -> tuple[Experience, dict]:
+        """The critic's and the actor's updates. The actor trains on the tokens the mismatch
+        mask and rejection keep (all, when both are off); the experience comes back with the
+        π_old the update read, and the mismatch/* figures are of the whole batch."""
         algo, rows = self.algo, experience.batch_size
         seed = self.run_cfg.trainer.seed * 7919 + self.iteration
         norm_len = self.stage_cfg.rollout.max_new_tokens
@@ -542,12 +552,23 @@ class RayPPOTrainer:
             steps = self.stage_cfg.critic.steps_per_iteration
             minibatches = experience.minibatches(-(-rows // steps), seed=seed, norm_len=norm_len)
             critic_pending = self.critic.train_critic_async(minibatches, algo)
+        keep = None
+        if _masks_mismatch(algo):
+            keep = mismatch_keep_mask(experience.old_logprobs, experience.rollout_logprobs, experience.response_mask,
+                                      algo.mismatch_mask, algo.mismatch_reject_geo)
+        kept = experience if keep is None else replace(experience, response_mask=keep.to(experience.response_mask.dtype))
         steps = self.stage_cfg.actor.steps_per_iteration
-        minibatches = experience.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
+        minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
         step = ActorStep(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
-        metrics = self.actor.train_actor_async(minibatches, step).get()
+        metrics, read_old = self.actor.train_actor_async(minibatches, step).get(like=experience.response_mask)
+        if read_old is not None:
+            experience = replace(experience, old_logprobs=read_old)
+        metrics |= {key: float(value) for key, value in mismatch_metrics(
+            experience.old_logprobs, experience.rollout_logprobs, experience.response_mask, keep).items()}
+        if keep is not None:
+            experience = replace(experience, info={**experience.info, "loss_mask": keep.float()})
         if critic_pending:
             critic = critic_pending.get()
             critic.pop("tokens", None)
@@ -557,14 +578,23 @@ class RayPPOTrainer:
                 group.offload()
         if self.entropy_ctl is not None and "actor/entropy" in metrics:
             self.entropy_ctl.update(metrics["actor/entropy"])
-        return metrics
+        return experience, metrics
 
     def _trained_groups(self) -> list[WorkerGroup]:
         return [group for group in (self.actor, self.critic) if group is not None]
 
     def _dump(self, experience: Experience) -> None:
+        """samples/iter_N.jsonl; with trainer.dump_per_token, every token's figures, and the IS
+        weights the actor's loss applied (recomputed here by the same function)."""
+        algo, per_token = self.algo, self.run_cfg.trainer.dump_per_token
+        if per_token and algo.is_correction:
+            loss_mask = experience.info.get("loss_mask", experience.response_mask)
+            weights = IS_LEVELS[algo.is_level](experience.old_logprobs, experience.rollout_logprobs, loss_mask,
+                                               algo.is_cap)
+            experience = replace(experience, info={**experience.info, "is_weights": weights})
         (self.out / "samples").mkdir(exist_ok=True)
-        experience.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer)
+        experience.dump_jsonl(str(self.out / "samples" / f"iter_{self.iteration + 1:06d}.jsonl"), self.tokenizer,
+                              per_token=per_token)
 
     # ---- evaluation --------------------------------------------------------------------------
     def _setup_eval(self):
@@ -672,6 +702,11 @@ class RayPPOTrainer:
             group.shutdown()
         if self.bundles is not None:
             self.bundles.remove()
+
+
+def _masks_mismatch(algo) -> bool:
+    """A mismatch mask or rejection is on: the actor's loss tokens depend on π_old."""
+    return algo.mismatch_mask is not None or algo.mismatch_reject_geo is not None
 
 
 def _summary(metrics: dict) -> str:
