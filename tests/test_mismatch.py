@@ -107,3 +107,83 @@ def test_the_whole_actor_objective_by_hand():
     # sequence-level IS instead: w = 1 on row 0, min(4, 1.5) = 1.5 on row 1
     loss, _ = actor_loss(logprob, OLD, ADVANTAGES, MASK, rollout_logprob=ENGINE, is_level="sequence", is_cap=1.5)
     assert float(loss.detach()) == pytest.approx((-3 + 2 * 2 * 1.5) / 5, abs=1e-6)
+
+
+# ---- end to end: three stages of two stale iterations each (max_staleness=1: the second
+# iteration of a stage trains on samples of the weights before the last update).
+STAGES = ("[{iterations: 2, overrides: {}}, "
+          "{iterations: 2, overrides: {algorithm.mismatch_mask: [0.9, 1.1]}}, "
+          "{iterations: 2, overrides: {algorithm.mismatch_reject_geo: [0.95, 1.05]}}]")
+
+
+@pytest.fixture(scope="module")
+def stale_run(ray_cluster, tiny_run, tmp_path_factory):
+    from orz.config import load_config
+    from orz.ppo.trainer import main as train
+    from run_history import history
+
+    out = tmp_path_factory.mktemp("stale")
+    train(load_config(None, [*tiny_run(out, "grpo"), "trainer.max_staleness=1", "trainer.dump_per_token=true",
+                             f"stages={STAGES}", "reward.custom={spaces: 'shaped_reward:space_share'}",
+                             "reward.weights={spaces: 1.0}", "trainer.save_every=0", "trainer.export_hf=false"]))
+    dumps = [[json.loads(line) for line in (out / "samples" / f"iter_{i:06d}.jsonl").read_text().splitlines()]
+             for i in range(1, 7)]
+    return history(out)[1:], dumps
+
+
+def _ratios(sample) -> torch.Tensor:
+    return (torch.tensor(sample["old_logprobs"]) - torch.tensor(sample["rollout_logprobs"])).exp()
+
+
+def _pg_loss(samples, keep) -> float:
+    """token-mean of −A·w over the kept tokens, w = min(r, 2): the policy loss at ratio π/π_old = 1,
+    which the first (here the only) mini-batch has."""
+    numerator = sum(float((-torch.tensor(s["advantages"]) * _ratios(s).clamp(max=2.0) * k).sum())
+                    for s, k in zip(samples, keep))
+    return numerator / sum(float(k.sum()) for k in keep)
+
+
+@pytest.mark.slow
+def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
+    rows, dumps = stale_run
+    assert all(row["actor/grad_norm"] > 0 for row in rows)  # the premise: a reward that varies, tokens kept
+    for row, samples in zip(rows, dumps):
+        ratios = torch.cat([_ratios(s) for s in samples])
+        assert row["mismatch/kl_k3"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()), rel=1e-4, abs=1e-9)
+        assert row["mismatch/logp_abs_diff_max"] == pytest.approx(float(ratios.log().abs().max()), rel=1e-4)
+    for stale in (1, 3, 5):  # the second iteration of each stage trains on the previous weights' samples
+        assert rows[stale]["mismatch/kl_k3"] > max(10 * rows[stale - 1]["mismatch/kl_k3"], 1e-4)
+
+    # Stage 1, no mask: IS weights min(r, 2) weigh the loss the actor reports.
+    for row, samples in zip(rows[:2], dumps[:2]):
+        assert row["mismatch/masked_token_frac"] == 0 and row["mismatch/rejected_seq_frac"] == 0
+        full = [torch.ones(len(s["advantages"])) for s in samples]
+        assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, full), abs=1e-5)
+        for s in samples:
+            torch.testing.assert_close(torch.tensor(s["info/is_weights"]), _ratios(s).clamp(max=2.0))
+    without_weights = [{**s, "rollout_logprobs": s["old_logprobs"]} for s in dumps[1]]
+    assert abs(_pg_loss(without_weights, full) - rows[1]["actor/pg_loss"]) > 1e-4  # the weights mattered
+
+    # Stage 2: tokens with r outside [0.9, 1.1] leave the loss and its token count.
+    stage = list(zip(rows[2:4], dumps[2:4]))
+    for row, samples in stage:
+        keep = [((r >= 0.9) & (r <= 1.1)).float() for r in map(_ratios, samples)]
+        assert [k.tolist() for k in keep] == [s["info/loss_mask"] for s in samples]
+        assert row["mismatch/masked_token_frac"] == pytest.approx(1 - float(torch.cat(keep).mean()), abs=1e-6)
+        if any(k.any() for k in keep):
+            assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, keep), abs=1e-5)
+    row, samples = stage[1]
+    assert row["mismatch/masked_token_frac"] > 0
+    unmasked = _pg_loss(samples, [torch.ones(len(s["advantages"])) for s in samples])
+    assert abs(unmasked - row["actor/pg_loss"]) > 1e-4  # the mask changed the update
+
+    # Stage 3: sequences whose geometric-mean ratio leaves [0.95, 1.05] are dropped whole.
+    for row, samples in zip(rows[4:6], dumps[4:6]):
+        geo = torch.stack([_ratios(s).log().mean().exp() for s in samples])
+        rejected = (geo < 0.95) | (geo > 1.05)
+        for s, out in zip(samples, rejected.tolist()):
+            assert s["info/loss_mask"] == [0.0 if out else 1.0] * len(s["advantages"])
+        assert row["mismatch/rejected_seq_frac"] == pytest.approx(float(rejected.float().mean()), abs=1e-6)
+        keep = [torch.full((len(s["advantages"]),), 0.0 if out else 1.0) for s, out in zip(samples, rejected.tolist())]
+        assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, keep), abs=1e-5)
+    assert 0 < rows[5]["mismatch/rejected_seq_frac"] < 1

@@ -55,7 +55,7 @@ def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_p
     train(load_config(None, [*tiny_run(out, "gae", actor_tp=2, iterations=2), "algorithm.rollout_logprobs_as_old=true"]))
     history = _check_run(out, arith_model, 2)
     assert all("critic/vf_loss" in row for row in history[1:])
-    assert all(row["rollout/logprob_mismatch_max"] == 0 for row in history[1:])  # π_old is the engine's
+    assert all(row["mismatch/logp_abs_diff_max"] == 0 for row in history[1:])  # π_old is the engine's
     assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 

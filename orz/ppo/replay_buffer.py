@@ -265,8 +265,9 @@ class MiniBatch:
 
     @classmethod
     def of(cls, experience: Experience, norm_len: int | None = None, rows: Tensor | None = None) -> MiniBatch:
-        """``norm_len`` is for "seq-mean-token-sum-norm"; None means T of ``experience``."""
-        denominators = {mode: aggregate_denominator(experience.response_mask, mode, norm_len)
+        """``norm_len`` is for "seq-mean-token-sum-norm"; None means T of ``experience``. A
+        mini-batch without a loss token (every one masked out) has D = 1 and a loss of 0."""
+        denominators = {mode: aggregate_denominator(experience.response_mask, mode, norm_len).clamp_min(1)
                         for mode in AGGREGATIONS.names()}
         return cls(experience, denominators, rows)
 
