@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 def _samples(out, iteration):
-    return [json.loads(line) for line in (Path(out) / f"samples/iter_{iteration:06d}.jsonl").read_text().splitlines()]
+    """samples/iter_N.jsonl (iteration N, an int) or samples/iter_<name>.jsonl (a str)."""
+    name = f"{iteration:06d}" if isinstance(iteration, int) else iteration
+    return [json.loads(line) for line in (Path(out) / f"samples/iter_{name}.jsonl").read_text().splitlines()]
 
 
 def _resume_copy(whole: Path, copy: Path, checkpoint: int) -> None:
@@ -96,23 +98,32 @@ def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_
     train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
                              f"algorithm.entropy_target={target}", f"algorithm.entropy_step={step}",
                              "algorithm.entropy_max_coef=0.01", "algorithm.entropy_coef=0.0",
-                             "algorithm.overlong_buffer=10", "rollout.stop=[]", "actor.threads_alone=2"]))
+                             "algorithm.overlong_buffer=10", "rollout.stop=[]", "actor.threads_alone=2",
+                             "trainer.dump_per_token=true"]))
     first, second = _history(out)[1:]
     # On-policy, no engine generates while the actor works: it takes threads_alone (actor.threads is 1).
     assert first["actor/threads"] == second["actor/threads"] == 2
     assert first["actor/kl_ref"] == 0  # iteration 1: the actor is the reference
     assert first["algorithm/score_mean"] == pytest.approx(first["reward/mean"], abs=1e-6)
     assert second["actor/kl_ref"] > 0 and second["algorithm/score_mean"] < second["reward/mean"] - 1e-6
+    # The score GRPO read, on each response's last token, is s − β·Σₜ k3, k3 = e^(−Δ) + Δ − 1, Δ = log π_old − log π_ref.
+    for sample in _samples(out, 2):
+        delta = [old - ref for old, ref in zip(sample["old_logprobs"], sample["ref_logprobs"])]
+        kl = sum(math.exp(-d) + d - 1 for d in delta)
+        assert sample["rewards"][-1] == pytest.approx(sample["scores"] - beta * kl, abs=1e-5)
+    assert any(sample["ref_logprobs"] != sample["old_logprobs"] for sample in _samples(out, 2))
     # Entropy below the target raises the coefficient by one step per iteration (clamped).
     coef = 0.0
     for row in (first, second):
         coef = min(max(coef + (step if row["actor/entropy"] < target else -step), 0.0), 0.01)
         assert row["algorithm/entropy_coef"] == pytest.approx(coef)
     # DAPO's overlong penalty: each score is 0/1 correctness plus min(−(L − 2)/10, 0).
+    penalties = []
     for sample in _samples(out, 1) + _samples(out, 2):
-        penalty = min(-(sample["info/response_length"] - (max_new - 10)) / 10, 0.0)
-        assert sample["scores"] - penalty == pytest.approx(round(sample["scores"] - penalty), abs=1e-5)
-        assert round(sample["scores"] - penalty) in (0, 1)
+        penalties.append(min(-(sample["info/response_length"] - (max_new - 10)) / 10, 0.0))
+        assert sample["scores"] - penalties[-1] == pytest.approx(round(sample["scores"] - penalties[-1]), abs=1e-5)
+        assert round(sample["scores"] - penalties[-1]) in (0, 1)
+    assert min(penalties) <= -0.5  # the premise: samples deep in the buffer
 
 
 def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_cluster, tiny_run, tmp_path):
@@ -121,22 +132,44 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
     train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}",
                              "algorithm.kl_in_reward=false", "algorithm.kl_kind=k3", f"algorithm.kl_target={target}",
                              f"algorithm.kl_horizon={horizon}", "algorithm.is_correction=true", "algorithm.is_cap=2.0",
-                             "algorithm.dynamic_sampling=true", "algorithm.max_prompt_draws=4"]))
+                             "algorithm.dynamic_sampling=true", "algorithm.max_prompt_draws=4",
+                             "trainer.dump_per_token=true"]))
     rows = _history(out)[1:]
     coef = beta
-    for row in rows:
+    for iteration, row in enumerate(rows, start=1):
         assert "actor/kl_loss" in row and "algorithm/score_mean" not in row  # in the loss, not the score
         # Adaptive β: β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), n = samples of the iteration.
         error = min(max(row["actor/kl_ref"] / target - 1, -0.2), 0.2)
         coef *= 1 + error * row["rollout/samples"] / horizon
         assert row["algorithm/kl_coef"] == pytest.approx(coef)
-        # fp32 engine and actor agree: truncated weights π_old/π_engine are ~1, never above the cap.
-        assert 0.99 < row["actor/is_weight_mean"] <= 2.0
-        # Dynamic sampling: whole groups of 4, at most the target of 4 prompts × 4 samples.
+        samples = _samples(out, iteration)
+        # β·KL in the loss: the token mean of k3 at π = π_old (the first and only mini-batch's forward).
+        k3 = [math.exp(ref - old) + old - ref - 1 for s in samples for old, ref in zip(s["old_logprobs"], s["ref_logprobs"])]
+        assert row["actor/kl_loss"] == pytest.approx(sum(k3) / len(k3), abs=1e-5)
+        # The IS weights min(π_old/π_engine, 2), each token's, averaged as the loss reports them.
+        weights = [min(math.exp(old - engine), 2.0) for s in samples
+                   for old, engine in zip(s["old_logprobs"], s["rollout_logprobs"])]
+        assert row["actor/is_weight_mean"] == pytest.approx(sum(weights) / len(weights), abs=1e-6)
+        assert weights == pytest.approx([w for s in samples for w in s["info/is_weights"]], abs=1e-6)
+        # Dynamic sampling, against every draw's samples: a group passes when its scores differ;
+        # whole groups of 4 fill the batch in draw order up to 4 prompts × 4 samples.
+        draws = _samples(out, f"{iteration:06d}_draws")
+        groups = {}
+        for sample in draws:
+            groups.setdefault(sample["group"], []).append(sample)
+        for members in groups.values():
+            varied = len({m["score"] for m in members}) > 1
+            assert len(members) == 4 and all(m["passed_filter"] == varied for m in members)
+        kept = [s for s in draws if s["kept"]]
+        assert all(s["passed_filter"] for s in kept) and len(kept) == row["rollout/samples"] == len(samples)
+        assert [(s["length"], s["score"]) for s in kept] == [(s["num_loss_tokens"], s["scores"]) for s in samples]
+        assert row["rollout/groups_dropped"] == sum(not m[0]["passed_filter"] for m in groups.values())
+        assert row["rollout/draws"] == max(s["draw"] for s in draws) + 1
+        assert row["reward/mean"] == pytest.approx(sum(s["score"] for s in draws) / len(draws), abs=1e-6)
         assert row["rollout/samples"] % 4 == 0 and row["rollout/samples"] <= 16
         assert row["rollout/short_batch"] == float(row["rollout/samples"] < 16)
-        assert 1 <= row["rollout/draws"] <= 4
     assert rows[1]["actor/kl_loss"] > 0
+    assert sum(row["rollout/groups_dropped"] for row in rows) > 0  # the premise: the filter had work
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -414,17 +414,17 @@ class RayPPOTrainer:
     def _rollout_and_reward(self, batch: int, min_version: int) -> tuple[Experience, dict]:
         """Batch `batch` (its iteration index) from engines holding weights >= min_version: one
         draw of prompts; with dynamic sampling, more draws until the kept groups fill the batch,
-        which is then cut, by whole groups, to prompts_per_iteration × n_samples."""
+        which is then cut, by whole groups, to prompts_per_iteration × n_samples. `reward/*` are
+        over every draw; a sample dump of this batch also lists every draw's samples, kept or not."""
         start = time.perf_counter()
         algo, n = self.algo, self.stage_cfg.rollout.n_samples
         target = self.stage_cfg.trainer.prompts_per_iteration * n
-        kept, judged, dropped, first_group, draws, model_score_sum, reward_wait = [], [], 0, 0, 0, 0.0, 0.0
+        kept, judged, drawn, dropped, first_group, model_score_sum, reward_wait = [], [], [], 0, 0, 0.0, 0.0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
             samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(batch, draw), min_version)
             judged += verdicts
             reward_wait += wait
-            draws += 1
             scores = torch.tensor([v.score for v in verdicts])
             if self.reward_model is not None:
                 model_scores = self._model_scores(samples, [prompts[s.index][0] for s in samples])
@@ -432,30 +432,38 @@ class RayPPOTrainer:
                 scores = scores + self.stage_cfg.reward.weights.get(MODEL, 1.0) * model_scores
             group = torch.tensor([first_group + s.index for s in samples])
             first_group += len(prompts)
+            keep = torch.ones(len(samples), dtype=torch.bool)
             if algo.dynamic_sampling:
                 keep, n_dropped = dynamic_sampling_filter(scores, group)
                 dropped += n_dropped
-                samples, scores, group = [s for s, k in zip(samples, keep.tolist()) if k], scores[keep], group[keep]
-            kept += zip(samples, scores.tolist(), group.tolist())
+            this_draw = list(zip(samples, scores.tolist(), group.tolist(), keep.tolist()))
+            drawn += [(draw, *item) for item in this_draw]
+            kept += [(sample, score, g) for sample, score, g, k in this_draw if k]
             if len(kept) >= target:
                 break
         kept = kept[:target]  # groups are whole and in order, and target is a multiple of n
         if not kept:
             raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
+        every = self.run_cfg.trainer.dump_samples_every
+        if every and (batch + 1) % every == 0:
+            self._dump_draws(batch, drawn, {id(s) for s, _, _ in kept})
         samples = [sample for sample, _, _ in kept]
         scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                               [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0)
         lengths = experience.response_mask.sum(1)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
+        every_score = torch.tensor([score for _, _, score, _, _ in drawn])
         if algo.overlong_buffer:
-            scores = scores + overlong_penalty(lengths, self.stage_cfg.rollout.max_new_tokens, algo.overlong_buffer,
-                                               algo.overlong_factor)
+            max_new, buffer, factor = self.stage_cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor
+            scores = scores + overlong_penalty(lengths, max_new, buffer, factor)
+            every_length = torch.tensor([len(s.response_ids) for _, s, _, _, _ in drawn])
+            every_score = every_score + overlong_penalty(every_length, max_new, buffer, factor)
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
                              info={"response_length": lengths, "truncated": truncated,
                                    "weight_version": torch.tensor([s.weight_version for s in samples])})
         metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
-            "reward/mean": scores.mean().item(), "response/length_mean": lengths.mean().item(),
+            "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
             "rollout/samples": float(len(samples)),
             # What the engines report they generated with (the fleet refuses anything older).
@@ -466,7 +474,7 @@ class RayPPOTrainer:
         if self.reward_model is not None:
             metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*
         if algo.dynamic_sampling:
-            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draws),
+            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draw + 1),
                         "rollout/short_batch": float(len(samples) < target)}
         metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
         metrics["timing/reward_wait"] = reward_wait  # scoring that generation did not hide
@@ -582,6 +590,16 @@ class RayPPOTrainer:
 
     def _trained_groups(self) -> list[WorkerGroup]:
         return [group for group in (self.actor, self.critic) if group is not None]
+
+    def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
+        """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
+        dynamic-sampling filter saw it, its group, and whether it went into the batch."""
+        (self.out / "samples").mkdir(exist_ok=True)
+        with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
+            for draw, sample, score, group, keep in drawn:
+                out.write(json.dumps({"draw": draw, "group": group, "response": sample.text, "score": score,
+                                      "length": len(sample.response_ids), "kept": id(sample) in kept,
+                                      "passed_filter": keep}) + "\n")
 
     def _dump(self, experience: Experience) -> None:
         """samples/iter_N.jsonl; with trainer.dump_per_token, every token's figures, and the IS
