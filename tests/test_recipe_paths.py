@@ -57,7 +57,9 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
 
     def overrides(out):
         return [*tiny_run(out, "grpo"), stages, "trainer.keep_checkpoints=5",
-                "rollout.stop=[]"]  # responses run to each stage's cap
+                "rollout.stop=[]",  # responses run to each stage's cap
+                "reward.custom={spaces: 'shaped_reward:space_share'}", "reward.weights={spaces: 1.0}",
+                "trainer.dump_per_token=true"]
 
     whole = tmp_path / "whole"
     train(load_config(None, overrides(whole)))
@@ -68,6 +70,16 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
     for iteration, op, other in ((1, "+", "*"), (2, "+", "*"), (3, "+", "*"), (4, "*", "+")):
         problems = {sample["prompt"].split("User:")[1] for sample in _samples(whole, iteration)}
         assert all(op in p and other not in p for p in problems), problems
+    # Each stage's policy loss, at the first (only) mini-batch where π = π_old: PPO's token mean of
+    # −A, CISPO's token mean of −A·log π, GSPO's (seq-mean-token-mean) sequence mean of −A.
+    for iteration, (row, used) in enumerate(zip(history, ("ppo", "cispo", "cispo", "gspo")), start=1):
+        samples = _samples(whole, iteration)
+        tokens = [(a, old) for s in samples for a, old in zip(s["advantages"], s["old_logprobs"])]
+        losses = {"ppo": -sum(a for a, _ in tokens) / len(tokens),
+                  "cispo": -sum(a * old for a, old in tokens) / len(tokens),
+                  "gspo": -sum(sum(s["advantages"]) / len(s["advantages"]) for s in samples) / len(samples)}
+        assert row["actor/pg_loss"] == pytest.approx(losses.pop(used), abs=1e-5), (iteration, used)
+        assert all(abs(row["actor/pg_loss"] - other) > 1e-4 for other in losses.values()), (iteration, losses)
     for checkpoint in (1, 2):
         _resumed_matches(whole, overrides, checkpoint, tmp_path / f"from_{checkpoint}")
 
