@@ -5,6 +5,7 @@ overlong penalty and dynamic sampling. Runs resumed from an earlier checkpoint c
 metrics of the uninterrupted run."""
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -284,15 +285,46 @@ def test_colocated_roles_take_turns_and_train_as_the_separate_placement(ray_clus
                       (WorkerGroup, "onload"), (WorkerGroup, "offload")):
         record(cls, name)
     record(RayPPOTrainer, "_rollout_and_reward", "rollout")
+    placements = []
+    original_update = RayPPOTrainer._update
+
+    def update_and_record_placement(self, experience):  # every role and engine is alive by now
+        placements.append(_bundles_of_live_actors())
+        return original_update(self, experience)
+    monkeypatch.setattr(RayPPOTrainer, "_update", update_and_record_placement)
+
     common = ["rollout.transport=object_store", "trainer.offload_idle_roles=true"]
     colocated = tmp_path / "colocated"
     train(load_config(None, [*tiny_run(colocated, iterations=1), *common, "trainer.colocate=true"]))
     assert events == ["rollout", "sleep", "onload", "offload", "wake_up", "sync"]
+    # Ray's own placement data: the actor's worker and the engine hold bundle 0 of one placement group.
+    together = placements[-1]
+    assert sorted(together) == ["MegatronWorker", "VLLMEngine"]
+    assert together["MegatronWorker"] == together["VLLMEngine"] and together["VLLMEngine"][0][1] == 0
     events.clear()
     separate = tmp_path / "separate"
     train(load_config(None, [*tiny_run(separate, iterations=1), *common]))
     assert "sleep" not in events and "onload" in events
+    apart = placements[-1]
+    assert {group for group, _ in apart["MegatronWorker"]}.isdisjoint(group for group, _ in apart["VLLMEngine"])
     assert [_deterministic(row) for row in _history(colocated)] == [_deterministic(row) for row in _history(separate)]
+
+
+def _bundles_of_live_actors() -> dict[str, list[tuple[str, int]]]:
+    """Class name → the (placement group, bundle index) of each live actor, from the resources the
+    GCS's actor table says Ray reserved for it in its bundle (named CPU_group_<index>_<group id>).
+    The table is read as the state API reads it; the suite's cluster runs without a dashboard."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    out = {}
+    for raw in state._connect_and_get_accessor().get_actor_table(None, "ALIVE"):
+        actor = gcs_pb2.ActorTableData.FromString(raw)
+        bundles = {(m[2], int(m[1])) for key in actor.required_resources
+                   if (m := re.fullmatch(r"\w+_group_(\d+)_([0-9a-f]+)", key))}
+        if bundles:
+            out.setdefault(actor.class_name, []).extend(sorted(bundles))
+    return out
 
 
 @pytest.mark.parametrize("override, message", [
