@@ -220,6 +220,34 @@ def test_killed_engine_is_restarted_resynced_and_batch_completes(fleet, weights)
     assert _responses(samples) == _responses(reference)
 
 
+def test_two_engines_give_one_engines_samples_and_a_killed_one_comes_back_synced(fleet, weights, tiny_model):
+    """Prompts are spread over engines (prompt i on engine i mod 2), and each sample's seed is its
+    place in the batch: two engines give the one engine's samples exactly. One of the two killed
+    mid-batch is restarted with the fleet's current weights: the same samples again, and both
+    engines hold the weights that were sent."""
+    original, perturbed = weights
+    fleet.sync(TensorSource(perturbed), version=fleet.weight_version + 1)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=48, n=4, seed=5)
+    one = _responses(fleet.generate(PROMPTS * 2, sampling))
+    two = EngineFleet(tiny_model, FleetConfig(num_engines=2, engine_args={"max_model_len": 256}, kv_cache_gib=1))
+    try:
+        two.sync(TensorSource(original), version=1)
+        assert _responses(two.generate(PROMPTS * 2, sampling)) != one  # the premise: weights show
+        two.sync(TensorSource(perturbed), version=2)
+        assert _responses(two.generate(PROMPTS * 2, sampling)) == one
+        pid = ray.get(two.engines[1].pid.remote())
+        killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        again = two.generate(PROMPTS * 2, sampling)
+        killer.join()
+        assert two.metrics["rollout/engine_restarts"] == 1 and ray.get(two.engines[1].pid.remote()) != pid
+        assert _responses(again) == one and all(s.weight_version == 2 for s in again)
+        held = ray.get([engine.held_digests.remote() for engine in two.engines])
+        assert held[0] == held[1] == two.sent_digests
+    finally:
+        two.shutdown()
+
+
 def test_a_batch_larger_than_one_scheduler_step(fleet):
     """More prompt tokens than one engine step holds: vLLM schedules them over several steps
     (on CPU without chunked prefill, whose seeded-generator rewind CPU generators lack)."""
