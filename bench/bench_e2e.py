@@ -7,6 +7,10 @@ stack — Ray, the Megatron actor (and critic for gae), one vLLM engine, the rew
 sync — and prints ONE JSON line: the mean over iterations after the first (which warms up) of
 every `timing/*` phase, tokens/s, and the fraction of the machine's fp32 matmul limit reached by
 the useful work (2·params per generated token, 6·params per trained token, real tokens only).
+
+Fields: bench, settings.smoke, settings.params, seconds_per_iteration, phases_s.rollout, phases_s.update,
+phases_s.sync, generated_tokens_per_s, trained_tokens_per_s, frac_matmul_limit, limits.matmul_fp32_gflops,
+threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
-    SMOKE_LIMITS, SMOKE_RL, best_limits, demo_base, emit, machine, machine_limits, param_count, parse_args,
-    set_threads,
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, SMOKE_RL, best_limits, demo_base, emit, machine, machine_limits, param_count,
+    parse_args, set_threads,
 )
 
 from orz.demo import rl_config  # noqa: E402
@@ -36,7 +40,8 @@ def run(args) -> dict:
         cfg = rl_config(base, spec, Path(out), [
             f"trainer.iterations={args.iterations}", f"algorithm.advantage={args.algorithm}",
             "trainer.eval_every=0", "trainer.export_hf=false", "trainer.dump_samples_every=0",
-            "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run", *(SMOKE_RL if args.smoke else []),
+            "trainer.loggers=[jsonl]", f"trainer.ray_address={args.ray_address}", f"trainer.output_dir={out}/run",
+            *(SMOKE_RL if args.smoke else []),
         ])
         train(cfg)
         rows = [json.loads(line) for line in (Path(out) / "run/metrics.jsonl").read_text().splitlines()]
@@ -49,7 +54,8 @@ def run(args) -> dict:
     useful_flops = 2 * params * generated + 6 * params * trained
     return {
         "bench": "e2e_iteration",
-        "settings": {"smoke": args.smoke, "algorithm": args.algorithm, "iterations_measured": len(steps), "params": params,
+        "settings": {"smoke": args.smoke, "algorithm": args.algorithm, "iterations_measured": len(steps),
+                     "params": params,
                      "prompts_x_samples": f"{cfg.trainer.prompts_per_iteration}x{cfg.rollout.n_samples}",
                      "max_new_tokens": cfg.rollout.max_new_tokens, "engines": cfg.rollout.num_engines},
         "seconds_per_iteration": mean["timing/step"],
@@ -65,5 +71,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "gae"])
+    parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
     parser.add_argument("--base-root", default="runs/demo", help="where the pre-trained base model is cached")
     emit(run(parse_args(parser, smoke={"iterations": 2})))

@@ -14,6 +14,10 @@ so no matmul or bandwidth limit applies).
 The machine is shared and its load moves: the two sides alternate in rounds over slices of the
 mix, and CPU seconds per response are reported beside wall-clock rates (the CPU ratio is the
 pool's overhead, whatever the load; the wall ratio is its speed-up under the load of the day).
+
+Fields: bench, settings.smoke, settings.responses, pool_responses_per_s, latency_s_p50, latency_s_p99,
+timeouts, errors, crashes, accuracy, inline_responses_per_s, inline_responses, inline_accuracy,
+pool_over_inline, fraction_of_ideal, cpu_ms_per_response.pool, cpu_ms_per_response.inline, machine.cpu.
 """
 from __future__ import annotations
 
@@ -142,7 +146,8 @@ def main() -> None:
     emit({
         "bench": "math_reward",
         "machine": machine(),
-        "settings": {"smoke": args.smoke, "responses": args.responses, "workers": args.workers, "timeout_s": args.timeout_s,
+        "settings": {"smoke": args.smoke, "responses": args.responses, "workers": args.workers,
+                     "timeout_s": args.timeout_s,
                      "chunk_size": cfg.chunk_size, "rounds": len(rounds), "pathological": len(PATHOLOGICAL),
                      "ground_truths": source, "math_verify": version("math-verify"), "seed": args.seed},
         "pool_responses_per_s": pool_per_s,

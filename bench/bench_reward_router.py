@@ -13,6 +13,11 @@ alone already fills a 2-core machine), and one core's worth each (1 and 1). Prin
 per sizing, median seconds per side over `rounds` alternating rounds, their ratio, responses/s, and
 the machine's CPU utilisation during each side (all cores, from /proc/stat: the limit here is the
 cores, not matmul or bandwidth).
+
+Fields: bench, workload.smoke, workload.math, workload.code, target_ratio, defaults.sequential_s,
+defaults.mixed_s, defaults.mixed_over_sequential, defaults.ideal_over_sequential,
+defaults.cpu_utilisation_mixed, defaults.accuracy.math, defaults.accuracy.code, defaults.failures.timeouts,
+one_core_each.mixed_over_sequential, one_core_each.accuracy.code, machine.cpu.
 """
 from __future__ import annotations
 
@@ -123,7 +128,8 @@ def main() -> None:
     sizings = {"defaults": measure(2, 4, batches, args.rounds), "one_core_each": measure(1, 1, batches, args.rounds)}
     emit({
         "bench": "reward_router",
-        "workload": {"smoke": args.smoke, "math": args.math, "code": args.code, "math_source": source, "code_source": "synthetic:code",
+        "workload": {"smoke": args.smoke, "math": args.math, "code": args.code, "math_source": source,
+                     "code_source": "synthetic:code",
                      "right_fraction": 0.5},
         "target_ratio": 0.8, **sizings, "machine": machine(),
     })

@@ -19,6 +19,13 @@ on both sides; only real tokens are counted. Both sides run one torch/OMP thread
 engine in its actor (the fleet sets OMP_NUM_THREADS=1), transformers in this process, never at the
 same time. Prints ONE JSON line: tokens/s per side and workload, ratios, and each side's fraction of
 the fp32 matmul limit (FLOPs = 2 x parameters x generated tokens) measured here at the same threads.
+
+Fields: bench, settings.smoke, settings.model.params, fixed.orz.tokens, fixed.orz.tokens_per_s,
+fixed.orz.frac_matmul_limit, fixed.transformers.tokens, fixed.transformers.tokens_per_s,
+fixed.ratio_tokens_per_s, fixed.ratio_tokens_per_cpu_s, variable.orz.tokens, variable.orz.tokens_per_s,
+variable.transformers.tokens, variable.transformers.useful_frac, variable.ratio_tokens_per_s,
+variable.ratio_tokens_per_cpu_s, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu,
+machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args, ray_session,
-    set_threads,
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args,
+    ray_session, set_threads,
 )
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
@@ -149,7 +156,7 @@ def main(args: argparse.Namespace) -> None:
     rows = arithmetic_rows(args.prompts, seed=args.seed)
     texts = [r["prompt"] + " <think>" for r in rows]
 
-    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2):
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] for r in rows], hidden_size=args.hidden,
                                intermediate_size=args.intermediate, num_layers=args.layers, num_heads=args.heads,
                                num_kv_heads=args.kv_heads, seed=args.seed)
@@ -259,6 +266,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads for transformers and the limits")
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
     return parse_args(p, smoke={"prompts": 4, "n": 2, "fixed_tokens": 8, "median_tokens": 6, "min_tokens": 2,
                                 "max_tokens": 16, "hf_buckets": 2, "hidden": 64, "intermediate": 128, "layers": 1,
                                 "heads": 2, "kv_heads": 1})

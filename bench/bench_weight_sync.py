@@ -23,6 +23,12 @@ allocates every layer afresh).
 
 Threads: this process runs `--threads` torch threads (1 by default, the copy baseline too); the
 engine runs one OMP thread (the fleet sets it). Prints ONE JSON line.
+
+Fields: bench, settings.smoke, settings.bytes, copy.seconds, copy.gbps, sync.collective/off.seconds,
+sync.collective/off.gbps, sync.collective/off.ratio_to_copy, sync.collective/received.gbps,
+sync.object_store/off.gbps, sync.object_store/received.frac_copy_limit, verify_held_seconds,
+split_collective_seconds.wire_broadcast, split_collective_seconds.sum_if_serial, limits.copy_gbps,
+threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    GB, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, median_seconds, parse_args,
-    ray_session, set_threads,
+    GB, RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, median_seconds,
+    parse_args, ray_session, set_threads,
 )
 
 from orz.exp_engine.parallels.orz_distributed_c10d import broadcast, destroy, init_custom_process_group  # noqa: E402
@@ -196,7 +202,7 @@ def main(args: argparse.Namespace) -> None:
     threads = set_threads(args.threads)
     limit_sizes = SMOKE_LIMITS if args.smoke else {}
     limits_before = machine_limits(**limit_sizes)
-    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2):
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         char_llama(model_dir, ["0123456789+-*= abcdefghijklmnopqrstuvwxyz?.\n"], vocab_size=args.vocab,
                    hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=args.layers,
                    num_heads=args.hidden // 64, num_kv_heads=args.kv_heads, seed=0)
@@ -280,6 +286,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--syncs", type=int, default=5, help="timed syncs per transport and check, after a warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process (sender, copy baseline)")
     p.add_argument("--profile", action="store_true", help="also cProfile one sync per transport on both sides (stderr)")
+    p.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
     return parse_args(p, smoke={"hidden": 64, "layers": 1, "intermediate": 128, "kv_heads": 1, "vocab": 64,
                                 "bucket_mb": 1, "syncs": 1})
 

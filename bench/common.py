@@ -110,6 +110,8 @@ def demo_base(root: str | Path, smoke: bool) -> tuple[Path, "BaseModelSpec"]:  #
     return base_model(spec, Path(root)), spec
 
 
+RAY_ADDRESS_HELP = "join the Ray cluster at this address instead of starting one"
+
 # An RL iteration's overrides under --smoke: 4 prompts x 2 samples, 16 tokens, 8 held-out problems
 SMOKE_RL = ["trainer.prompts_per_iteration=4", "rollout.n_samples=2", "rollout.max_new_tokens=16",
             "data.synthetic_eval_size=8", "trainer.eval_n=1"]
@@ -163,11 +165,14 @@ def emit(record: dict) -> None:
 
 
 @contextlib.contextmanager
-def ray_session(num_cpus: int = 2) -> Iterator[None]:
-    """A local Ray cluster for one benchmark, shut down on the way out (errors included)."""
+def ray_session(num_cpus: int = 2, address: str = "") -> Iterator[None]:
+    """A local Ray cluster for one benchmark, shut down on the way out (errors included); with an
+    `address`, the running cluster there instead, only disconnected from (--ray-address: the
+    smoke test shares one cluster between the benchmarks)."""
     import ray
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    local = {} if address else {"num_cpus": num_cpus}
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False, configure_logging=False, **local)
     try:
         yield
     finally:
