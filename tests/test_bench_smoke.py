@@ -57,6 +57,7 @@ def smoke_runs(ray_cluster, tmp_path_factory):
             start = time.perf_counter()
             done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
             runs[name] = (done, time.perf_counter() - start)
+            print(f"bench_{name}.py --smoke: exit {done.returncode} after {runs[name][1]:.0f} s", flush=True)
 
     threads = [threading.Thread(target=lane, args=(names,)) for names in LANES]
     for thread in threads:
