@@ -164,6 +164,60 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     return problems + _logger_problems(cfg.trainer.loggers)
 
 
+def colocation_problems(cfg: ExperimentConfig) -> list[str]:
+    """Colocated roles take turns on the same GPUs: one bundle per GPU, holding one worker of each
+    role and one single-GPU engine."""
+    t, r = cfg.trainer, cfg.rollout
+    if not t.colocate:
+        return []
+    problems = []
+    if t.max_staleness > 0:
+        problems.append(f"trainer.colocate=true takes turns on the same GPUs, so trainer.max_staleness={t.max_staleness} "
+                        "cannot overlap rollout with training: set max_staleness=0 or colocate=false")
+    if r.engine_tp != 1:
+        problems.append(f"trainer.colocate=true places one engine per GPU: rollout.engine_tp={r.engine_tp} must be 1")
+    if r.transport != "object_store":
+        problems.append(f"trainer.colocate=true needs rollout.transport=object_store (got {r.transport!r}): NCCL cannot "
+                        "join two ranks on one GPU, and the CUDA IPC path is not built")
+    gpus = r.num_engines * r.engine_tp
+    for name, role in roles(cfg).items():
+        if role.tp * role.pp * role.dp != gpus:
+            problems.append(f"trainer.colocate=true: {name}'s TP·PP·DP = {role.tp}·{role.pp}·{role.dp} must equal the "
+                            f"engines' {gpus} GPUs (rollout.num_engines × engine_tp): colocated roles share every GPU")
+    return problems
+
+
+def _logger_problems(loggers: list[str]) -> list[str]:
+    problems = [f"trainer.loggers: unknown {name!r}; valid: {', '.join(TRACKERS)}" for name in loggers
+                if name not in TRACKERS]
+    if "jsonl" not in loggers:
+        problems.append("trainer.loggers must include 'jsonl': metrics.jsonl is the run's record (resume, "
+                        "curves.png and the final result read it)")
+    problems += [f"trainer.loggers has {name!r}, which is not installed: pip install -e '.[trackers]'"
+                 for name in ("wandb", "mlflow") if name in loggers and importlib.util.find_spec(name) is None]
+    return problems
+
+
+def _reward_model_problems(reward) -> list[str]:
+    """A reward model must be an HF sequence classifier with one label; weights.model needs one."""
+    path = reward.model.path
+    if not path:
+        return [f"reward.weights.model={reward.weights['model']} weighs a reward model, but reward.model.path is "
+                "not set"] if "model" in reward.weights else []
+    try:
+        config = read_hf_config(path)
+    except ModelConfigError as err:
+        return [f"reward.model.path={path}: {err}"]
+    archs = config.get("architectures") or []
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        return [f"reward.model.path={path}: architectures={archs} is not a sequence classifier "
+                "(LlamaForSequenceClassification, Qwen2ForSequenceClassification)"]
+    if labels != 1:
+        return [f"reward.model.path={path}: num_labels={labels}; a reward model's head must be scalar (1 label)"]
+    return []
+
+
 # Settings with a valid range: (key, whether a value is in it, the range as the refusal states it).
 # None (an optional setting left unset) is always valid. A Megatron role's micro_batch_size and
 # threads are checked with the roles that run (_run_problems): other roles start no worker.
@@ -252,57 +306,3 @@ def range_problems(cfg: ExperimentConfig) -> list[str]:
         if value is not None and not valid(value):
             problems.append(f"{key}={value} is out of range: it must be {text}")
     return problems
-
-
-def colocation_problems(cfg: ExperimentConfig) -> list[str]:
-    """Colocated roles take turns on the same GPUs: one bundle per GPU, holding one worker of each
-    role and one single-GPU engine."""
-    t, r = cfg.trainer, cfg.rollout
-    if not t.colocate:
-        return []
-    problems = []
-    if t.max_staleness > 0:
-        problems.append(f"trainer.colocate=true takes turns on the same GPUs, so trainer.max_staleness={t.max_staleness} "
-                        "cannot overlap rollout with training: set max_staleness=0 or colocate=false")
-    if r.engine_tp != 1:
-        problems.append(f"trainer.colocate=true places one engine per GPU: rollout.engine_tp={r.engine_tp} must be 1")
-    if r.transport != "object_store":
-        problems.append(f"trainer.colocate=true needs rollout.transport=object_store (got {r.transport!r}): NCCL cannot "
-                        "join two ranks on one GPU, and the CUDA IPC path is not built")
-    gpus = r.num_engines * r.engine_tp
-    for name, role in roles(cfg).items():
-        if role.tp * role.pp * role.dp != gpus:
-            problems.append(f"trainer.colocate=true: {name}'s TP·PP·DP = {role.tp}·{role.pp}·{role.dp} must equal the "
-                            f"engines' {gpus} GPUs (rollout.num_engines × engine_tp): colocated roles share every GPU")
-    return problems
-
-
-def _logger_problems(loggers: list[str]) -> list[str]:
-    problems = [f"trainer.loggers: unknown {name!r}; valid: {', '.join(TRACKERS)}" for name in loggers
-                if name not in TRACKERS]
-    if "jsonl" not in loggers:
-        problems.append("trainer.loggers must include 'jsonl': metrics.jsonl is the run's record (resume, "
-                        "curves.png and the final result read it)")
-    problems += [f"trainer.loggers has {name!r}, which is not installed: pip install -e '.[trackers]'"
-                 for name in ("wandb", "mlflow") if name in loggers and importlib.util.find_spec(name) is None]
-    return problems
-
-
-def _reward_model_problems(reward) -> list[str]:
-    """A reward model must be an HF sequence classifier with one label; weights.model needs one."""
-    path = reward.model.path
-    if not path:
-        return [f"reward.weights.model={reward.weights['model']} weighs a reward model, but reward.model.path is "
-                "not set"] if "model" in reward.weights else []
-    try:
-        config = read_hf_config(path)
-    except ModelConfigError as err:
-        return [f"reward.model.path={path}: {err}"]
-    archs = config.get("architectures") or []
-    labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        return [f"reward.model.path={path}: architectures={archs} is not a sequence classifier "
-                "(LlamaForSequenceClassification, Qwen2ForSequenceClassification)"]
-    if labels != 1:
-        return [f"reward.model.path={path}: num_labels={labels}; a reward model's head must be scalar (1 label)"]
-    return []
