@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL on the demo task: wall time per iteration, CPU use, accuracy.
 
-    .venv/bin/python bench/bench_async.py [--iterations 15] [--eval-size 400]
+    .venv/bin/python bench/bench_async.py [--iterations 15] [--eval-size 400] [--base-root runs/demo] [--smoke]
 
 Runs the CPU demo (its pre-trained tiny base, cached in runs/demo) three times in one process, with
 trainer.max_staleness=0 (generate, then train), =1 (the engines generate batch i + 1 while
@@ -11,6 +11,13 @@ iterations, all but the first and the last: common.steady), their ratio, the ide
 measured from the synchronous run (max(rollout + reward, forward + update) + sync), the
 machine's CPU utilisation during each, and held-out greedy accuracy with its standard error and
 the difference's.
+
+Fields: bench, settings.smoke, sync.seconds_per_iteration, sync.phases_s.rollout, sync.cpu_utilisation,
+sync.heldout_accuracy, sync.heldout_accuracy_se, async_staleness_1.seconds_per_iteration,
+async_staleness_1.heldout_accuracy, async_staleness_1_partial.seconds_per_iteration,
+async_staleness_1_partial.partial_samples_per_iteration, ratio_async_over_sync, ratio_partial_over_async,
+ideal_overlap_s, async_over_ideal, accuracy_difference, accuracy_difference_se, threads.torch_threads,
+machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -26,9 +33,11 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, iterations_arg, machine, set_threads, steady  # noqa: E402
+from common import (  # noqa: E402
+    RAY_ADDRESS_HELP, SMOKE_RL, demo_base, emit, iterations_arg, machine, parse_args, set_threads, steady,
+)
 
-from orz.demo import BaseModelSpec, base_model, rl_config  # noqa: E402
+from orz.demo import rl_config  # noqa: E402
 from orz.ppo.trainer import main as train  # noqa: E402
 
 
@@ -59,10 +68,11 @@ class CpuMeter:
 
 def _run(base, spec, out: Path, staleness: int, args, partial: bool = False) -> dict:
     name = f"run_{staleness}{'_partial' if partial else ''}"
-    cfg = rl_config(base, spec, out, [f"rollout.partial={str(partial).lower()}",
+    cfg = rl_config(base, spec, out, [*(SMOKE_RL if args.smoke else []), f"rollout.partial={str(partial).lower()}",
         f"trainer.iterations={args.iterations}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
         "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.export_hf=false",
-        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/{name}",
+        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.ray_address={args.ray_address}",
+        f"trainer.output_dir={out}/{name}",
     ])
     with CpuMeter() as cpu:
         train(cfg)
@@ -79,8 +89,7 @@ def _run(base, spec, out: Path, staleness: int, args, partial: bool = False) -> 
 
 def run(args) -> dict:
     threads = set_threads(1)
-    spec = BaseModelSpec()
-    base = base_model(spec, Path("runs/demo"))
+    base, spec = demo_base(args.base_root, args.smoke)
     with tempfile.TemporaryDirectory() as out:
         sync = _run(base, spec, Path(out), 0, args)
         pipelined = _run(base, spec, Path(out), 1, args)
@@ -91,7 +100,8 @@ def run(args) -> dict:
     diff_se = math.hypot(pipelined["heldout_accuracy_se"], sync["heldout_accuracy_se"])
     return {
         "bench": "async_vs_sync",
-        "settings": {"iterations": args.iterations, "heldout_problems": args.eval_size, "precision": "float32",
+        "settings": {"smoke": args.smoke, "iterations": args.iterations, "heldout_problems": args.eval_size,
+                     "precision": "float32",
                      "engines": 1, "actor_workers": 1},
         "sync": sync, "async_staleness_1": pipelined, "async_staleness_1_partial": partial,
         "ratio_async_over_sync": pipelined["seconds_per_iteration"] / sync["seconds_per_iteration"],
@@ -107,4 +117,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=iterations_arg, default=15)
     parser.add_argument("--eval-size", type=int, default=400)
-    emit(run(parser.parse_args()))
+    parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    parser.add_argument("--base-root", default="runs/demo", help="where the pre-trained base model is cached")
+    emit(run(parse_args(parser, smoke={"iterations": 3, "eval_size": 8})))

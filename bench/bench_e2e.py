@@ -1,12 +1,16 @@
 """One RL iteration end to end: seconds per iteration and per phase, generated and trained tokens/s.
 
-    .venv/bin/python bench/bench_e2e.py [--iterations 6] [--algorithm grpo]
+    .venv/bin/python bench/bench_e2e.py [--iterations 6] [--algorithm grpo] [--base-root runs/demo] [--smoke]
 
 Runs the CPU demo's tiny model (pre-trained on first use, cached in runs/demo) through the whole
 stack — Ray, the Megatron actor (and critic for gae), one vLLM engine, the reward pool, weight
 sync — and prints ONE JSON line: the mean over iterations after the first (which warms up) of
 every `timing/*` phase, tokens/s, and the fraction of the machine's fp32 matmul limit reached by
 the useful work (2·params per generated token, 6·params per trained token, real tokens only).
+
+Fields: bench, settings.smoke, settings.params, seconds_per_iteration, phases_s.rollout, phases_s.update,
+phases_s.sync, generated_tokens_per_s, trained_tokens_per_s, frac_matmul_limit, limits.matmul_fp32_gflops,
+threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -18,35 +22,40 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_limits, emit, machine, machine_limits, param_count, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, SMOKE_RL, best_limits, demo_base, emit, machine, machine_limits, param_count,
+    parse_args, set_threads,
+)
 
-from orz.demo import BaseModelSpec, base_model, rl_config  # noqa: E402
+from orz.demo import rl_config  # noqa: E402
 from orz.ppo.trainer import main as train  # noqa: E402
 
 
 def run(args) -> dict:
     threads = set_threads(1)
-    before = machine_limits()
-    spec = BaseModelSpec()
-    base = base_model(spec, Path("runs/demo"))
+    limit_sizes = SMOKE_LIMITS if args.smoke else {}
+    before = machine_limits(**limit_sizes)
+    base, spec = demo_base(args.base_root, args.smoke)
     with tempfile.TemporaryDirectory() as out:
         cfg = rl_config(base, spec, Path(out), [
             f"trainer.iterations={args.iterations}", f"algorithm.advantage={args.algorithm}",
             "trainer.eval_every=0", "trainer.export_hf=false", "trainer.dump_samples_every=0",
-            "trainer.loggers=[jsonl]", f"trainer.output_dir={out}/run",
+            "trainer.loggers=[jsonl]", f"trainer.ray_address={args.ray_address}", f"trainer.output_dir={out}/run",
+            *(SMOKE_RL if args.smoke else []),
         ])
         train(cfg)
         rows = [json.loads(line) for line in (Path(out) / "run/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "timing/step" in r][1:]  # the first iteration warms up
     mean = {k: statistics.mean(r[k] for r in steps) for k in steps[0] if k.startswith(("timing/", "throughput/"))}
-    limits = best_limits(before, machine_limits())
+    limits = best_limits(before, machine_limits(**limit_sizes))
     params = param_count(base)
     generated = statistics.mean(r["throughput/generated_tokens_per_s"] * r["timing/rollout"] for r in steps)
     trained = statistics.mean(r["tokens"] for r in steps)
     useful_flops = 2 * params * generated + 6 * params * trained
     return {
         "bench": "e2e_iteration",
-        "settings": {"algorithm": args.algorithm, "iterations_measured": len(steps), "params": params,
+        "settings": {"smoke": args.smoke, "algorithm": args.algorithm, "iterations_measured": len(steps),
+                     "params": params,
                      "prompts_x_samples": f"{cfg.trainer.prompts_per_iteration}x{cfg.rollout.n_samples}",
                      "max_new_tokens": cfg.rollout.max_new_tokens, "engines": cfg.rollout.num_engines},
         "seconds_per_iteration": mean["timing/step"],
@@ -62,4 +71,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "gae"])
-    emit(run(parser.parse_args()))
+    parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    parser.add_argument("--base-root", default="runs/demo", help="where the pre-trained base model is cached")
+    emit(run(parse_args(parser, smoke={"iterations": 2})))

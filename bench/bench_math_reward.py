@@ -1,6 +1,6 @@
 """Math reward throughput: MathReward's killable pool against math-verify called in-line.
 
-    .venv/bin/python bench/bench_math_reward.py [--responses 10000] [--workers 2] [--timeout-s 2]
+    .venv/bin/python bench/bench_math_reward.py [--responses 10000] [--workers 2] [--timeout-s 2] [--smoke]
 
 10,000 seeded responses of a realistic mix (MATH500/AIME ground truths when ../shared/data is
 there, synthetic arithmetic otherwise): boxed right answers, right answers in another form, wrong
@@ -14,6 +14,10 @@ so no matmul or bandwidth limit applies).
 The machine is shared and its load moves: the two sides alternate in rounds over slices of the
 mix, and CPU seconds per response are reported beside wall-clock rates (the CPU ratio is the
 pool's overhead, whatever the load; the wall ratio is its speed-up under the load of the day).
+
+Fields: bench, settings.smoke, settings.responses, pool_responses_per_s, latency_s_p50, latency_s_p99,
+timeouts, errors, crashes, accuracy, inline_responses_per_s, inline_responses, inline_accuracy,
+pool_over_inline, fraction_of_ideal, cpu_ms_per_response.pool, cpu_ms_per_response.inline, machine.cpu.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from importlib.metadata import version
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import emit, machine  # noqa: E402
+from common import emit, machine, parse_args  # noqa: E402
 
 from orz.data.datasets import load_rows  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
@@ -111,7 +115,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=5, help="pool and in-line alternate over this many slices")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"responses": 40, "timeout_s": 0.5, "rounds": 2})
 
     all_truths, source = ground_truths()
     responses, truths, finish = build_mix(args.responses, args.seed, all_truths)
@@ -142,7 +146,8 @@ def main() -> None:
     emit({
         "bench": "math_reward",
         "machine": machine(),
-        "settings": {"responses": args.responses, "workers": args.workers, "timeout_s": args.timeout_s,
+        "settings": {"smoke": args.smoke, "responses": args.responses, "workers": args.workers,
+                     "timeout_s": args.timeout_s,
                      "chunk_size": cfg.chunk_size, "rounds": len(rounds), "pathological": len(PATHOLOGICAL),
                      "ground_truths": source, "math_verify": version("math-verify"), "seed": args.seed},
         "pool_responses_per_s": pool_per_s,

@@ -1,7 +1,7 @@
 """Verifiers in parallel: a mixed batch of math and code responses through the reward router,
 against the same two kinds scored one after the other.
 
-    .venv/bin/python bench/bench_reward_router.py [--math 512] [--code 512] [--rounds 3]
+    .venv/bin/python bench/bench_reward_router.py [--math 512] [--code 512] [--rounds 3] [--smoke]
 
 Math responses: MATH500/AIME ground truths when ../shared/data is there (synthetic arithmetic
 otherwise), half right (boxed, sometimes in another form), half wrong. Code responses: the
@@ -13,6 +13,11 @@ alone already fills a 2-core machine), and one core's worth each (1 and 1). Prin
 per sizing, median seconds per side over `rounds` alternating rounds, their ratio, responses/s, and
 the machine's CPU utilisation during each side (all cores, from /proc/stat: the limit here is the
 cores, not matmul or bandwidth).
+
+Fields: bench, workload.smoke, workload.math, workload.code, target_ratio, defaults.sequential_s,
+defaults.mixed_s, defaults.mixed_over_sequential, defaults.ideal_over_sequential,
+defaults.cpu_utilisation_mixed, defaults.accuracy.math, defaults.accuracy.code, defaults.failures.timeouts,
+one_core_each.mixed_over_sequential, one_core_each.accuracy.code, machine.cpu.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import emit, machine  # noqa: E402
+from common import emit, machine, parse_args  # noqa: E402
 
 from orz.config import CodeScoringConfig, RewardConfig  # noqa: E402
 from orz.data.datasets import load_rows, load_source  # noqa: E402
@@ -112,7 +117,7 @@ def main() -> None:
     p.add_argument("--math", type=int, default=512)
     p.add_argument("--code", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
+    args = parse_args(p, smoke={"math": 16, "code": 16, "rounds": 1})
     rng = random.Random(0)
     math_rows, math_responses, source = math_batch(args.math, rng)
     code_rows, code_responses = code_batch(args.code)
@@ -123,7 +128,8 @@ def main() -> None:
     sizings = {"defaults": measure(2, 4, batches, args.rounds), "one_core_each": measure(1, 1, batches, args.rounds)}
     emit({
         "bench": "reward_router",
-        "workload": {"math": args.math, "code": args.code, "math_source": source, "code_source": "synthetic:code",
+        "workload": {"smoke": args.smoke, "math": args.math, "code": args.code, "math_source": source,
+                     "code_source": "synthetic:code",
                      "right_fraction": 0.5},
         "target_ratio": 0.8, **sizings, "machine": machine(),
     })

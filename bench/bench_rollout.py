@@ -19,6 +19,13 @@ on both sides; only real tokens are counted. Both sides run one torch/OMP thread
 engine in its actor (the fleet sets OMP_NUM_THREADS=1), transformers in this process, never at the
 same time. Prints ONE JSON line: tokens/s per side and workload, ratios, and each side's fraction of
 the fp32 matmul limit (FLOPs = 2 x parameters x generated tokens) measured here at the same threads.
+
+Fields: bench, settings.smoke, settings.model.params, fixed.orz.tokens, fixed.orz.tokens_per_s,
+fixed.orz.frac_matmul_limit, fixed.transformers.tokens, fixed.transformers.tokens_per_s,
+fixed.ratio_tokens_per_s, fixed.ratio_tokens_per_cpu_s, variable.orz.tokens, variable.orz.tokens_per_s,
+variable.transformers.tokens, variable.transformers.useful_frac, variable.ratio_tokens_per_s,
+variable.ratio_tokens_per_cpu_s, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu,
+machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    best_limits, char_llama, emit, machine, machine_limits, param_count, ray_session, set_threads,
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args,
+    ray_session, set_threads,
 )
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
@@ -44,8 +52,9 @@ from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
 class LengthEngine(VLLMEngine):
     """The fleet's engine plus per-request max_tokens, which SamplingConfig cannot express (one
     `max_new_tokens` per generate call). The stock generate path runs unchanged; only each
-    request's SamplingParams.max_tokens is overwritten from `lengths` (by request index) before
-    vLLM sees it. With no lengths set it is exactly VLLMEngine."""
+    request's SamplingParams.max_tokens is overwritten from `lengths` (by request index) as the
+    engine adds it to vLLM, one request per prompt and in the order given (so n must be 1).
+    With no lengths set it is exactly VLLMEngine."""
 
     lengths: dict[int, int] | None = None
 
@@ -56,22 +65,22 @@ class LengthEngine(VLLMEngine):
         """CPU time of the engine's process so far (all its threads)."""
         return time.process_time()
 
-    def generate(self, requests, sampling, min_version=0):
+    def generate(self, requests, sampling, min_version=0, call=None):
         if not self.lengths:
-            return super().generate(requests, sampling, min_version)
-        llm, targets = self.llm, [self.lengths[index] for index, _ in requests]
+            yield from super().generate(requests, sampling, min_version, call)
+            return
+        vllm_engine, targets = self.llm.llm_engine, iter([self.lengths[index] for index, _ in requests])
+        stock_add_request = vllm_engine.add_request
 
-        class PerRequestLengths:
-            def generate(self, prompts, params, **kwargs):
-                for p, target in zip(params, targets):
-                    p.max_tokens = target
-                return llm.generate(prompts, params, **kwargs)
+        def add_request(request_id, prompt, params, *args, **kwargs):
+            params.max_tokens = next(targets)
+            return stock_add_request(request_id, prompt, params, *args, **kwargs)
 
-        self.llm = PerRequestLengths()
+        vllm_engine.add_request = add_request  # shadows the method on this instance only
         try:
-            return super().generate(requests, sampling, min_version)
+            yield from super().generate(requests, sampling, min_version, call)
         finally:
-            self.llm = llm
+            del vllm_engine.add_request
 
 
 def target_lengths(count: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
@@ -142,11 +151,12 @@ def fleet_run(fleet, prompts, sampling: SamplingConfig, targets: list[int]) -> d
 
 def main(args: argparse.Namespace) -> None:
     threads = set_threads(args.threads)
-    limits_before = machine_limits()
+    limit_sizes = SMOKE_LIMITS if args.smoke else {}
+    limits_before = machine_limits(**limit_sizes)
     rows = arithmetic_rows(args.prompts, seed=args.seed)
     texts = [r["prompt"] + " <think>" for r in rows]
 
-    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2):
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] for r in rows], hidden_size=args.hidden,
                                intermediate_size=args.intermediate, num_layers=args.layers, num_heads=args.heads,
                                num_kv_heads=args.kv_heads, seed=args.seed)
@@ -173,8 +183,9 @@ def main(args: argparse.Namespace) -> None:
         pad = tokenizer.pad_token_id
         try:
             with torch.inference_mode():
-                fleet.generate(prompts[:8], SamplingConfig(max_new_tokens=8, n=args.n))  # warm-ups
-                hf_generate(model, prompts[:8], [8] * 8, pad, args.seed)
+                warm_up = prompts[:8]
+                fleet.generate(warm_up, SamplingConfig(max_new_tokens=8, n=args.n))
+                hf_generate(model, warm_up, [8] * len(warm_up), pad, args.seed)
                 # Interleaved, so that a change in the shared machine's load hits both sides alike.
                 # vLLM: the fleet's stock path (n samples per prompt) for the fixed workload, one
                 # request per sample (per-request lengths) for the variable one.
@@ -188,7 +199,7 @@ def main(args: argparse.Namespace) -> None:
         finally:
             fleet.shutdown()
 
-    limits = best_limits(limits_before, machine_limits())
+    limits = best_limits(limits_before, machine_limits(**limit_sizes))
 
     def side(run: dict) -> dict:
         """Adds rates: per wall second (the figure), per CPU second (robust to others' load on
@@ -208,6 +219,7 @@ def main(args: argparse.Namespace) -> None:
     result = {
         "bench": "rollout",
         "settings": {
+            "smoke": args.smoke,
             "model": {"params": params, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
                       "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.hidden // args.heads,
                       "vocab": len(tokenizer), "dtype": "float32", "eos": None},
@@ -235,7 +247,7 @@ def main(args: argparse.Namespace) -> None:
     emit(result)
 
 
-def parse_args() -> argparse.Namespace:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -254,8 +266,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads for transformers and the limits")
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    return parse_args(p, smoke={"prompts": 4, "n": 2, "fixed_tokens": 8, "median_tokens": 6, "min_tokens": 2,
+                                "max_tokens": 16, "hf_buckets": 2, "hidden": 64, "intermediate": 128, "layers": 1,
+                                "heads": 2, "kv_heads": 1})
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(arguments())

@@ -2,7 +2,7 @@
 one vLLM engine (a Ray actor), over both transports, against a plain in-memory copy of the same
 bytes into a pre-allocated buffer, in one run.
 
-    .venv/bin/python bench/bench_weight_sync.py [--hidden 768] [--layers 12] [--vocab 32000] [--syncs 5]
+    .venv/bin/python bench/bench_weight_sync.py [--hidden 768] [--layers 12] [--vocab 32000] [--syncs 5] [--smoke]
 
 For each transport ("collective": gloo broadcast over a private group; "object_store": Ray
 objects) and each check ("off", "received": blake3 digests of sent vs received), one warm-up sync
@@ -23,6 +23,12 @@ allocates every layer afresh).
 
 Threads: this process runs `--threads` torch threads (1 by default, the copy baseline too); the
 engine runs one OMP thread (the fleet sets it). Prints ONE JSON line.
+
+Fields: bench, settings.smoke, settings.bytes, copy.seconds, copy.gbps, sync.collective/off.seconds,
+sync.collective/off.gbps, sync.collective/off.ratio_to_copy, sync.collective/received.gbps,
+sync.object_store/off.gbps, sync.object_store/received.frac_copy_limit, verify_held_seconds,
+split_collective_seconds.wire_broadcast, split_collective_seconds.sum_if_serial, limits.copy_gbps,
+threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    GB, best_limits, char_llama, emit, machine, machine_limits, median_seconds, ray_session, set_threads,
+    GB, RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, median_seconds,
+    parse_args, ray_session, set_threads,
 )
 
 from orz.exp_engine.parallels.orz_distributed_c10d import broadcast, destroy, init_custom_process_group  # noqa: E402
@@ -193,8 +200,9 @@ def main(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     threads = set_threads(args.threads)
-    limits_before = machine_limits()
-    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2):
+    limit_sizes = SMOKE_LIMITS if args.smoke else {}
+    limits_before = machine_limits(**limit_sizes)
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         char_llama(model_dir, ["0123456789+-*= abcdefghijklmnopqrstuvwxyz?.\n"], vocab_size=args.vocab,
                    hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=args.layers,
                    num_heads=args.hidden // 64, num_kv_heads=args.kv_heads, seed=0)
@@ -236,7 +244,7 @@ def main(args: argparse.Namespace) -> None:
         finally:
             fleet.shutdown()
 
-    limits = best_limits(limits_before, machine_limits())
+    limits = best_limits(limits_before, machine_limits(**limit_sizes))
     copy_gbps = nbytes / copy_s / GB
     figures = {}
     for key, times in runs.items():
@@ -248,7 +256,7 @@ def main(args: argparse.Namespace) -> None:
                         "faulted_bytes": statistics.median(times["faulted_bytes"])}
     result = {
         "bench": "weight_sync",
-        "settings": {"params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
+        "settings": {"smoke": args.smoke, "params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
                      "layers": args.layers, "intermediate": args.intermediate, "vocab": args.vocab,
                      "kv_heads": args.kv_heads, "tensors": len(named), "bucket_bytes": args.bucket_mb << 20,
                      "buckets": len(sizes), "engines": 1, "engine_omp_threads": 1, "syncs": args.syncs,
@@ -267,7 +275,7 @@ def main(args: argparse.Namespace) -> None:
         print(*profiles, sep="\n", file=sys.stderr)
 
 
-def parse_args() -> argparse.Namespace:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=768, help="head_dim is 64: hidden/64 heads")
     p.add_argument("--layers", type=int, default=12)
@@ -278,8 +286,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--syncs", type=int, default=5, help="timed syncs per transport and check, after a warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process (sender, copy baseline)")
     p.add_argument("--profile", action="store_true", help="also cProfile one sync per transport on both sides (stderr)")
-    return p.parse_args()
+    p.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    return parse_args(p, smoke={"hidden": 64, "layers": 1, "intermediate": 128, "kv_heads": 1, "vocab": 64,
+                                "bucket_mb": 1, "syncs": 1})
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(arguments())

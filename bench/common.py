@@ -83,6 +83,40 @@ def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / median_seconds(lambda: dst.copy_(src), repeats) / GB
 
 
+def parse_args(parser: argparse.ArgumentParser, smoke: dict, argv: list[str] | None = None) -> argparse.Namespace:
+    """Adds --smoke and parses: the same code path on a tiny workload, in seconds, to check that
+    the benchmark still runs (tests/test_bench_smoke.py), never to measure. `smoke` holds the
+    defaults it replaces; flags given on the command line still win."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="the same code path on a tiny workload, in seconds: a check, not a measurement")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**smoke)
+        args = parser.parse_args(argv)
+    return args
+
+
+# machine_limits' sizes under --smoke: a small product and copy, each timed twice
+SMOKE_LIMITS = {"matmul_n": 256, "copy_bytes": 8 << 20, "repeats": 2}
+
+
+def demo_base(root: str | Path, smoke: bool) -> tuple[Path, "BaseModelSpec"]:  # noqa: F821
+    """The CPU demo's pre-trained base model, cached under `root`, and its spec; under --smoke a
+    ~40k-parameter one pre-trained for a few steps (the same code, seconds)."""
+    from orz.demo import BaseModelSpec, base_model
+
+    spec = BaseModelSpec(train_problems=64, hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128,
+                         steps=2, batch_size=4, warmup=1) if smoke else BaseModelSpec()
+    return base_model(spec, Path(root)), spec
+
+
+RAY_ADDRESS_HELP = "join the Ray cluster at this address instead of starting one"
+
+# An RL iteration's overrides under --smoke: 4 prompts x 2 samples, 16 tokens, 8 held-out problems
+SMOKE_RL = ["trainer.prompts_per_iteration=4", "rollout.n_samples=2", "rollout.max_new_tokens=16",
+            "data.synthetic_eval_size=8", "trainer.eval_n=1"]
+
+
 def machine_limits(matmul_n: int = 2048, copy_bytes: int = 256 << 20, repeats: int = 5) -> dict:
     return {"matmul_fp32_gflops": matmul_gflops(matmul_n, repeats), "copy_gbps": copy_gbps(copy_bytes, repeats),
             "matmul_n": matmul_n, "copy_bytes": copy_bytes}
@@ -131,11 +165,14 @@ def emit(record: dict) -> None:
 
 
 @contextlib.contextmanager
-def ray_session(num_cpus: int = 2) -> Iterator[None]:
-    """A local Ray cluster for one benchmark, shut down on the way out (errors included)."""
+def ray_session(num_cpus: int = 2, address: str = "") -> Iterator[None]:
+    """A local Ray cluster for one benchmark, shut down on the way out (errors included); with an
+    `address`, the running cluster there instead, only disconnected from (--ray-address: the
+    smoke test shares one cluster between the benchmarks)."""
     import ray
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    local = {} if address else {"num_cpus": num_cpus}
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False, configure_logging=False, **local)
     try:
         yield
     finally:

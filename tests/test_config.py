@@ -94,7 +94,7 @@ def test_run_rules_roles_whitening_and_schedule_length():
 def test_a_role_with_no_thread_is_refused():
     from orz.ppo import run_rules
 
-    with pytest.raises(ConfigError, match=r"actor.threads=0, threads_alone=0: a worker needs at least one thread"):
+    with pytest.raises(ConfigError, match=r"actor.threads=0, actor.threads_alone=0: a worker needs at least one thread"):
         run_rules.check(load_config(None, ["model.path=/m", "actor.threads=0"]))
-    with pytest.raises(ConfigError, match=r"critic.threads=1, threads_alone=-1"):
+    with pytest.raises(ConfigError, match=r"critic.threads=1, critic.threads_alone=-1"):
         run_rules.check(load_config(None, ["model.path=/m", "critic.threads_alone=-1"]))

@@ -445,6 +445,25 @@ def test_value_loss_by_hand():
     close(unclipped, 0.5)
 
 
+def test_value_loss_counts_no_clip_where_the_clamp_was_inactive_but_rounds():
+    # V = 2⁻³⁰, V_old = −0.125, R = 2⁻²⁹, clip 0.2, float32.
+    # V − V_old = 0.125 + 2⁻³⁰ rounds to 0.125 (ulp(0.125) = 2⁻²⁶), |0.125| < 0.2: the clamp is inactive.
+    # Yet V_old + 0.125 = 0 ≠ V, and (0 − R)² = 2⁻⁵⁸ > (V − R)² = 2⁻⁶⁰: a naive count calls it clipped.
+    # Nothing was clipped: lₜ = ½(V − R)² = 2⁻⁶¹ and the clip fraction is 0.
+    # The second token is clipped for real: V = 1, V_old = 0.5, R = 2: ½(0.7 − 2)² = 0.845 > ½(1 − 2)².
+    values = torch.tensor([[2.0**-30, 1.0]])
+    old_values = torch.tensor([[-0.125, 0.5]])
+    returns = torch.tensor([[2.0**-29, 2.0]])
+    assert float(old_values[0, 0] + (values[0, 0] - old_values[0, 0])) == 0.0  # the premise: it rounds
+    loss, metrics = ca.value_loss(values, old_values, returns, torch.ones(1, 2), clip=0.2, agg="seq-mean-token-sum")
+    assert float(metrics["critic/vf_clip_frac"]) == 0.5
+    close(loss, 2.0**-61 + 0.845)
+    first_token_loss, metrics = ca.value_loss(values[:, :1], old_values[:, :1], returns[:, :1], torch.ones(1, 1),
+                                              clip=0.2)
+    assert float(first_token_loss) == 2.0**-61
+    assert float(metrics["critic/vf_clip_frac"]) == 0.0
+
+
 def test_entropy_bonus_by_hand():
     # token-mean entropy (1 + 3 + 2)/3 = 2; the loss term is −0.1·2
     loss, metrics = ca.entropy_bonus(torch.tensor([[1.0, 3.0], [2.0, 40.0]]), torch.tensor([[1, 1], [1, 0]]), 0.1)

@@ -29,6 +29,27 @@ WORK = Workload(prompts_per_iteration=4, n_samples=8, prompt_max_tokens=32, max_
 CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserved_gib=0.0,
                   train_mfu=0.5, hbm_efficiency=0.5)
 
+def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, tokens: int = 16384) -> float:
+    """The Qwen2.5-7B actor's GiB per GPU without recomputation, on its heaviest pipeline stage, by
+    the formulas of the docstrings of orz.plan.train_memory, layer_params, stage_params,
+    layer_activation_bytes and logits_bytes, from the numbers of the model's config.json (untied,
+    q/k/v biases), plus the cluster's 2 GiB reserved per process. Written out here, not called."""
+    V, h, f, L, a, g, d = 152064, 3584, 18944, 28, 28, 4, 128  # V is a multiple of tp: no padding
+    layer = (h * d * (2 * a + 2 * g) + 3 * h * f + d * (a + 2 * g)) // tp + 2 * h  # weights, biases / t; norms
+    embedding = V * h // tp
+    activations_per_layer = tokens * 8 * h + tokens * (4 * a * d + 4 * g * d + 6 * f) // tp  # A(T) without SP
+    logits = tokens * V // tp * 14
+    per_stage = L // pp
+    if pp == 1:  # (parameters, activations): n = 1 micro-batch in flight
+        stages = [(per_stage * layer + embedding + h + embedding, per_stage * activations_per_layer + logits)]
+    else:  # the first stage holds pp micro-batches under 1F1B, the last one and the logits
+        stages = [(per_stage * layer + embedding, pp * per_stage * activations_per_layer),
+                  (per_stage * layer + h + embedding, per_stage * activations_per_layer + logits)]
+    totals = [2 * params + 4 * params + 12 * params // (dp if distributed_optimizer else 1) + kept
+              for params, kept in stages]
+    return round((max(totals) + 2 * 2**30) / 2**30, 1)
+
+
 # Hand-derived pieces reused below:
 #   one layer, split part: attention h·d·(2a+2g) = 64·16·12 = 12288, MLP 3·h·f = 49152 → 61440
 #   one layer on a TP=2 rank: 61440/2 + norms 2h = 30720 + 128 = 30848
@@ -264,7 +285,9 @@ def test_does_not_fit_names_role_component_and_the_overrides_that_fix_it(capsys)
     out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
     assert code == 1
     assert "actor does not fit" in out and "largest part: activations" in out
-    assert "Would fit with: actor.tp=4 actor.dp=2 (68.2 GiB); actor.pp=2 actor.dp=2 (73.9 GiB)" in out
+    # 68.2 and 73.9 GiB (the first of two pipeline stages, with two micro-batches in flight)
+    fits_tp, fits_pp = qwen25_7b_actor_gib(4, 1, 2, False), qwen25_7b_actor_gib(2, 2, 2, False)
+    assert f"Would fit with: actor.tp=4 actor.dp=2 ({fits_tp} GiB); actor.pp=2 actor.dp=2 ({fits_pp} GiB)" in out
     p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
              Placement(actor=TrainParallel(tp=1, dp=4), rollout=Rollout(num_engines=16, max_num_seqs=64)), Workload())
     [problem] = check(p)

@@ -4,14 +4,17 @@ The hostile solutions run as one parallel batch (a module fixture), so their tim
 each test then checks one of them.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orz.data.datasets import CodeTests
@@ -45,29 +48,44 @@ def strict_reward():
         yield reward
 
 
+def places(other_dir: Path, listener: socket.socket) -> dict:
+    """Where the escapes write, under a fresh tag, and the port of a host service they call."""
+    tag = uuid.uuid4().hex
+    return {"other": str(other_dir / f"pwned-{tag}"), "tmp": f"/tmp/pwned-{tag}", "shm": f"/dev/shm/pwned-{tag}",
+            "repo": os.path.abspath(f"pwned-{tag}"), "port": listener.getsockname()[1], "listener": listener}
+
+
+def listening() -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    return listener
+
+
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory):
     """Places a solution must not be able to write to, and a host service it must not reach."""
     other_dir = tmp_path_factory.mktemp("not-yours")
     os.chmod(other_dir, 0o700)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.setblocking(False)
-    tag = uuid.uuid4().hex
-    yield {
-        "other": str(other_dir / f"pwned-{tag}"),
-        "tmp": f"/tmp/pwned-{tag}",
-        "shm": f"/dev/shm/pwned-{tag}",
-        "repo": os.path.abspath(f"pwned-{tag}"),
-        "port": listener.getsockname()[1],
-        "listener": listener,
-    }
-    listener.close()
+    with listening() as listener:
+        yield places(other_dir, listener)
+
+
+@pytest.fixture
+def control(tmp_path_factory):
+    """The same kind of places for a control run outside the sandbox, removed afterwards."""
+    other_dir = tmp_path_factory.mktemp("not-yours-control")
+    os.chmod(other_dir, 0o700)
+    with listening() as listener:
+        where = places(other_dir, listener)
+        yield where
+    for key in ("other", "tmp", "shm", "repo"):
+        Path(where[key]).unlink(missing_ok=True)
 
 
 # Connects to 127.0.0.1:{port} through libc, past the harness's audit hook; works on the host
-# (test_raw_connect_works_outside_the_sandbox), so only the network namespace can stop it.
+# (test_the_escape_succeeds_outside_the_sandbox), so only the network namespace can stop it.
 RAW_CONNECT = """
     import ctypes, struct
     libc = ctypes.CDLL(None, use_errno=True)
@@ -180,13 +198,70 @@ def test_nothing_is_left_behind(hostile_results, outside, reward):
         assert os.listdir(reward.sandbox.workdir_root) == ["uid-locks"]
 
 
-def test_raw_connect_works_outside_the_sandbox():
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        code = textwrap.dedent(RAW_CONNECT.format(port=listener.getsockname()[1]))
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-        assert result.stdout == "3\n"
+# Controls: each escape whose harm can be seen, run as a plain Python process outside the sandbox,
+# does its harm (the file is written, the service answers, the daemon outlives its parent), so
+# that the sandbox, not a missing file or a dead port, is what stops it in the battery.
+def test_the_escape_succeeds_outside_the_sandbox(control):
+    harms = {"writes_other_dir": "other", "writes_tmp": "tmp", "writes_shm": "shm", "writes_repo": "repo"}
+    for name, key in harms.items():
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(HOSTILE[name].format(**control))],
+                                capture_output=True, text=True, timeout=30)
+        assert result.stdout == "3\n" and Path(control[key]).read_text() == "x", (name, result.stderr)
+    for name in ("opens_socket", "raw_socket_via_ctypes"):
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(HOSTILE[name].format(**control))],
+                                capture_output=True, text=True, timeout=30)
+        assert result.stdout == "3\n", (name, result.stderr)
+        connection, _ = control["listener"].accept()  # the host's service was reached
+        connection.close()
+
+
+def test_the_daemon_outlives_its_parent_outside_the_sandbox(tmp_path):
+    tag = f"orz-daemon-control-{uuid.uuid4().hex}"
+    with open(tmp_path / "stdout", "w") as stdout:  # a file: the daemon keeps a pipe open
+        subprocess.run([sys.executable, "-c", textwrap.dedent(HOSTILE["leaves_a_daemon"]), tag], stdout=stdout,
+                       stderr=subprocess.DEVNULL, timeout=30, check=True)
+    assert (tmp_path / "stdout").read_text() == "3\n"
+    daemons = [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+    for daemon in daemons:
+        daemon.kill()
+    assert len(daemons) == 1  # the parent has exited; its forked child sleeps on
+
+
+# The escapes that any sandbox with a time, memory, output or process limit stops, each with
+# the limit that must have stopped it here: (limits for the run, what its result must show).
+# The other seven (sockets, writes outside, a daemon) need the uid and namespaces; their
+# controls above show that they succeed outside.
+LIMIT_FOR_THE_LOOP = SandboxLimits(wall_s=60.0, cpu_s=1, memory_mb=512, processes=16)  # the CPU second first
+STOPPED_BY = {
+    "python_fork_bomb": (LIMITS, lambda r: r.returncode == 1 and not r.timed_out
+                         and "BlockingIOError: [Errno 11] Resource temporarily unavailable" in r.stderr),  # NPROC
+    "ctypes_fork_bomb": (LIMITS, lambda r: r.timed_out and r.returncode is None),  # fork fails silently: wall clock
+    "infinite_loop": (LIMIT_FOR_THE_LOOP, lambda r: r.returncode == -signal.SIGXCPU and not r.timed_out),  # CPU
+    "sleeps_forever": (LIMITS, lambda r: r.timed_out and r.returncode is None),  # wall clock
+    "allocates_50_gb": (LIMITS, lambda r: r.returncode == 1 and r.stderr.rstrip().endswith("MemoryError")),  # AS
+    "output_flood": (LIMITS, lambda r: r.returncode == 1 and "OSError: [Errno 27] File too large" in r.stderr
+                     and len(r.stdout) == LIMITS.file_size_mb * 2**20),  # FSIZE: stdout is a capped file
+}
+
+
+@pytest.fixture(scope="module")
+def limited_results(strict_reward):
+    """SandboxResults of the limit-bound escapes run directly in the sandbox, all at once."""
+    box = strict_reward.sandbox
+
+    def run(name):
+        limits, _ = STOPPED_BY[name]
+        return box.run([box.python, "-I", "solution.py"], {"solution.py": textwrap.dedent(HOSTILE[name])}, "", limits)
+
+    with ThreadPoolExecutor(len(STOPPED_BY)) as pool:
+        return dict(zip(STOPPED_BY, pool.map(run, STOPPED_BY)))
+
+
+@pytest.mark.parametrize("name", STOPPED_BY)
+def test_a_limit_bound_escape_is_stopped_by_its_limit(limited_results, name):
+    result = limited_results[name]
+    _, stopped = STOPPED_BY[name]
+    assert stopped(result), (result.returncode, result.timed_out, result.stderr[-500:])
 
 
 def _uids_in_use():

@@ -22,37 +22,62 @@ REPO = Path(__file__).resolve().parent.parent
 USER = "orz-sandbox-test"
 ROOT = os.geteuid() == 0
 
-pytestmark = pytest.mark.skipif(not ROOT or not shutil.which("useradd") or not os.path.exists("/usr/bin/python3"),
-                                reason="needs root, useradd and /usr/bin/python3 to create and become a user")
+MISSING = [what for what, there in (("root", ROOT), ("useradd", shutil.which("useradd")),
+                                    ("/usr/bin/python3", os.path.exists("/usr/bin/python3"))) if not there]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=(
+    f"skipped here, for want of {' and '.join(MISSING)}: this suite creates a system user and runs the escape "
+    "battery as it, which needs root, useradd and a system /usr/bin/python3 that user can run; as an ordinary "
+    "user it always skips, so the unprivileged sandbox is tested only where the suite runs as root"))
 
-# As that user: the battery through CodeReward, then, while a fork bomb runs in the sandbox, new
+# As that user: the controls (each escape as a plain process, outside the sandbox), the battery
+# through CodeReward, then, while a fork bomb holds the sandbox at its process limit, Python
 # processes started by this (the "trainer's") process, under a realistic `ulimit -u`.
 SCRIPT = """
-import json, resource, subprocess, sys, threading, time
+import json, os, resource, subprocess, sys, threading, time
 sys.path.insert(0, ".")
 from orz.data.datasets import CodeTests
 from orz.reward.code import CodeReward, CodeRewardConfig
 from orz.reward.sandbox import SandboxLimits
 
+
+def tasks():
+    \"\"\"Threads of every process of this user, from /proc: what RLIMIT_NPROC counts.\"\"\"
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == os.getuid():
+                count += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return count
+
+
 job = json.load(open("job.json"))
+controls = {name: subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30).stdout
+            for name, source in job["controls"].items()}
 tests = CodeTests(*job["tests"])
 limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
-with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward:
+bomb_limits = SandboxLimits(wall_s=15.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
+with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
+        CodeReward(CodeRewardConfig(max_parallel=1, limits=bomb_limits)) as bomb_reward:
     isolation = reward.sandbox.isolation
     scores, metrics = reward.score(job["responses"], [tests] * len(job["responses"]))
-    procs = int(subprocess.run(["ps", "-u", str(__import__("os").getuid()), "-L", "--no-headers"],
-                               capture_output=True, text=True).stdout.count("\\n"))
-    resource.setrlimit(resource.RLIMIT_NPROC, (procs + 64, procs + 64))  # the user's ulimit -u
-    bomb = threading.Thread(target=reward.score, args=([job["bomb"]], [tests]))
+    before = tasks()
+    resource.setrlimit(resource.RLIMIT_NPROC, (before + 64, before + 64))  # the user's ulimit -u
+    bomb = threading.Thread(target=bomb_reward.score, args=([job["bomb"]], [tests]))
     bomb.start()
-    time.sleep(1.5)  # the bomb is at its limit by now
-    started = 0
-    for _ in range(20):
-        started += subprocess.run(["/bin/true"]).returncode == 0
+    deadline = time.monotonic() + 5
+    while tasks() - before < limits.processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    starts = []
+    for _ in range(10):  # each: the bomb's tasks at that moment, whether it still ran, what Python printed
+        bomb_tasks, running = tasks() - before, bomb.is_alive()
+        started = subprocess.run([sys.executable, "-c", "print(3)"], capture_output=True, text=True, timeout=30)
+        starts.append([bomb_tasks, running and bomb.is_alive(), started.stdout])
     bomb.join()
     locked = reward.run_tests(job["locks_its_directory"], tests).score  # leaves a `chmod 0` directory
-    left = __import__("os").listdir(reward.sandbox.workdir_root)
-print(json.dumps({"isolation": isolation, "scores": scores, "started_during_bomb": started,
+    left = os.listdir(reward.sandbox.workdir_root)
+print(json.dumps({"isolation": isolation, "controls": controls, "scores": scores, "starts_during_bomb": starts,
                   "timeouts": metrics["code/timeouts"], "locked": locked, "left_in_workdirs": left}))
 """
 # A host service on a Unix socket under /run (where systemd --user and D-Bus listen), reached
@@ -92,11 +117,9 @@ def unprivileged():
     subprocess.run(["userdel", USER], capture_output=True)
 
 
-@pytest.fixture(scope="module")
-def outside(unprivileged):
-    """What a solution must not touch: the user's own home (writable outside the sandbox), the
-    shared temporary directories, and a service on the host's loopback."""
-    user, home = unprivileged
+def _places(home: Path):
+    """Fresh places of each kind under a new tag: (for the escapes' .format, the two listeners, the
+    Unix socket's directory)."""
     tag = uuid.uuid4().hex[:8]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -112,21 +135,36 @@ def outside(unprivileged):
     places = {"other": str(home / f"pwned-{tag}"), "tmp": f"/tmp/pwned-{tag}", "shm": f"/dev/shm/pwned-{tag}",
               "repo": str(home / "orz" / f"pwned-{tag}"), "port": listener.getsockname()[1],
               "unix": str(unix_dir / "bus")}
-    yield places, (listener, unix)
-    listener.close()
-    unix.close()
-    shutil.rmtree(unix_dir, ignore_errors=True)
+    return places, (listener, unix), unix_dir
+
+
+@pytest.fixture(scope="module")
+def outside(unprivileged):
+    """What a solution must not touch: the user's own home (writable outside the sandbox), the
+    shared temporary directories, a service on the host's loopback and one on a Unix socket in
+    /run; and the same kinds of places for the controls, run as the user outside the sandbox."""
+    _, home = unprivileged
+    places, listeners, unix_dir = _places(home)
+    control, control_listeners, control_unix_dir = _places(home)
+    yield places, listeners, control, control_listeners
+    for sock in (*listeners, *control_listeners):
+        sock.close()
+    for directory in (unix_dir, control_unix_dir):
+        shutil.rmtree(directory, ignore_errors=True)
+    for key in ("tmp", "shm"):
+        Path(control[key]).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
 def battery(unprivileged, outside):
     user, home = unprivileged
-    places, _ = outside
+    places, _, control, _ = outside
     hostile = {**HOSTILE, "unix_socket_in_run": UNIX_CONNECT}
     names = list(hostile)
     responses = [fenced(hostile[n].format(**places)) for n in names] + [fenced("print(3)\n")]
+    controls = {n: textwrap.dedent(hostile[n].format(**control)) for n in CONTROLLED}
     bomb = fenced(HOSTILE["ctypes_fork_bomb"])
-    (home / "job.json").write_text(json.dumps({"responses": responses, "bomb": bomb,
+    (home / "job.json").write_text(json.dumps({"responses": responses, "bomb": bomb, "controls": controls,
                                                "locks_its_directory": LOCKS_ITS_DIRECTORY,
                                                "tests": [ONE_TEST.inputs, ONE_TEST.outputs]}))
     (home / "run.py").write_text(textwrap.dedent(SCRIPT))
@@ -136,6 +174,25 @@ def battery(unprivileged, outside):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     return dict(zip([*names, "correct"], report["scores"])), report
+
+
+# The escapes whose harm can be seen from outside, and where: each does its harm when the user runs
+# it as a plain process (the control), so that in the battery the sandbox is what stops it.
+CONTROLLED = {"writes_other_dir": "other", "writes_tmp": "tmp", "writes_shm": "shm", "writes_repo": "repo",
+              "opens_socket": 0, "raw_socket_via_ctypes": 0, "unix_socket_in_run": 1}
+
+
+def test_each_escape_does_its_harm_as_the_user_outside_the_sandbox(battery, outside):
+    _, report = battery
+    _, _, control, control_listeners = outside
+    assert report["controls"] == dict.fromkeys(CONTROLLED, "3\n")
+    for name, where in CONTROLLED.items():
+        if isinstance(where, str):
+            assert Path(control[where]).read_text() == "x", name
+    for listener, calls in zip(control_listeners, (2, 1)):  # loopback: Python's and libc's connect
+        for _ in range(calls):
+            connection, _ = listener.accept()
+            connection.close()
 
 
 def test_user_namespaces_are_on_for_an_ordinary_user(battery):
@@ -153,7 +210,7 @@ def test_escape_scores_zero_as_an_ordinary_user(battery, name):
 
 def test_nothing_is_left_behind_as_an_ordinary_user(battery, unprivileged, outside):
     user, _ = unprivileged
-    places, listeners = outside
+    places, listeners, _, _ = outside
     for key in ("other", "tmp", "shm", "repo"):
         assert not os.path.exists(places[key]), key
     for listener in listeners:  # neither the loopback service nor the Unix socket was reached
@@ -177,6 +234,12 @@ def test_a_locked_directory_is_removed_too(battery):
 
 def test_a_fork_bomb_does_not_stop_the_users_other_processes(battery):
     """RLIMIT_NPROC counts every process of the user: the sandbox's own limit is what the user runs
-    now plus `processes`, so a bomb stops there, below the user's ulimit -u."""
+    now plus `processes`, so a bomb stops there, below the user's ulimit -u. Each Python process
+    the trainer's side starts is started while the bomb runs and holds at least its 16 processes
+    (the user's tasks beyond those before the bomb), and prints."""
     _, report = battery
-    assert report["started_during_bomb"] == 20
+    starts = report["starts_during_bomb"]
+    assert len(starts) == 10
+    assert min(bomb_tasks for bomb_tasks, _, _ in starts) >= 16  # SandboxLimits(processes=16) in SCRIPT
+    assert all(running for _, running, _ in starts)
+    assert [stdout for _, _, stdout in starts] == ["3\n"] * 10

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orz.config import DataConfig
+from orz.config import ConfigError, DataConfig
 
 BUILTIN_VERIFIERS = ("math", "code", "multiple_choice")
 LETTERS = "ABCDEFGHIJ"
@@ -168,19 +168,28 @@ class RunData:
     def train(self, data: DataConfig) -> list[Row]:
         """Every `data.train` source's rows, in order."""
         if not data.train:
-            raise ValueError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
-        return [row for spec in data.train for row in self._source(data, spec, "train")]
+            raise ConfigError("data.train is empty: give data files or a synthetic task ('synthetic:arithmetic')")
+        return [row for i, spec in enumerate(data.train)
+                for row in self._source(data, spec, "train", f"data.train[{i}]")]
 
     def eval_sets(self, data: DataConfig) -> dict[str, list[Row]]:
         """`data.eval`'s sets by name (a synthetic task's test split never overlaps its train split)."""
-        return {name: self._source(data, spec, "test") for name, spec in data.eval.items()}
+        return {name: self._source(data, spec, "test", f"data.eval.{name}") for name, spec in data.eval.items()}
 
-    def _source(self, data: DataConfig, spec: str, split: str) -> list[Row]:
+    def _source(self, data: DataConfig, spec: str, split: str, setting: str) -> list[Row]:
+        """`setting` (the key that names the source) names it in the error when it cannot be read."""
         size = data.synthetic_train_size if split == "train" else data.synthetic_eval_size
         key = (spec, split, size, tuple(data.synthetic_digits), data.synthetic_ops)
         if key not in self._read:
-            self._read[key] = load_source(spec, split=split, size=size, seed=self.seed,
-                                          digits=tuple(data.synthetic_digits), ops=data.synthetic_ops)
+            try:
+                self._read[key] = load_source(spec, split=split, size=size, seed=self.seed,
+                                              digits=tuple(data.synthetic_digits), ops=data.synthetic_ops)
+            except OSError as err:
+                raise ConfigError(f"{setting}={spec}: cannot read it ({err.strerror or err})") from None
+            except DatasetFormatError:  # names its file and row
+                raise
+            except ValueError as err:  # an empty file, an unknown synthetic task or format
+                raise ConfigError(f"{setting}={spec}: {err}") from None
         return self._read[key]
 
 

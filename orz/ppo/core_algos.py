@@ -744,7 +744,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         lₜ = ½·max((V − R)², (clip(V, V_old − c, V_old + c) − R)²)      clip=None: ½(V − R)²
 
     then ``aggregate``. values, old_values, returns, mask: (B, T). Metrics: critic/vf_loss,
-    critic/vf_clip_frac (tokens where the clipped error is the larger), critic/vpred_mean.
+    critic/vf_clip_frac (tokens where |V − V_old| > c and the clipped error is the larger), critic/vpred_mean.
     """
     real = _real_mask(mask, values, "values")
     values = _real_values("values", values, real)
@@ -755,7 +755,11 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if clip is not None:
         if clip < 0:
             raise ValueError(f"clip must be >= 0, got {clip}")
-        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        # V itself where the clamp is inactive: V_old + (V − V_old) can round one ulp away from V
+        # (when V_old and V differ by more than a factor 2), and that must count as no clipping
+        step = values - old_values
+        clamped = step.abs() > clip
+        clipped_values = torch.where(clamped, old_values + step.clamp(-clip, clip), values)
         clipped_squared_error = (clipped_values - returns).square()
     per_token = 0.5 * torch.maximum(squared_error, clipped_squared_error)
     loss = aggregate(per_token, real, agg, norm_len, denominator)

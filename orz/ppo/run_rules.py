@@ -4,6 +4,7 @@
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
+    range_problems(cfg)         # the settings outside their valid range, one line each
 
 Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
 other workers (parallel sizes, a reference or critic appearing, the engines) is refused.
@@ -78,6 +79,8 @@ def check(cfg: ExperimentConfig, arch=None) -> None:
     """Raises ConfigError listing every problem; with the model's ModelArch, also what does not
     fit the model (its context limit, TP and PP sizes that do not divide it)."""
     problems = [f"stages[{i}].overrides: {p}" for i, stage in enumerate(cfg.stages) for p in _stage_problems(cfg, stage)]
+    problems += [f"stages[{i}].iterations={stage.iterations} must be >= 1" for i, stage in enumerate(cfg.stages)
+                 if stage.iterations < 1]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     for label, staged in stage_configs(cfg):
@@ -104,7 +107,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
 
 def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
-    problems = []
+    problems = range_problems(cfg)
     estimator(a)
     if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
         problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
@@ -151,12 +154,13 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             except ModelConfigError as err:
                 problems.append(f"{name}.{err} of the model; use a size that divides it")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
-            problems.append(f"{name}.micro_batch_size must be >= 1 (or set {name}.micro_batch_tokens)")
+            problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
+                            f"(or set {name}.micro_batch_tokens)")
         if 0 < role.micro_batch_tokens < context:
             problems.append(f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample "
                             f"({context} tokens: data.prompt_max_tokens + rollout.max_new_tokens); raise it")
         if role.threads < 1 or role.threads_alone < 0:
-            problems.append(f"{name}.threads={role.threads}, threads_alone={role.threads_alone}: a worker needs "
+            problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
 
@@ -233,3 +237,93 @@ def _reward_model_problems(reward) -> list[str]:
     if labels != 1:
         return [f"reward.model.path={path}: num_labels={labels}; a reward model's head must be scalar (1 label)"]
     return []
+
+
+# Settings with a valid range: (key, whether a value is in it, the range as the refusal states it).
+# None (an optional setting left unset) is always valid. A Megatron role's micro_batch_size and
+# threads are checked with the roles that run (_run_problems): other roles start no worker.
+_RANGES = (
+    ("model.vocab_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
+    ("rollout.engine_tp", lambda v: v >= 1, ">= 1"),
+    ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
+    ("rollout.kv_cache_gib", lambda v: v >= 1, ">= 1"),
+    ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.max_model_len", lambda v: v >= 0, ">= 0 (0: data.prompt_max_tokens + rollout.max_new_tokens)"),
+    ("rollout.n_samples", lambda v: v >= 1, ">= 1"),
+    ("rollout.temperature", lambda v: 0 <= v <= 2, "in [0, 2] (vLLM's range; 0: greedy)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.request_timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.sync_timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.clip_low", lambda v: 0 <= v <= 1, "in [0, 1] (the ratio's floor 1 - clip_low is >= 0)"),
+    ("algorithm.clip_high", lambda v: v >= 0, ">= 0"),
+    ("algorithm.dual_clip", lambda v: v > 1, "> 1 (a cap of c·A on negative advantages)"),
+    ("algorithm.value_clip", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0: no reference model)"),
+    ("algorithm.kl_target", lambda v: v > 0, "> 0"),
+    ("algorithm.kl_horizon", lambda v: v > 0, "> 0"),
+    ("algorithm.entropy_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.entropy_target", lambda v: v >= 0, ">= 0"),
+    ("algorithm.entropy_step", lambda v: v > 0, "> 0"),
+    ("algorithm.entropy_max_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.is_cap", lambda v: v > 0, "> 0"),
+    ("algorithm.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
+    ("algorithm.overlong_factor", lambda v: v >= 0, ">= 0"),
+    ("data.prompt_max_tokens", lambda v: v >= 1, ">= 1"),
+    ("data.synthetic_train_size", lambda v: v >= 1, ">= 1"),
+    ("data.synthetic_eval_size", lambda v: v >= 1, ">= 1"),
+    ("data.synthetic_digits", lambda v: 1 <= v[0] <= v[1], "[low, high] with 1 <= low <= high"),
+    ("reward.num_workers", lambda v: v >= 1, ">= 1"),
+    ("reward.timeout_s", lambda v: v > 0, "> 0"),
+    ("reward.custom_workers", lambda v: v >= 1, ">= 1"),
+    ("reward.custom_timeout_s", lambda v: v > 0, "> 0"),
+    ("reward.code.max_parallel", lambda v: v >= 1, ">= 1"),
+    ("reward.code.wall_s", lambda v: v > 0, "> 0"),
+    ("reward.code.cpu_s", lambda v: v >= 1, ">= 1"),
+    ("reward.code.memory_mb", lambda v: v >= 1, ">= 1"),
+    ("trainer.iterations", lambda v: v >= 1, ">= 1"),
+    ("trainer.prompts_per_iteration", lambda v: v >= 1, ">= 1"),
+    ("trainer.eval_every", lambda v: v >= 0, ">= 0 (0: only before and after training)"),
+    ("trainer.eval_n", lambda v: v >= 1, ">= 1"),
+    ("trainer.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("trainer.keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("trainer.max_restarts", lambda v: v >= 0, ">= 0"),
+    ("trainer.dump_samples_every", lambda v: v >= 0, ">= 0 (0: never)"),
+    ("trainer.ray_num_cpus", lambda v: v >= 0, ">= 0 (0: Ray's default)"),
+)
+_ROLE_RANGES = (
+    ("tp", lambda v: v >= 1, ">= 1"),
+    ("pp", lambda v: v >= 1, ">= 1"),
+    ("dp", lambda v: v >= 1, ">= 1"),
+    ("cpus_per_worker", lambda v: v > 0, "> 0"),
+    ("lr", lambda v: v > 0, "> 0"),
+    ("min_lr", lambda v: v >= 0, ">= 0"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("clip_grad", lambda v: v > 0, "> 0"),
+    ("adam_betas", lambda v: all(0 <= beta < 1 for beta in v), "two values in [0, 1)"),
+    ("steps_per_iteration", lambda v: v >= 1, ">= 1"),
+    ("micro_batch_tokens", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
+)
+_ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
+
+
+def range_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every setting outside its valid range (_RANGES, and _ROLE_RANGES for each Megatron role),
+    one line each naming the key: left to the engines, the optimizer or the workers, it would fail
+    long after start-up, or quietly train something else."""
+    ranges = (*_RANGES, *((f"{section}.{key}", valid, text) for section in _ROLE_SECTIONS
+                          for key, valid, text in _ROLE_RANGES))
+    problems = []
+    for key, valid, text in ranges:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is not None and not valid(value):
+            problems.append(f"{key}={value} is out of range: it must be {text}")
+    return problems

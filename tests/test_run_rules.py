@@ -1,0 +1,167 @@
+"""orz.ppo.run_rules refusals: every setting with a valid range, out of it, is refused in one line
+that names the key, before any worker starts; a data file that cannot be read likewise.
+
+    .venv/bin/python -m pytest -q tests/test_run_rules.py
+"""
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orz.config import ConfigError, ExperimentConfig, RoleConfig, load_config
+from orz.ppo import run_rules
+
+REPO = Path(__file__).resolve().parents[1]
+ROLES = ("actor", "critic", "ref", "reward.model")
+
+# A value out of range for each setting that has one, chosen here from what the setting means (not
+# read from run_rules), with the overrides that make it the only problem of the config.
+OUT_OF_RANGE = {
+    "model.vocab_divisible_by": 0,
+    "rollout.num_engines": 0,
+    "rollout.engine_tp": 0,
+    "rollout.cpus_per_engine": 0,
+    "rollout.kv_cache_gib": 0,
+    "rollout.gpu_memory_utilization": 1.5,
+    "rollout.max_model_len": -1,
+    "rollout.n_samples": 0,
+    "rollout.temperature": -1,
+    "rollout.top_p": 1.5,
+    "rollout.top_k": 0,
+    "rollout.max_new_tokens": 0,
+    "rollout.request_timeout_s": 0,
+    "rollout.sync_timeout_s": -1,
+    "rollout.max_num_seqs": 0,
+    "algorithm.gamma": 1.1,
+    "algorithm.lam": -0.1,
+    "algorithm.clip_low": 1.5,
+    "algorithm.clip_high": -0.2,
+    "algorithm.dual_clip": 1.0,
+    "algorithm.value_clip": -0.2,
+    "algorithm.kl_coef": -0.01,
+    "algorithm.kl_target": 0,
+    "algorithm.kl_horizon": 0,
+    "algorithm.entropy_coef": -0.001,
+    "algorithm.entropy_target": -0.1,
+    "algorithm.entropy_step": 0,
+    "algorithm.entropy_max_coef": -0.01,
+    "algorithm.is_cap": 0,
+    "algorithm.overlong_buffer": -1,
+    "algorithm.overlong_factor": -1,
+    "algorithm.max_prompt_draws": 0,
+    "data.prompt_max_tokens": 0,
+    "data.synthetic_train_size": 0,
+    "data.synthetic_eval_size": 0,
+    "data.synthetic_digits": [3, 2],
+    "reward.num_workers": 0,
+    "reward.timeout_s": 0,
+    "reward.custom_workers": 0,
+    "reward.custom_timeout_s": -1,
+    "reward.code.max_parallel": 0,
+    "reward.code.wall_s": 0,
+    "reward.code.cpu_s": 0,
+    "reward.code.memory_mb": 0,
+    "trainer.iterations": 0,
+    "trainer.prompts_per_iteration": 0,
+    "trainer.eval_every": -1,
+    "trainer.eval_n": 0,
+    "trainer.save_every": -1,
+    "trainer.keep_checkpoints": 0,
+    "trainer.max_restarts": -1,
+    "trainer.dump_samples_every": -1,
+    "trainer.ray_num_cpus": -1,
+    "trainer.max_staleness": -1,
+    **{f"{role}.{key}": value for role in ROLES for key, value in {
+        "tp": 0, "pp": 0, "dp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
+        "weight_decay": -0.01, "clip_grad": 0, "adam_betas": [0.9, 1.0], "steps_per_iteration": 0,
+        "micro_batch_tokens": -1,
+    }.items()},
+    # checked with the roles that run: the actor always, the critic under gae (the default)
+    "actor.micro_batch_size": 0, "critic.micro_batch_size": 0,
+    "actor.threads": 0, "critic.threads_alone": -1,
+}
+ALONE = {  # what else the value needs to be the config's only problem
+    "algorithm.kl_target": ["algorithm.kl_coef=0.1"],  # (with kl_coef 0 it is refused for that too)
+    "algorithm.max_prompt_draws": ["algorithm.dynamic_sampling=true"],
+}
+# Numbers with no range of their own to check, and why.
+NO_RANGE = {
+    "trainer.seed": "any integer seeds the run",
+    "reward.format_reward": "a bonus or a penalty",
+    **{f"{role}.{key}": "starts no worker in this config: checked with the roles that run"
+       for role in ("ref", "reward.model") for key in ("micro_batch_size", "threads", "threads_alone")},
+    "actor.threads_alone": "its range is checked with actor.threads (critic.threads_alone walks it)",
+    "critic.threads": "its range is checked with critic.threads_alone (actor.threads walks it)",
+}
+# Boundaries that are valid: a range check must not refuse them.
+VALID = ["rollout.temperature=0", "rollout.temperature=2", "rollout.top_p=1", "rollout.top_k=-1", "rollout.top_k=1",
+         "algorithm.gamma=0", "algorithm.lam=1", "algorithm.clip_low=1", "algorithm.clip_high=0",
+         "algorithm.value_clip=0", "algorithm.kl_coef=0", "rollout.max_model_len=0", "actor.micro_batch_tokens=0",
+         "actor.adam_betas=[0, 0.999]", "data.synthetic_digits=[2, 2]", "trainer.save_every=0",
+         "algorithm.dual_clip=3", "trainer.max_restarts=0"]
+
+
+def numeric_keys(cls=ExperimentConfig, prefix="") -> list[str]:
+    """Every int or float setting (optional, or a tuple of them, too) of the config tree, dotted."""
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            keys += numeric_keys(hint, f"{prefix}{name}.")
+            continue
+        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not ...] or [hint]
+        if all(a in (int, float) for a in args):
+            keys.append(prefix + name)
+    return keys
+
+
+def test_every_numeric_setting_has_a_range_walked_here_or_a_reason_not_to():
+    keys = numeric_keys()
+    assert {f"{role}.lr" for role in ROLES} | {"rollout.top_p", "data.synthetic_digits"} <= set(keys)
+    assert sorted(set(keys) - set(OUT_OF_RANGE) - set(NO_RANGE)) == []
+    assert sorted((set(OUT_OF_RANGE) | set(NO_RANGE)) - set(keys)) == []
+
+
+def test_the_defaults_and_the_valid_boundaries_pass():
+    run_rules.check(ExperimentConfig())
+    for override in VALID:
+        run_rules.check(load_config(None, [override]))
+
+
+@pytest.mark.parametrize("key", sorted(OUT_OF_RANGE))
+def test_an_out_of_range_setting_is_refused_in_one_line_naming_it(key):
+    cfg = load_config(None, [*ALONE.get(key, []), f"{key}={yaml.safe_dump(OUT_OF_RANGE[key]).strip()}"])
+    with pytest.raises(ConfigError) as refused:
+        run_rules.check(cfg)
+    message = str(refused.value)
+    assert "\n" not in message and f"{key}=" in message, message
+
+
+def test_a_stage_out_of_range_is_refused_naming_the_stage():
+    cfg = load_config(None, ["stages=[{iterations: 2}, {iterations: 2, overrides: {rollout.temperature: -1}}]"])
+    with pytest.raises(ConfigError, match=r"^stage 1: rollout.temperature=-1.0 is out of range: it must be in \[0, 2\]"):
+        run_rules.check(cfg)
+    with pytest.raises(ConfigError, match=r"^stages\[1\].iterations=0 must be >= 1$"):
+        run_rules.check(load_config(None, ["stages=[{iterations: 2}, {iterations: 0}]"]))
+
+
+def test_a_role_range_applies_to_every_role():
+    assert dataclasses.fields(RoleConfig)  # the roles share RoleConfig: one walk covers them all
+    with pytest.raises(ConfigError, match=r"^reward.model.lr=-0.1 is out of range"):
+        run_rules.check(load_config(None, ["reward.model.lr=-0.1"]))
+
+
+def test_a_missing_data_file_is_refused_in_one_line_before_ray_starts(tiny_model):
+    """`python -m orz.train data.train=[/nonexistent.jsonl]`: one line naming the key and the file,
+    exit 2, no traceback, and nothing of Ray (whose start prints the console's first orz: line)."""
+    missing = "/nonexistent/orz-test-data.jsonl"
+    done = subprocess.run([sys.executable, "-m", "orz.train", f"model.path={tiny_model}", f"data.train=[{missing}]",
+                           "data.prompt_max_tokens=64", "rollout.max_new_tokens=64"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"error: data.train[0]={missing}: cannot read it (No such file or directory)"], done.stderr[-3000:]
