@@ -215,6 +215,10 @@ class TrainerConfig:
     # True: those dumps list every token's figures (engine and trainer log-probs, advantages, IS
     # weights, the loss mask after mismatch masking) instead of each sample's means.
     dump_per_token: bool = False
+    # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT) in the engines and Megatron's
+    # deterministic mode in the roles, so that a token's log-prob does not depend on its batch.
+    # Refused on CPU; untested here (no GPU).
+    batch_invariant: bool = False
     ray_address: str = ""  # "" starts a local cluster; "auto" joins one (Slurm)
     offload_idle_roles: bool = False  # GPU: free optimizer states and grads of roles outside their update
     # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines

@@ -204,7 +204,7 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
     from orz.ppo import run_rules
 
     try:
-        run_rules.check(cfg)
+        run_rules.check(cfg, on_gpu=True)
     except ConfigError as err:
         return str(err).splitlines()
     return []

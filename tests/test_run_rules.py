@@ -165,3 +165,28 @@ def test_a_missing_data_file_is_refused_in_one_line_before_ray_starts(tiny_model
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert lines == [f"error: data.train[0]={missing}: cannot read it (No such file or directory)"], done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.is_level=seq"], "algorithm.is_level='seq' is unknown; valid: token, sequence"),
+    (["algorithm.mismatch_mask=[1.2, 2.0]"], r"algorithm.mismatch_mask: its low end 1.2 must lie in \[0, 1\)"),
+    (["algorithm.mismatch_mask=[null, 0.9]"], "algorithm.mismatch_mask: its high end 0.9 must be above 1"),
+    (["algorithm.mismatch_reject_geo=[null, null]"], "algorithm.mismatch_reject_geo must be .* at least one end"),
+    (["algorithm.is_level=sequence"], "algorithm.is_level=sequence weighs nothing while algorithm.is_correction is off"),
+    (["algorithm.is_level=sequence", "algorithm.is_correction=false", "trainer.max_staleness=0"],
+     "algorithm.is_level=sequence weighs nothing"),
+    (["algorithm.rollout_logprobs_as_old=true", "algorithm.mismatch_mask=[0.5, 2.0]"],
+     "algorithm.mismatch_mask compares π_old with the engine's policy, and algorithm.rollout_logprobs_as_old"),
+    (["algorithm.rollout_logprobs_as_old=true", "algorithm.is_correction=true"],
+     "algorithm.is_correction compares π_old with the engine's policy"),
+    (["trainer.batch_invariant=true"], "trainer.batch_invariant=true asks .* which need GPUs"),
+])
+def test_a_mismatch_setting_that_cannot_act_is_refused_naming_its_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_rules.check(load_config(None, overrides), on_gpu=False)
+
+
+def test_one_sided_bands_and_sequence_is_pass_and_batch_invariance_passes_where_gpus_are():
+    run_rules.check(load_config(None, ["algorithm.mismatch_mask=[0.5, null]", "algorithm.mismatch_reject_geo=[null, 1.01]",
+                                       "algorithm.is_level=sequence", "algorithm.is_correction=true"]), on_gpu=False)
+    run_rules.check(load_config(None, ["trainer.batch_invariant=true"]), on_gpu=True)

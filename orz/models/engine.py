@@ -65,12 +65,14 @@ class ModelEngine:
         dtype: torch.dtype | None = None,
         recompute: bool = False,
         make_vocab_size_divisible_by: int = 1,
+        deterministic: bool = False,
     ):
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
         self.arch = arch
         self.config = transformer_config(arch, tp, pp, dtype, recompute)
         self.config.calculate_per_token_loss = True
+        self.config.deterministic_mode = deterministic  # GPU kernels that do not depend on the batch (untested here)
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
         # stages exchange each activation's shape before sending it (cheap: 3 integers).
         self.config.variable_seq_lengths = pp > 1

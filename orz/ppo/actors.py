@@ -47,6 +47,7 @@ class RoleSpec:
     train: bool = True  # False: forward only (reference), no optimizer
     dtype: str = "auto"
     recompute: bool = False
+    deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
@@ -141,7 +142,7 @@ class MegatronWorker:
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
         self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
-                                  self.spec.vocab_divisible_by)
+                                  self.spec.vocab_divisible_by, self.spec.deterministic)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:

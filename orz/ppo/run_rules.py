@@ -15,6 +15,8 @@ import importlib.util
 from dataclasses import replace
 from fnmatch import fnmatch
 
+import torch
+
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
@@ -75,9 +77,14 @@ def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
                for stage, (_, staged) in zip(cfg.stages, stage_configs(cfg)))
 
 
-def check(cfg: ExperimentConfig, arch=None) -> None:
+def check(cfg: ExperimentConfig, arch=None, on_gpu: bool | None = None) -> None:
     """Raises ConfigError listing every problem; with the model's ModelArch, also what does not
-    fit the model (its context limit, TP and PP sizes that do not divide it)."""
+    fit the model (its context limit, TP and PP sizes that do not divide it). on_gpu: whether the
+    run will have GPUs (None: whether this machine has one; the Slurm check says True)."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if cfg.trainer.batch_invariant and not on_gpu:
+        raise ConfigError("trainer.batch_invariant=true asks vLLM's batch-invariant kernels and Megatron's "
+                          "deterministic mode, which need GPUs; on CPU set it false")
     problems = [f"stages[{i}].overrides: {p}" for i, stage in enumerate(cfg.stages) for p in _stage_problems(cfg, stage)]
     problems += [f"stages[{i}].iterations={stage.iterations} must be >= 1" for i, stage in enumerate(cfg.stages)
                  if stage.iterations < 1]

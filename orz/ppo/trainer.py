@@ -180,6 +180,7 @@ class RayPPOTrainer:
         trained = kwargs.get("train", True)
         return RoleSpec(
             name=name, cfg=run_rules.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            deterministic=cfg.trainer.batch_invariant,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
             total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
         )
@@ -199,7 +200,8 @@ class RayPPOTrainer:
                      "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"critic": True, "train": False, "model_path": rm.path}}
         longest = max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens for _, staged in stage_configs(cfg))
-        fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir)
+        fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
+                                            batch_invariant=cfg.trainer.batch_invariant)
 
         def start_fleet() -> EngineFleet:
             return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles)

@@ -57,10 +57,11 @@ class FleetConfig:
     max_restarts: int = 3  # per generate call
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
     sleep_mode: bool = False  # colocated: engines can sleep between rollouts (vLLM's sleep mode, GPU only)
+    batch_invariant: bool = False  # vLLM's batch-invariant kernels (GPU only; untested here)
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int, *, sleep_mode: bool = False,
-                    log_dir: str = "") -> FleetConfig:
+                    log_dir: str = "", batch_invariant: bool = False) -> FleetConfig:
         """The fleet of a run's `rollout` section. max_model_len: what its context must hold when
         rollout.max_model_len is 0 (the longest prompt + response of any stage)."""
         r = rollout
@@ -70,7 +71,7 @@ class FleetConfig:
         return cls(num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
-                   sleep_mode=sleep_mode)
+                   sleep_mode=sleep_mode, batch_invariant=batch_invariant)
 
 
 class WeightSource(Protocol):
@@ -157,6 +158,8 @@ class EngineFleet:
         }
         if not on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+        if self.cfg.batch_invariant:  # untested here: run_rules refuses it without a GPU
+            env["VLLM_BATCH_INVARIANT"] = "1"
         engine_args = dict(self.cfg.engine_args)
         if self.cfg.tensor_parallel_size > 1:  # untested here: no GPU
             engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
