@@ -47,7 +47,7 @@ from common import (  # noqa: E402
     parse_args, ray_session, set_threads,
 )
 
-from orz.exp_engine.parallels.orz_distributed_c10d import broadcast, destroy, init_custom_process_group  # noqa: E402
+from orz.rollout.weight_sync import broadcast, destroy, init_custom_process_group  # noqa: E402
 from orz.rollout.fleet import EngineFleet, FleetConfig, TensorSource, free_address  # noqa: E402
 from orz.rollout.weight_sync import _pack, buckets, digest  # noqa: E402
 
@@ -81,7 +81,7 @@ def worker_receiver_parts(worker, model_dir: str, repeats: int) -> dict:
 
 def worker_raw_receive(worker, sizes: list[int], repeats: int) -> None:
     """Receives `repeats` x the bucket sizes over the weight group into one reused buffer."""
-    from orz.exp_engine.parallels.orz_distributed_c10d import broadcast
+    from orz.rollout.weight_sync import broadcast
 
     buffer = torch.zeros(max(sizes), dtype=torch.uint8)
     for _ in range(repeats):

@@ -4,8 +4,14 @@ each of an engine's TP workers is its own process and member of the weight-sync 
 """
 import torch
 
-from orz.exp_engine.parallels.orz_distributed_c10d import destroy, init_custom_process_group
-from orz.rollout.weight_sync import ReceiveBuffers, digest, receive_broadcast, receive_object_store
+from orz.rollout.weight_sync import (
+    ReceiveBuffers,
+    destroy,
+    digest,
+    init_custom_process_group,
+    receive_broadcast,
+    receive_object_store,
+)
 
 # vLLM fuses these HF projections into one parameter (rows in this order).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
