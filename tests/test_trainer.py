@@ -205,3 +205,26 @@ def test_an_error_before_start_reaches_the_console_in_full(tiny_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(tmp_path / "bad", "grpo", iterations=1),
                           "data.train=[/nonexistent.jsonl]"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "/nonexistent.jsonl" in bad.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith_qwen3, arith_llama31, tiny_run,
+                                                                    tmp_path):
+    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads) and a tiny
+    llama3-scaled Llama: two iterations, each synced to the engine and checked against the digests
+    of what it holds. A reward that varies within every group (the share of digits in a response,
+    no entropy bonus) makes GRPO's advantages, and so the gradient, non-zero."""
+    model = {"qwen3": arith_qwen3, "llama31": arith_llama31}[family]
+    (tmp_path / "digit_share.py").write_text(
+        "def score(response, row):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n")
+    out = tmp_path / family
+    overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.check=held", "algorithm.entropy_coef=0",
+                 "reward.custom={digits: 'digit_share:score'}", "reward.weights={digits: 1.0, math: 0.0}"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    history = _check_run(out, model, 2)
+    for row in history[1:]:
+        assert 0 < row["reward/mean"] < 1  # the premise: scores differ
+        assert row["actor/grad_norm"] > 0
