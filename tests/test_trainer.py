@@ -212,7 +212,7 @@ def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith
                                                                     tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads) and a tiny
     llama3-scaled Llama: two iterations, each synced to the engine and checked against the digests
-    of what it holds. A reward that varies within every group (the share of digits in a response,
+    of what it holds, the engine's log-probs equal to the actor's. A reward that varies within every group (the share of digits in a response,
     no entropy bonus) makes GRPO's advantages, and so the gradient, non-zero."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31}[family]
     (tmp_path / "digit_share.py").write_text(
@@ -228,3 +228,7 @@ def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith
     for row in history[1:]:
         assert 0 < row["reward/mean"] < 1  # the premise: scores differ
         assert row["actor/grad_norm"] > 0
+    # Iteration 2 sampled from the synced weights: the engine's log-probs are the actor's (RoPE
+    # scaling, q/k norms and a tied LM head all applied alike on both sides).
+    assert history[2]["rollout/sample_weight_version"] == 1
+    assert history[2]["rollout/logprob_mismatch_max"] < 1e-3
