@@ -179,8 +179,9 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
 
 def _rope_scaling(rope: dict, path, key: str) -> Llama3Rope | None:
     """The RoPE scaling of `config.json`'s `key` (rope_parameters or rope_scaling); refuses what
-    the builder cannot reproduce exactly (YaRN scales attention as well as frequencies, and
-    megatron-core's GPTModel has no YaRN for standard attention)."""
+    the builder cannot reproduce exactly. YaRN also scales cos/sin by an attention factor;
+    megatron-core's YarnRotaryEmbedding was written for its MLA models and is not checked
+    against transformers' YaRN, so it is refused (docs/models.md)."""
     if not isinstance(rope, dict):
         raise ModelConfigError(f"{path}: field {key!r}={rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
