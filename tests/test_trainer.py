@@ -212,15 +212,14 @@ def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith
                                                                     tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads) and a tiny
     llama3-scaled Llama: two iterations, each synced to the engine and checked against the digests
-    of what it holds, the engine's log-probs equal to the actor's. A reward that varies within every group (the share of digits in a response,
-    no entropy bonus) makes GRPO's advantages, and so the gradient, non-zero."""
+    of what it holds, the engine's log-probs equal to the actor's. A reward that varies within the
+    groups (the share of digits in a response; no entropy bonus) makes GRPO's gradient non-zero."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31}[family]
-    (tmp_path / "digit_share.py").write_text(
-        "def score(response, row):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n")
     out = tmp_path / family
     overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.check=held", "algorithm.entropy_coef=0",
-                 "reward.custom={digits: 'digit_share:score'}", "reward.weights={digits: 1.0, math: 0.0}"]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+                 "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}"]
+    tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
                          env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -231,4 +230,4 @@ def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith
     # Iteration 2 sampled from the synced weights: the engine's log-probs are the actor's (RoPE
     # scaling, q/k norms and a tied LM head all applied alike on both sides).
     assert history[2]["rollout/sample_weight_version"] == 1
-    assert history[2]["rollout/logprob_mismatch_max"] < 1e-3
+    assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3
