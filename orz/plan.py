@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from orz.config import ConfigError, ExperimentConfig, from_dict, load_config, load_recipe, stage_configs
-from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
+from orz.models.arch import Llama3Rope, ModelArch, ModelConfigError, arch_from_dict, read_arch
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -44,7 +44,14 @@ def _qwen2(**numbers) -> ModelArch:
     return ModelArch(**(shared | numbers))
 
 
-# From the published config.json files; `ModelArch.num_params` gives 7.62B, 32.76B, 1.54B, 0.49B, 8.03B.
+def _qwen3(**numbers) -> ModelArch:
+    shared = dict(family="qwen3", head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                  vocab_size=151936, num_kv_heads=8, tie_word_embeddings=False)
+    return ModelArch(**(shared | numbers))
+
+
+# From the published config.json files; `ModelArch.num_params` gives 7.62B, 32.76B, 1.54B, 0.49B, 8.03B,
+# 8.19B, 32.76B.
 MODELS = {
     "Qwen2.5-0.5B": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                            num_heads=14, num_kv_heads=2, tie_word_embeddings=True, head_dim=64,
@@ -55,10 +62,15 @@ MODELS = {
                          num_heads=28, num_kv_heads=4, tie_word_embeddings=False),
     "Qwen2.5-32B": _qwen2(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
                           num_heads=40, num_kv_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5),
-    # Its llama3 RoPE scaling is left out: it changes neither memory nor FLOPs.
+    # Its llama3 RoPE scaling changes neither memory nor FLOPs; kept so that the preset equals what
+    # the trainer reads from the model's config.json.
     "Llama-3.1-8B": ModelArch(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                              rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072),
+                              rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+                              rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                      original_max_position_embeddings=8192)),
+    "Qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32),
+    "Qwen3-32B": _qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64),
 }
 
 
@@ -272,12 +284,13 @@ def layer_params(arch: ModelArch, tp: int) -> int:
     qkv bias (qwen2)                           d·(a + 2g)             split by TP
     SwiGLU gate, up, down                      3·h·f                  split by TP
     two RMSNorm weights                        2·h                    replicated
+    q and k RMSNorm weights (qwen3)            2·d                    replicated
     """
     h, d, a, g = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
     split = h * d * (2 * a + 2 * g) + 3 * h * arch.intermediate_size
     if arch.qkv_bias:
         split += d * (a + 2 * g)
-    return split // tp + 2 * h
+    return split // tp + 2 * h + (2 * d if arch.qk_norm else 0)
 
 
 def stage_params(arch: ModelArch, tp: int, pp: int, head: str, vocab_multiple: int) -> list[int]:

@@ -44,33 +44,53 @@ def tiny_model(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def arith_model(tmp_path_factory):
-    """A tiny random Llama whose character tokenizer covers the arithmetic task's text."""
+def _arith_model(path, **shape):
+    """A tiny random model (Llama unless `shape` says otherwise) whose character tokenizer covers
+    the arithmetic task's text."""
     from orz.data.synthetic import arithmetic_rows
     from orz.data.templates import ThinkAnswerTemplate
     from orz.data.tokenizers import char_tokenizer
     from orz.models.tiny import make_tiny_hf
 
-    path = tmp_path_factory.mktemp("arith_llama")
     rows = arithmetic_rows(200, seed=0, digits=(1, 2))
     texts = [ThinkAnswerTemplate("Compute.").prompt(r["prompt"]) + r["solution"] for r in rows]
     tokenizer = char_tokenizer(texts)
     tokenizer.save_pretrained(path)
-    make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                 num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    make_tiny_hf(path, **(dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4,
+                               num_kv_heads=2, num_layers=2) | shape),
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
     return str(path)
 
 
 @pytest.fixture(scope="session")
-def tiny_run(arith_model):
-    """`tiny_run(out, advantage)`: overrides for a few iterations of the whole stack on arith_model,
-    seconds each (the end-to-end tests of the trainer and of the Slurm launcher)."""
+def arith_model(tmp_path_factory):
+    return _arith_model(tmp_path_factory.mktemp("arith_llama"))
 
-    def overrides(out, advantage="grpo", actor_tp=1, iterations=3):
+
+@pytest.fixture(scope="session")
+def arith_qwen3(tmp_path_factory):
+    """A tiny Qwen3 (q/k norms, tied embeddings as in Qwen3 up to 4B) with head_dim 32 ≠ 64 / 4 heads
+    (vLLM's CPU attention takes head sizes of 32 and up)."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3"), family="qwen3", hidden_size=64, head_dim=32,
+                        intermediate_size=128, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def arith_llama31(tmp_path_factory):
+    """A tiny Llama with llama3 RoPE scaling whose original length, 16, is shorter than the prompts."""
+    return _arith_model(tmp_path_factory.mktemp("arith_llama31"), rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(arith_model):
+    """`tiny_run(out, advantage)`: overrides for a few iterations of the whole stack on arith_model
+    (or `model`), seconds each (the end-to-end tests of the trainer and of the Slurm launcher)."""
+
+    def overrides(out, advantage="grpo", actor_tp=1, iterations=3, model=None):
         return [
-            f"model.path={arith_model}", "data.train=[synthetic:arithmetic]",
+            f"model.path={model or arith_model}", "data.train=[synthetic:arithmetic]",
             "data.eval={arith: 'synthetic:arithmetic'}", "data.synthetic_digits=[1, 1]", "data.synthetic_ops='+'",
             "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "data.instruction=Compute.",
             "data.prompt_max_tokens=64",  # the prompts have ~53 tokens

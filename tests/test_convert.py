@@ -26,9 +26,14 @@ def _all_tensors(path):
     return {k: ckpt.get(k) for k in ckpt.keys()}
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
-def test_round_trip_tp2_pp2_is_bit_exact(tmp_path, family, tied):
-    src = make_tiny_hf(tmp_path / "hf", family=family, vocab_size=101, tie_word_embeddings=tied)
+LLAMA31 = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16})
+
+
+@pytest.mark.parametrize("family,tied,extra", [("llama", False, {}), ("qwen2", True, {}), ("qwen3", False, dict(head_dim=32)),
+                                               ("llama", True, LLAMA31)])
+def test_round_trip_tp2_pp2_is_bit_exact(tmp_path, family, tied, extra):
+    src = make_tiny_hf(tmp_path / "hf", family=family, vocab_size=101, tie_word_embeddings=tied, **extra)
     hf2mcore(str(src), str(tmp_path / "mcore"), tp=2, pp=2, vocab_divisible_by=8)
     assert sorted(p.parent.name for p in (tmp_path / "mcore").glob("mp_rank_*/model.safetensors")) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001",
@@ -97,7 +102,17 @@ def _set(field, value):
         (_set("architectures", ["MistralForCausalLM"]), 1, 1, r"config.json: field 'architectures'.*not supported"),
         (_set("hidden_size", None), 1, 1, r"config.json: missing field 'hidden_size'"),
         (_set("num_attention_heads", "four"), 1, 1, r"field 'num_attention_heads' must be a number"),
-        (_set("rope_parameters", {"rope_type": "yarn", "factor": 4}), 1, 1, r"rope_parameters.*only default RoPE"),
+        # YaRN scales attention as well as RoPE frequencies: refused, not approximated
+        (_set("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), 1, 1,
+         r"config.json: field 'rope_parameters.rope_type'='yarn' is not supported"),
+        (lambda d: (_set("rope_parameters", None)(d), _set("rope_scaling", {"type": "dynamic", "factor": 2.0})(d)), 1, 1,
+         r"config.json: field 'rope_scaling.rope_type'='dynamic' is not supported"),
+        (_set("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}), 1, 1,
+         r"config.json: field 'rope_parameters': missing field 'high_freq_factor'"),
+        (_set("use_sliding_window", True), 1, 1, r"config.json: field 'use_sliding_window'=true is not supported"),
+        (_set("layer_types", ["sliding_attention", "full_attention"] * 2), 1, 1,
+         r"config.json: field 'layer_types' has \['sliding_attention'\]"),
+        (_set("attention_sink_size", 4), 1, 1, r"config.json: field 'attention_sink_size'=4: attention sinks"),
         (lambda d: (d / "model.safetensors").unlink(), 1, 1, r"no model.safetensors"),
         (lambda d: None, 3, 1, r"tp=3 does not divide num_attention_heads=4"),
         (lambda d: None, 1, 3, r"pp=3 does not divide num_hidden_layers=4"),
@@ -129,7 +144,7 @@ def test_not_a_directory(tmp_path):
         read_arch(tmp_path / "nope")
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
 @pytest.mark.parametrize("saved,target", [((2, 2), (1, 1)), ((2, 1), (1, 2))])
 def test_reshard_gives_what_the_target_layout_reads_from_hf(tmp_path, family, tied, saved, target):
     """Every rank of `target` re-sharded from `saved`'s shards equals its shard cut from the HF

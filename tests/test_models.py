@@ -1,4 +1,5 @@
-"""Megatron actor/critic against transformers, for TP/PP in {1, 2}², and one training step."""
+"""Megatron actor/critic against transformers, for TP/PP in {1, 2}², every dense family in one world
+per layout, and one training step."""
 import copy
 
 import pytest
@@ -8,13 +9,24 @@ from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-# vocab 101 is not divisible by TP=2: exercises padding. Qwen2 ties its embeddings: exercises
-# the LM head copy on the last pipeline stage.
+# vocab 101 is not divisible by TP=2: exercises padding. Qwen2 and Qwen3 tie their embeddings:
+# exercises the LM head copy on the last pipeline stage. Qwen3's head_dim 32 != 64 / 4 heads.
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
 MODELS = {
     "llama": dict(family="llama", vocab_size=101, tie_word_embeddings=False, rope_theta=500000.0),
     "qwen2": dict(family="qwen2", vocab_size=96, tie_word_embeddings=True),
+    "qwen3": dict(family="qwen3", vocab_size=101, tie_word_embeddings=True, head_dim=32, num_layers=2),
+    # An original length of 16 < SEQ: the scaling moves the logits by ~5e-3 (Megatron's fixed 8192
+    # applied through its own `_apply_scaling` with this file's values) ...
+    "llama31": dict(family="llama", vocab_size=101, num_layers=2, rope_theta=500000.0,
+                    rope_scaling=LLAMA3_ROPE | dict(original_max_position_embeddings=16)),
+    # ... and Llama 3.1's own values, Megatron's `rope_scaling=True`: ~2e-5 on the logits at this
+    # length, so its inverse frequencies are compared instead.
+    "llama31_8192": dict(family="llama", vocab_size=101, num_layers=2, rope_theta=500000.0,
+                         max_position_embeddings=16384,
+                         rope_scaling=LLAMA3_ROPE | dict(factor=32.0, original_max_position_embeddings=8192)),
 }
-SEQ = 12
+SEQ = 20
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +37,10 @@ def checkpoints(tmp_path_factory):
     tokens = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(0))
     for name, kwargs in MODELS.items():
         path = make_tiny_hf(tmp_path_factory.mktemp(name), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
-            logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(tokens).logits
-        out[name] = (str(path), logits)
+            logits = model(tokens).logits
+        out[name] = (str(path), logits, model.model.rotary_emb.inv_freq)
     return tokens, out
 
 
@@ -38,7 +51,7 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
 
     init_model_parallel(tp, pp)
     result = {}
-    for name, (path, _) in checkpoints.items():
+    for name, (path, *_) in checkpoints.items():
         ckpt = HFCheckpoint(path)
         engine = ModelEngine(ckpt.arch)
         engine.load_hf(ckpt)
@@ -47,7 +60,8 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
         critic = ModelEngine(ckpt.arch, critic=True)
         critic.load_hf(ckpt)
         values = critic.run([ModelInputs(tokens)], collect=lambda o, b: o)
-        result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None}
+        result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None,
+                        "inv_freq": engine.module.rotary_pos_emb.inv_freq}
     return result
 
 
@@ -58,7 +72,9 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
     tokens, ckpts = checkpoints
     ranks = run_world(_forward_and_export, tp * pp, tp, pp, tokens, ckpts)
     last_stage_rank0 = (pp - 1) * tp  # Megatron's rank order: TP fastest, then PP
-    for name, (path, ref_logits) in ckpts.items():
+    for name, (path, ref_logits, ref_inv_freq) in ckpts.items():
+        for rank in ranks:
+            assert torch.equal(rank[name]["inv_freq"], ref_inv_freq), name  # RoPE frequencies, bit for bit
         logits = ranks[last_stage_rank0][name]["logits"]
         assert logits.shape == ref_logits.shape
         assert (logits - ref_logits).abs().max() < 1e-4, name

@@ -76,8 +76,37 @@ def tiny_plan(**changes):
 
 def test_presets_match_published_parameter_counts():
     published_b = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76,
-                   "Llama-3.1-8B": 8.03}
+                   "Llama-3.1-8B": 8.03, "Qwen3-8B": 8.19, "Qwen3-32B": 32.76}
     assert {name: round(arch.num_params / 1e9, 2) for name, arch in MODELS.items()} == published_b
+
+
+# The published config.json files, as the trainer reads them (transformers 4 writes `rope_scaling`).
+_LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
+               "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+               "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+               "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
+          "max_position_embeddings": 40960, "model_type": "qwen3", "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+          "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+          "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("name, config", [
+    ("Llama-3.1-8B", _LLAMA31_8B),
+    ("Qwen3-8B", _QWEN3 | dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, max_window_layers=36)),
+    ("Qwen3-32B", _QWEN3 | dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                num_attention_heads=64, max_window_layers=64)),
+])
+def test_presets_equal_what_the_trainer_reads_from_the_published_config(tmp_path, name, config):
+    """The trainer reads a model with `read_arch` (run_rules.check) and refuses what it cannot build:
+    each preset is exactly what it reads from that model's config.json, llama3 RoPE scaling included."""
+    from orz.models.arch import read_arch
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_arch(tmp_path) == MODELS[name]
 
 
 def test_stage_params_by_hand():

@@ -1,4 +1,4 @@
-"""The reward-model role: an HF sequence-classification checkpoint (Llama, Qwen2) loaded as a
+"""The reward-model role: an HF sequence-classification checkpoint (Llama, Qwen2, Qwen3) loaded as a
 Megatron role with its scalar head, its score read at each sequence's last token, equal to
 transformers' own score at TP 1 and 2 and at PP 2; a head that is not scalar is refused by name."""
 import pytest
@@ -12,18 +12,22 @@ from orz.ppo.replay_buffer import experience_from_rollouts
 
 def make_reward_model(path, family="llama", num_labels=1, seed=0):
     """A random tiny sequence classifier, as `AutoModelForSequenceClassification` writes one."""
-    from transformers import (LlamaConfig, LlamaForSequenceClassification, Qwen2Config,
-                              Qwen2ForSequenceClassification)
+    import transformers
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForSequenceClassification),
-                             "qwen2": (Qwen2Config, Qwen2ForSequenceClassification)}[family]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForSequenceClassification")
     config = config_cls(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_labels=num_labels, pad_token_id=0,
-                        max_position_embeddings=256, tie_word_embeddings=False)
+                        max_position_embeddings=256, tie_word_embeddings=False,
+                        head_dim=32 if family == "qwen3" else 16)  # Qwen3's need not be hidden / heads
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)  # a head that tells sequences apart
+        for layer in model.model.layers if family == "qwen3" else []:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.2)  # q/k norm weights that matter
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -48,7 +52,8 @@ def _scores(rank, world, path, tp, pp=1):
     return None if out is None else (out[1], exp.response_mask)
 
 
-@pytest.mark.parametrize("family, tp, pp", [("llama", 1, 1), ("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2)])
+@pytest.mark.parametrize("family, tp, pp", [("llama", 1, 1), ("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2),
+                                            ("qwen3", 2, 1)])
 def test_scores_equal_transformers_at_tp_and_pp(tmp_path, family, tp, pp):
     model = make_reward_model(tmp_path / "rm", family)
     by_token, mask = next(r for r in run_world(_scores, tp * pp, str(tmp_path / "rm"), tp, pp) if r is not None)

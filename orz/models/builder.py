@@ -54,6 +54,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,  # per-head RMSNorm of q and k (Qwen3); its eps is layernorm_epsilon
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -75,11 +76,11 @@ def transformer_config(
     )
 
 
-def layer_spec() -> ModuleSpec:
+def layer_spec(arch: ModelArch) -> ModuleSpec:
     """TE's layers where TE runs; else Megatron's local layers with torch's fused attention."""
     if use_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec()  # untested here: no GPU
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)  # untested here: no GPU
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -92,17 +93,30 @@ def _stage_flags() -> dict:
 
 
 def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int, tied: bool) -> GPTModel:
-    return GPTModel(
+    scaling = arch.rope_scaling
+    model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        # llama3 scaling: Megatron's own, whose frequency factors and original length are fixed
+        # at 1, 4 and 8192 (Llama 3.1/3.2); other values are applied below with the same formula.
+        rope_scaling=scaling is not None and scaling.megatron_defaults,
+        rope_scaling_factor=scaling.factor if scaling else 8.0,
         **_stage_flags(),
     )
+    if scaling is not None and not scaling.megatron_defaults:
+        rotary = model.rotary_pos_emb  # its inv_freq is still the unscaled θᵢ here
+        rotary.inv_freq = rotary._apply_scaling(
+            rotary.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+        )
+    return model
 
 
 def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:

@@ -1,4 +1,4 @@
-"""HF (Llama/Qwen2) <-> Megatron-core parameters, for any TP and PP. Pure tensor code.
+"""HF (Llama/Qwen2/Qwen3) <-> Megatron-core parameters, for any TP and PP. Pure tensor code.
 
 Megatron's layout differs from HF's in three places:
 - q, k, v are one `linear_qkv` whose rows are grouped per KV group: [q heads of group g; k_g; v_g];
@@ -27,6 +27,9 @@ _LAYER = {
         ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
         "qkv",
     ),
+    # Qwen3's per-head q/k RMSNorm: one (head_dim,) weight shared by every head, so replicated.
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicated"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
@@ -87,7 +90,7 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
     for local in range(per_stage):
         layer = local + layout.layer_offset(arch)
         for name, (hf_names, split) in _LAYER.items():
-            if name.endswith(".bias") and not arch.qkv_bias:
+            if not _in_family(name, arch):
                 continue
             megatron = _TE_RENAMES.get(name, name) if layout.te else name
             rules.append(
@@ -107,6 +110,15 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
                 ParamRule(OUTPUT, (HF_EMBEDDING if arch.tie_word_embeddings else HF_LM_HEAD,), "vocab")
             )
     return rules
+
+
+def _in_family(name: str, arch: ModelArch) -> bool:
+    """Whether the layer parameter `name` exists in `arch`'s family (q/k/v biases, q/k norms)."""
+    if name.endswith(".bias"):
+        return arch.qkv_bias
+    if name.startswith(("self_attention.q_layernorm", "self_attention.k_layernorm")):
+        return arch.qk_norm
+    return True
 
 
 def _qkv_full(arch: ModelArch, q, k, v) -> torch.Tensor:
@@ -232,7 +244,8 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
         "o_proj.weight": (h, q), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
-        "down_proj.weight": (h, f), "layernorm.weight": (h,), "norm.weight": (h,),
+        "down_proj.weight": (h, f), "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "layernorm.weight": (h,), "norm.weight": (h,),  # after q_norm/k_norm: suffixes match in order
     }
     for suffix, shape in shapes.items():
         if name.endswith(suffix):

@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2 checkpoints, made locally (nothing can be downloaded): for tests,
+"""Tiny random Llama/Qwen2/Qwen3 checkpoints, made locally (nothing can be downloaded): for tests,
 benchmarks and the CPU demo."""
 from pathlib import Path
 
@@ -19,12 +19,19 @@ def make_tiny_hf(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
+    rope_scaling: dict | None = None,
     **special_tokens: int,
 ) -> Path:
-    """Writes a randomly initialised HF model (config.json + model.safetensors) to `out_dir`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Writes a randomly initialised HF model (config.json + model.safetensors) to `out_dir`.
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    head_dim: per head (default hidden_size / num_heads); rope_scaling: e.g. {"rope_type": "llama3",
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}.
+    """
+    import transformers
+
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config_cls, model_cls = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -32,18 +39,23 @@ def make_tiny_hf(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
         tie_word_embeddings=tie_word_embeddings,
-        rope_theta=rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
         max_position_embeddings=max_position_embeddings,
         torch_dtype=dtype,
         **special_tokens,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
-    if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.02)
+            if family == "qwen3":  # and q/k norm weights other than ones
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.weight.normal_(1.0, 0.2)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)

@@ -41,7 +41,20 @@ class WorkerExtension:
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=tap())
+        self._orz_repack_tied_head()
         return received
+
+    def _orz_repack_tied_head(self) -> None:
+        """A tied LM head (Qwen2.5 up to 3B, Qwen3 up to 4B) shares the embedding's weight but is
+        never loaded itself (its checkpoint name is skipped), so vLLM's reload leaves it processed
+        from the old weight: on CPU its GEMM keeps a packed copy made at start-up, and the engine
+        would sample from stale logits while every digest matches. Re-processing it repacks the
+        shared, new weight (a no-op on GPU, where the head multiplies by the weight itself)."""
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+            head.quant_method.process_weights_after_loading(head)
 
     def orz_receive_broadcast(self, with_digests: bool = True) -> dict[str, str]:
         """Loads one sync from the group; returns digests of the tensors as received."""
