@@ -23,6 +23,7 @@ import contextlib
 import json
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -712,7 +713,7 @@ class Stopped(KeyboardInterrupt):
 
     def __str__(self) -> str:
         name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
-        done = "before training" if self.iterations is None else f"after {self.iterations} iterations"
+        done = "while starting" if self.iterations is None else f"after {self.iterations} iterations"
         kept = (f"the last checkpoint is {self.checkpoint} (the same command resumes from it)" if self.checkpoint
                 else "no checkpoint was written (the same command starts over)")
         return f"stopped by {name} {done}; {kept}"
@@ -723,24 +724,32 @@ class _StopSignals:
     it again every second until the run has caught it: Python runs a signal's handler at whatever
     bytecode the main thread reaches next, and an exception raised in a `__del__` there (Ray's
     ObjectRefGenerator has one, dropped in this thread by every engine stream that ends) is printed
-    as "Exception ignored" and lost; the run then went on to its end and exited 0. Once caught,
-    further signals are ignored: the roles and Ray are being shut down."""
+    as "Exception ignored" and lost; the run then went on to its end and exited 0. Such a lost one
+    is not printed here (the quiet console). Once caught, further signals are ignored: the roles
+    and Ray are being shut down."""
 
     def __init__(self):
         self.signum = 0  # the first signal received
         self._caught = threading.Event()
         self._previous: dict[int, object] = {}
+        self._unraisable = sys.unraisablehook
 
     def install(self) -> None:
         """Again after ray.init, which sets a SIGTERM handler of its own."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
+        sys.unraisablehook = self._unraisable_unless_stopped
 
     def restore(self) -> None:
         self._caught.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        sys.unraisablehook = self._unraisable
+
+    def _unraisable_unless_stopped(self, unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Stopped):  # a lost Stopped is raised again by _repeat
+            self._unraisable(unraisable)
 
     def caught(self) -> None:
         """The run has the exception: no more of it, let the shutdown finish."""
@@ -774,11 +783,11 @@ def main(cfg: ExperimentConfig) -> dict:
     owns_ray = False
     try:
         try:
-            run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
             try:
                 Fault.parse(cfg.trainer.fault)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
             data = check_data(cfg)
             t = cfg.trainer
             log_dir = Path(t.output_dir) / "logs"
