@@ -1,6 +1,7 @@
 """End to end: the whole stack (Ray, Megatron actor/critic, vLLM engine, reward pool) for a few
 iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continues identically, and
 a run that loses an actor worker and resumes from its last checkpoint by itself."""
+import contextlib
 import json
 import os
 import re
@@ -167,26 +168,110 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
 
 
+def _ray_sessions(processes) -> set[str]:
+    """The Ray session directories (…/session_<date>_<pid of the driver that started it>) these
+    processes have files open in."""
+    sessions = set()
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            sessions |= {m.group(1) for f in proc.open_files() if (m := re.match(r"(.*/session_[^/]+)/", f.path))}
+    return sessions
+
+
+def _processes_of_run(tree, sessions) -> set:
+    """What is left of a run: the processes of its tree as seen while it ran (psutil compares pid
+    and start time, so a reused pid is not taken for one), every process with a file open in one
+    of its Ray session directories (Ray renames its workers `ray::IDLE`, `ray::MegatronWorker…`:
+    their command line does not say whose they are), and every process whose raylet was the run's."""
+    raylets = {str(p.pid) for p in tree if _title(p) == "raylet"}
+    prefixes = tuple(f"{s}/" for s in sessions)
+    left = set()
+    for proc in [*tree, *psutil.process_iter()]:
+        with contextlib.suppress(psutil.Error):
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc in tree or proc.environ().get("RAY_RAYLET_PID") in raylets \
+                    or any(f.path.startswith(prefixes) for f in proc.open_files()):
+                left.add(proc)
+    return left
+
+
+def _title(proc) -> str:
+    with contextlib.suppress(psutil.Error, IndexError):
+        return os.path.basename(proc.cmdline()[0])
+    return "?"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig):
     """`python -m orz.train` stopped mid-run by SIGTERM (or Ctrl-C's SIGINT) shuts its roles and
-    its local Ray cluster down: no process of the run (Ray's agents included) outlives it."""
-    out = tmp_path / "run"
+    its local Ray cluster down: no process of the run (Ray's agents and workers included) outlives
+    it; it exits 143 (130), the status a shell gives a process that signal ended, with one `orz:`
+    line naming the signal and the last checkpoint, and no traceback."""
+    out, console = tmp_path / "run", tmp_path / "console.txt"
     proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=20)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
         time.sleep(0.2)
+    run = psutil.Process(proc.pid)
+    tree = {run, *run.children(recursive=True)}
+    sessions = _ray_sessions(tree)
+    # The premise: what the search finds while the run lives is the run's own Ray cluster and workers
+    # (not the suite's shared cluster, whose driver is this process).
+    assert len(sessions) == 1 and next(iter(sessions)).endswith(f"_{proc.pid}"), sessions
+    titles = {_title(p) for p in _processes_of_run(tree, sessions)}
+    assert {"raylet", "gcs_server"} <= titles and any(t.startswith("ray::MegatronWorker") for t in titles) \
+        and any(t.startswith("ray::VLLMEngine") for t in titles), titles
     os.kill(proc.pid, sig)
-    assert proc.wait(timeout=120) != 0
-    pattern = re.compile(rf"session_\S+_{proc.pid}\b")
+    assert proc.wait(timeout=120) == 128 + sig, console.read_text()
     deadline = time.time() + 30  # Ray's processes get a moment to see their cluster go
-    while (left := [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-                    if pattern.search(" ".join(p.info["cmdline"] or []))]) and time.time() < deadline:
+    while (left := _processes_of_run(tree, sessions)) and time.time() < deadline:
         time.sleep(0.5)
-    assert not left
-    _kill_ray_cluster_of(proc.pid)
+    for leaked in left:
+        leaked.kill()
+    assert not left, sorted(_title(p) for p in left)
+    text = console.read_text()
+    _check_quiet_console(text, out / "logs")  # no traceback, no "Exception ignored"
+    (stopped,) = [line for line in text.splitlines() if line.startswith("orz: stopped")]
+    name = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else "SIGTERM"
+    latest = out / "checkpoints/latest"
+    kept = (f"the last checkpoint is {latest.parent / latest.read_text()} (the same command resumes from it)"
+            if latest.exists() else "no checkpoint was written (the same command starts over)")
+    assert re.fullmatch(rf"orz: stopped by {re.escape(name)} after \d+ iterations; {re.escape(kept)}", stopped), stopped
+
+
+def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(tiny_run, tmp_path):
+    """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
+    iteration 2 of `python -m orz.train` on the quiet console (three runs at once: they spend most
+    of their time starting): the terminal (not the logs) shows the traceback, where it was raised,
+    and one `orz:` line naming the iteration, the phase and the last checkpoint; each run exits 1
+    without a restart (only a lost worker restarts the run)."""
+    origins = {  # role: (its phase, where the traceback says it was raised, where the orz: line says)
+        "actor": ("update", "repr=actor-0", "(raised in actor-0, MegatronWorker.train_actor)"),  # Ray's line over
+        "engine": ("rollout", "repr=engine-0", "(raised in engine-0, VLLMEngine.generate)"),  # the actor's traceback
+        "reward": ("rollout", 'orz/reward/router.py", line', "the reward router's"),  # the trainer's own process
+    }
+    runs = {}
+    for role in origins:
+        out = tmp_path / role
+        out.mkdir()
+        runs[role] = (out, subprocess.Popen(
+            [sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=2), "data.eval={}",
+             f"trainer.fault={role}@2"], stdout=(out / "stdout.txt").open("w"), stderr=(out / "stderr.txt").open("w")))
+    for role, (phase, origin, named) in origins.items():
+        out, proc = runs[role]
+        code = proc.wait(timeout=600)
+        stdout, stderr = (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text()
+        assert code == 1, stdout + stderr
+        assert "Traceback (most recent call last)" in stderr and origin in stderr, stderr
+        assert f"InjectedFault: trainer.fault={role}@2: injected into" in stderr, stderr
+        (failed,) = [line for line in stdout.splitlines() if line.startswith("orz: iteration")]
+        assert failed.startswith(f"orz: iteration 2 failed in its {phase} phase: InjectedFault: ") and named in failed
+        assert failed.endswith(f"The last checkpoint: {out / 'checkpoints/iter_000001'}"), failed
+        assert "died" not in stdout and "restart" not in stdout
+        assert [row["step"] for row in _history(out)] == [0, 1]  # iteration 2 left no trace
 
 
 def _check_quiet_console(console: str, log_dir: Path) -> None:
@@ -198,10 +283,3 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
     logs = {p.name: p.read_text() for p in log_dir.iterdir()}
     assert {"actor-0.log", "engine-0.log", "driver.log"} <= logs.keys()
     assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
-
-
-def test_an_error_before_start_reaches_the_console_in_full(tiny_run, tmp_path):
-    """The quiet console (checked on a real run's output by the stop-and-resume test) still shows errors."""
-    bad = subprocess.run([sys.executable, "-m", "orz.train", *tiny_run(tmp_path / "bad", "grpo", iterations=1),
-                          "data.train=[/nonexistent.jsonl]"], capture_output=True, text=True, timeout=600)
-    assert bad.returncode != 0 and "/nonexistent.jsonl" in bad.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import signal
 import sys
@@ -35,6 +36,7 @@ import numpy as np
 import ray
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.bundles import Bundles
@@ -836,7 +838,7 @@ def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.E
             lost = trainer.lost_workers()
             if not lost:  # an exception, not a lost process: starting again would raise it again
                 console.print(f"[bold red]orz: iteration {trainer.iteration + 1} failed[/] in its {trainer.phase} "
-                              f"phase: {_origin(err)}; the run stops, its traceback follows. The last checkpoint: "
+                              f"phase: {escape(_origin(err))}; the run stops, its traceback follows. The last checkpoint: "
                               f"{trainer.last_checkpoint or 'none'}")
                 raise
             if restarts == cfg.trainer.max_restarts:
@@ -853,8 +855,9 @@ def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.E
 
 
 def _origin(err: BaseException) -> str:
-    """The error and, when a Ray actor raised it, which one (its repr: `actor-0`, `engine-0`)."""
-    where = getattr(err, "actor_repr", None)
+    """The error's first line and, when a Ray actor raised it, which actor (its repr: the name of
+    its log, `actor-0`, `engine-0`) in which method, from the line Ray puts over its traceback."""
     cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
     what = f"{type(cause or err).__name__}: {cause or err}".splitlines()[0]
-    return f"{what} (raised in {where})" if where else what
+    actor = re.search(r"ray::([\w.]+)\(\).*?repr=([^)]+)\)", str(err)) if cause is not None else None
+    return f"{what} (raised in {actor[2]}, {actor[1]})" if actor else what
