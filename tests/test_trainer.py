@@ -1,7 +1,6 @@
 """End to end: the whole stack (Ray, Megatron actor/critic, vLLM engine, reward pool) for a few
 iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continues identically, and
 a run that loses an actor worker and resumes from its last checkpoint by itself."""
-import contextlib
 import json
 import os
 import re
@@ -21,7 +20,8 @@ from safetensors.torch import load_file
 from orz.config import load_config
 from orz.ppo.actors import WorkerGroup
 from orz.ppo.trainer import main as train
-from run_history import deterministic as _deterministic, history as _history
+from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run, \
+    processes_of_run, ray_sessions, resume_problems, title
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +60,12 @@ def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_p
     assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 
-def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch):
+def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch,
+                                                        capsys):
     whole = tmp_path / "whole"
+    capsys.readouterr()
     train(load_config(None, tiny_run(whole, "grpo")))
+    whole_console = capsys.readouterr().out
     reference = _check_run(whole, arith_model, 3)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal
 
@@ -85,7 +88,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
         deadline = time.time() + 600
         while not ready():
             assert proc.poll() is None and time.time() < deadline, console.read_text()
-            time.sleep(0.2)
+            time.sleep(0.1)
         return proc
 
     proc = start_and_wait_for((killed / "logs").exists)  # made once the SIGUSR1 handler is in place
@@ -98,14 +101,18 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     _kill_ray_cluster_of(proc.pid)
 
     proc = start_and_wait_for(lambda: latest.read_text() >= "iter_000002")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    _kill_ray_cluster_of(proc.pid)
+    kill_run(proc)  # SIGKILL, in iteration 3
+    assert f"orz: resumed from {killed / 'checkpoints/iter_000001'} at iteration 1" in console.read_text()
+    assert latest.read_text() == "iter_000002"
+    before = (killed / "metrics.jsonl").read_bytes()  # as the killed run left it
 
     train(load_config(None, overrides))  # resumes from iteration 2
+    check_resumed(killed, before, capsys.readouterr().out, 2, whole)
     resumed = _check_run(killed, arith_model, 3)
-    assert _deterministic(resumed[-1]) == _deterministic(reference[-1])
     _check_one_tracker_run(killed, resumed)
+    # The checker rejects what a resume turned into a fresh start writes: the uninterrupted run is one.
+    problems = resume_problems(whole, before, whole_console, 2)
+    assert len(problems) == 2 and "the console says []" in problems[0] and "byte for byte" in problems[1], problems
 
 
 def _check_one_tracker_run(out, history):
@@ -168,40 +175,6 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
 
 
-def _ray_sessions(processes) -> set[str]:
-    """The Ray session directories (…/session_<date>_<pid of the driver that started it>) these
-    processes have files open in."""
-    sessions = set()
-    for proc in processes:
-        with contextlib.suppress(psutil.Error):
-            sessions |= {m.group(1) for f in proc.open_files() if (m := re.match(r"(.*/session_[^/]+)/", f.path))}
-    return sessions
-
-
-def _processes_of_run(tree, sessions) -> set:
-    """What is left of a run: the processes of its tree as seen while it ran (psutil compares pid
-    and start time, so a reused pid is not taken for one), every process with a file open in one
-    of its Ray session directories (Ray renames its workers `ray::IDLE`, `ray::MegatronWorker…`:
-    their command line does not say whose they are), and every process whose raylet was the run's."""
-    raylets = {str(p.pid) for p in tree if _title(p) == "raylet"}
-    prefixes = tuple(f"{s}/" for s in sessions)
-    left = set()
-    for proc in [*tree, *psutil.process_iter()]:
-        with contextlib.suppress(psutil.Error):
-            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if proc in tree or proc.environ().get("RAY_RAYLET_PID") in raylets \
-                    or any(f.path.startswith(prefixes) for f in proc.open_files()):
-                left.add(proc)
-    return left
-
-
-def _title(proc) -> str:
-    with contextlib.suppress(psutil.Error, IndexError):
-        return os.path.basename(proc.cmdline()[0])
-    return "?"
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig):
     """`python -m orz.train` stopped mid-run by SIGTERM (or Ctrl-C's SIGINT) shuts its roles and
@@ -217,21 +190,21 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
         time.sleep(0.2)
     run = psutil.Process(proc.pid)
     tree = {run, *run.children(recursive=True)}
-    sessions = _ray_sessions(tree)
+    sessions = ray_sessions(tree)
     # The premise: what the search finds while the run lives is the run's own Ray cluster and workers
     # (not the suite's shared cluster, whose driver is this process).
     assert len(sessions) == 1 and next(iter(sessions)).endswith(f"_{proc.pid}"), sessions
-    titles = {_title(p) for p in _processes_of_run(tree, sessions)}
+    titles = {title(p) for p in processes_of_run(tree, sessions)}
     assert {"raylet", "gcs_server"} <= titles and any(t.startswith("ray::MegatronWorker") for t in titles) \
         and any(t.startswith("ray::VLLMEngine") for t in titles), titles
     os.kill(proc.pid, sig)
     assert proc.wait(timeout=120) == 128 + sig, console.read_text()
     deadline = time.time() + 30  # Ray's processes get a moment to see their cluster go
-    while (left := _processes_of_run(tree, sessions)) and time.time() < deadline:
+    while (left := processes_of_run(tree, sessions)) and time.time() < deadline:
         time.sleep(0.5)
     for leaked in left:
         leaked.kill()
-    assert not left, sorted(_title(p) for p in left)
+    assert not left, sorted(title(p) for p in left)
     text = console.read_text()
     _check_quiet_console(text, out / "logs")  # no traceback, no "Exception ignored"
     (stopped,) = [line for line in text.splitlines() if line.startswith("orz: stopped")]
