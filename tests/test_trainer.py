@@ -136,19 +136,21 @@ def _check_one_tracker_run(out, history):
 
 
 def _kill_an_actor_worker_once(latest, checkpoint, actor_pids, killed):
-    """SIGKILLs the first actor group's last worker as soon as `checkpoint` is the latest."""
+    """SIGKILLs the first actor group's last worker as soon as `checkpoint` is the latest; records
+    the pid and metrics.jsonl as it was then."""
     deadline = time.time() + 600
     while not (latest.exists() and latest.read_text() >= checkpoint):
         if time.time() > deadline:
             return
         time.sleep(0.05)
     victim = actor_pids[0][-1]
+    metrics = (latest.parent.parent / "metrics.jsonl").read_bytes()
     os.kill(victim, signal.SIGKILL)
-    killed.append(victim)
+    killed.append((victim, metrics))
 
 
 def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tiny_run, tmp_path,
-                                                                     monkeypatch):
+                                                                     monkeypatch, capsys):
     """One of a TP=2 actor's two workers is SIGKILLed once iteration 1's checkpoint exists: the
     iteration in flight fails, leaving no trace; every role and the fleet are rebuilt (the surviving
     rank too, which may hang in a collective with its dead peer), and the run resumes from that
@@ -167,10 +169,14 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     killer = threading.Thread(target=_kill_an_actor_worker_once,
                               args=(out / "checkpoints/latest", "iter_000001", actor_pids, killed))
     killer.start()
+    capsys.readouterr()
     result = train(load_config(None, tiny_run(out, "grpo", actor_tp=2)))
     killer.join()
     assert len(killed) == 1 and result["restarts"] == 1
-    assert len(actor_pids) == 2 and killed[0] not in actor_pids[1]  # the rebuilt actor is new
+    (victim, before), console = killed[0], capsys.readouterr().out
+    assert len(actor_pids) == 2 and victim not in actor_pids[1]  # the rebuilt actor is new
+    assert "orz: actor rank 1 died in iteration 2" in console
+    assert not resume_problems(out, before, console, 1)  # rows 0 and 1 as they were, the resume said
     history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
 
