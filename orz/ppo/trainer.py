@@ -45,9 +45,9 @@ from orz.data.datasets import DatasetFormatError, Row, RunData
 from orz.data.sampler import PromptLoader
 from orz.data.templates import make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
-from orz.faults import Fault
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
@@ -262,14 +262,15 @@ class RayPPOTrainer:
         with Progress(TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.description}"), console=console) as progress:
             task = progress.add_task("", total=self.total, completed=self.iteration)
+
+            def show(phase: str) -> None:
+                self.phase = phase
+                progress.update(task, description=phase)
+
             while self.iteration < self.total:
                 stage = stage_at(self.run_cfg, self.iteration)[0]
                 if stage != self.stage_index:
                     self._enter_stage(stage)
-                def show(phase: str) -> None:
-                    self.phase = phase
-                    progress.update(task, description=phase)
-
                 metrics = self.step(show)
                 self.iteration += 1
                 last = self.iteration == self.total
