@@ -8,6 +8,7 @@ import json
 import sys
 
 from orz.config import ConfigError, ExperimentConfig, load_config
+from orz.stopping import Stopped
 
 
 def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        from orz.ppo.trainer import Stopped, main as train  # seconds: torch, Ray, Megatron's helpers
+        from orz.ppo.trainer import main as train  # seconds: torch, Ray, Megatron's helpers
     except KeyboardInterrupt:
         print("orz: stopped by Ctrl-C (SIGINT) before the run started", file=sys.stderr)
         return 130

@@ -36,7 +36,7 @@ def test_a_ctrl_c_lost_in_a_del_is_raised_again():
 
     import pytest
 
-    from orz.ppo.trainer import Stopped, _StopSignals
+    from orz.stopping import StopSignals, Stopped
 
     lost = []
 
@@ -47,7 +47,7 @@ def test_a_ctrl_c_lost_in_a_del_is_raised_again():
             except BaseException as err:  # what CPython does with it: printed and dropped
                 lost.append(err)
 
-    signals = _StopSignals()
+    signals = StopSignals()
     signals.install()
     try:
         with pytest.raises(Stopped) as stopped:

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from orz.config import load_config
 from orz.ppo.actors import WorkerGroup
 from orz.ppo.trainer import main as train
-from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run, \
-    processes_of_run, ray_sessions, resume_problems, title
+from run_history import check_resumed, history as _history, kill_run, processes_of_run, ray_sessions, \
+    resume_problems, title
 
 pytestmark = pytest.mark.slow
 

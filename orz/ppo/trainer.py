@@ -24,7 +24,6 @@ import json
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -49,6 +48,7 @@ from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
+from orz.stopping import StopSignals, Stopped
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
 from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
@@ -705,80 +705,13 @@ def _summary(metrics: dict) -> str:
     return "  ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics)
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM stopped the run; every role and the run's own Ray cluster are shut
-    down. A KeyboardInterrupt: Ray's blocking calls pass one raised while they wait on as their
-    own, and no `except Exception` takes it for a failure."""
-
-    def __init__(self, signum: int, iterations: int | None = None, checkpoint: str | None = None):
-        super().__init__(signum, iterations, checkpoint)
-        self.signum, self.iterations, self.checkpoint = signum, iterations, checkpoint
-
-    def __str__(self) -> str:
-        name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
-        done = "while starting" if self.iterations is None else f"after {self.iterations} iterations"
-        kept = (f"the last checkpoint is {self.checkpoint} (the same command resumes from it)" if self.checkpoint
-                else "no checkpoint was written (the same command starts over)")
-        return f"stopped by {name} {done}; {kept}"
-
-
-class _StopSignals:
-    """SIGINT and SIGTERM while `main` runs. The first raises Stopped in the main thread, and raises
-    it again every second until the run has caught it: Python runs a signal's handler at whatever
-    bytecode the main thread reaches next, and an exception raised in a `__del__` there (Ray's
-    ObjectRefGenerator has one, dropped in this thread by every engine stream that ends) is printed
-    as "Exception ignored" and lost; the run then went on to its end and exited 0. Such a lost one
-    is not printed here (the quiet console). Once caught, further signals are ignored: the roles
-    and Ray are being shut down."""
-
-    def __init__(self):
-        self.signum = 0  # the first signal received
-        self._caught = threading.Event()
-        self._previous: dict[int, object] = {}
-        self._unraisable = sys.unraisablehook
-
-    def install(self) -> None:
-        """Again after ray.init, which sets a SIGTERM handler of its own."""
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.signal(signum, self._handle)
-            self._previous.setdefault(signum, previous)
-        sys.unraisablehook = self._unraisable_unless_stopped
-
-    def restore(self) -> None:
-        self._caught.set()
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        sys.unraisablehook = self._unraisable
-
-    def _unraisable_unless_stopped(self, unraisable) -> None:
-        if not isinstance(unraisable.exc_value, Stopped):  # a lost Stopped is raised again by _repeat
-            self._unraisable(unraisable)
-
-    def caught(self) -> None:
-        """The run has the exception: no more of it, let the shutdown finish."""
-        self._caught.set()
-
-    def _handle(self, signum, frame):
-        if self._caught.is_set():
-            return
-        if not self.signum:
-            self.signum = signum
-            threading.Thread(target=self._repeat, name="orz-stop", daemon=True).start()
-        raise Stopped(self.signum)
-
-    def _repeat(self) -> None:
-        main_thread = threading.main_thread().ident
-        while not self._caught.wait(1.0):
-            signal.pthread_kill(main_thread, self.signum)  # a real signal: it also wakes a blocking wait
-
-
 def main(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
     SIGTERM and Ctrl-C raise Stopped once every role is shut down, and the local Ray cluster too if
     this call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
     start on and across restarts, ends the run after the current iteration with a checkpoint."""
     stop = threading.Event()
-    signals = _StopSignals() if threading.current_thread() is threading.main_thread() else None
+    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
     if signals:
         signal.signal(signal.SIGUSR1, lambda *_: stop.set())
         signals.install()
@@ -822,7 +755,7 @@ def main(cfg: ExperimentConfig) -> dict:
 
 
 def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.Event,
-                         signals: _StopSignals | None, progress: dict) -> dict:
+                         signals: StopSignals | None, progress: dict) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
         trainer = None
