@@ -223,8 +223,8 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
 
 def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(tiny_run, tmp_path):
     """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
-    iteration 2 of `python -m orz.train` on the quiet console (three runs at once: they spend most
-    of their time starting): the terminal (not the logs) shows the traceback, where it was raised,
+    iteration 2 of `python -m orz.train` on the quiet console (three runs side by side, each
+    started once the previous one's Ray cluster is up): the terminal (not the logs) shows the traceback, where it was raised,
     and one `orz:` line naming the iteration, the phase and the last checkpoint; each run exits 1
     without a restart (only a lost worker restarts the run)."""
     origins = {  # role: (its phase, where the traceback says it was raised, where the orz: line says)
@@ -236,9 +236,14 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(tiny
     for role in origins:
         out = tmp_path / role
         out.mkdir()
-        runs[role] = (out, subprocess.Popen(
-            [sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=2), "data.eval={}",
-             f"trainer.fault={role}@2"], stdout=(out / "stdout.txt").open("w"), stderr=(out / "stderr.txt").open("w")))
+        proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=2), "data.eval={}",
+                                 f"trainer.fault={role}@2"], stdout=(out / "stdout.txt").open("w"),
+                                stderr=(out / "stderr.txt").open("w"))
+        runs[role] = out, proc
+        deadline = time.time() + 300  # one Ray cluster starting at a time: three at once can time out on two cores
+        while "orz: starting roles" not in (out / "stdout.txt").read_text() and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.2)
     for role, (phase, origin, named) in origins.items():
         out, proc = runs[role]
         code = proc.wait(timeout=600)
