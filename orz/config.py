@@ -231,6 +231,9 @@ class TrainerConfig:
     # False: the terminal shows orz's own lines and progress; Ray's, vLLM's and Megatron's output
     # and third-party warnings go to output_dir/logs/. True: everything on the terminal.
     verbose: bool = False
+    # "ROLE@ITERATION" (actor, engine or reward; orz/faults.py): that role raises an exception in
+    # that iteration, on purpose, to see (and test) what a bug there does to a run. "": off.
+    fault: str = ""
 
 
 @dataclass

@@ -8,6 +8,7 @@ import json
 import sys
 
 from orz.config import ConfigError, ExperimentConfig, load_config
+from orz.stopping import Stopped
 
 
 def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) -> int:
@@ -23,15 +24,22 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        from orz.ppo.trainer import main as train  # seconds: torch, Ray, Megatron's helpers
+    except KeyboardInterrupt:
+        print("orz: stopped by Ctrl-C (SIGINT) before the run started", file=sys.stderr)
+        return 130
     from orz.data.datasets import DatasetFormatError
     from orz.models.arch import ModelConfigError
-    from orz.ppo.trainer import main as train
 
     try:
         result = train(cfg)
     except (ConfigError, DatasetFormatError, ModelConfigError) as err:  # refused before anything started
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Stopped as stop:  # SIGINT or SIGTERM, once every role and the run's Ray cluster are shut down
+        print(f"orz: {stop}", file=sys.stderr)
+        return 128 + stop.signum  # 130 (SIGINT), 143 (SIGTERM): what a shell reports for a signal's end
     print(json.dumps(result, default=str))
     # 75 (EX_TEMPFAIL): stopped by SIGUSR1 with a checkpoint; scripts/slurm requeues the job.
     return 75 if result.get("preempted") else 0

@@ -1,6 +1,11 @@
-"""What the end-to-end tests read back from a run's output directory."""
+"""What the end-to-end tests read back from a run's output directory, and the processes of a run."""
+import contextlib
 import json
+import os
+import re
 from pathlib import Path
+
+import psutil
 
 # Timings differ from run to run; everything else must not.
 NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "cpu_s", "sync_seconds", "wall_s")
@@ -14,6 +19,86 @@ def history(out) -> list[dict]:
 def deterministic(row: dict) -> dict:
     """A metrics row without the figures that depend on the machine's speed."""
     return {k: v for k, v in row.items() if not any(part in k for part in NONDETERMINISTIC)}
+
+
+def resume_problems(out, before: bytes, console: str, checkpoint: int) -> list[str]:
+    """What tells a run that resumed from out/checkpoints/iter_`checkpoint` from a fresh rerun:
+    one `orz:` line on its console naming that checkpoint; metrics.jsonl keeping the rows up to
+    the checkpoint's step byte for byte as they were before (`before`: the file's bytes then,
+    timings included, which a rerun would rewrite), dropping only the later ones (an iteration
+    the checkpoint does not hold), and going on from the next step, each step once. [] if so."""
+    problems, out = [], Path(out)
+    expected = f"orz: resumed from {out / 'checkpoints' / f'iter_{checkpoint:06d}'} at iteration {checkpoint}"
+    said = [line for line in console.splitlines() if line.startswith("orz: resumed")]
+    if said != [expected]:
+        problems.append(f"the console says {said}, not [{expected!r}]")
+    kept = b"".join(line + b"\n" for line in before.splitlines() if json.loads(line)["step"] <= checkpoint)
+    if [json.loads(line)["step"] for line in kept.splitlines()] != list(range(checkpoint + 1)):
+        problems.append(f"the file before the resume lacks rows up to step {checkpoint}")
+    after = (out / "metrics.jsonl").read_bytes()
+    if not after.startswith(kept):
+        problems.append(f"metrics.jsonl's rows up to step {checkpoint} were not kept byte for byte")
+    steps = [json.loads(line)["step"] for line in after.splitlines()]
+    if steps[: checkpoint + 1] != list(range(checkpoint + 1)) or steps != list(range(len(steps))):
+        problems.append(f"metrics.jsonl's steps are {steps}")
+    return problems
+
+
+def check_resumed(out, before: bytes, console: str, checkpoint: int, reference) -> None:
+    """`out` resumed from its iter_`checkpoint` (resume_problems) and continued to the metrics of
+    the uninterrupted run `reference` (its output directory)."""
+    problems = resume_problems(out, before, console, checkpoint)
+    assert not problems, "\n".join(problems)
+    resumed, whole = history(out), history(reference)
+    assert [row["step"] for row in resumed] == [row["step"] for row in whole]
+    for mine, ref in zip(resumed[checkpoint + 1:], whole[checkpoint + 1:]):
+        assert deterministic(mine) == deterministic(ref)
+
+
+def ray_sessions(processes) -> set[str]:
+    """The Ray session directories (…/session_<date>_<pid of the driver that started it>) these
+    processes have files open in."""
+    sessions = set()
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            sessions |= {m.group(1) for f in proc.open_files() if (m := re.match(r"(.*/session_[^/]+)/", f.path))}
+    return sessions
+
+
+def processes_of_run(tree, sessions) -> set:
+    """What is left of a run: the processes of its tree as seen while it ran (psutil compares pid
+    and start time, so a reused pid is not taken for one), every process with a file open in one
+    of its Ray session directories (Ray renames its workers `ray::IDLE`, `ray::MegatronWorker…`:
+    their command line does not say whose they are), and every process whose raylet was the run's."""
+    raylets = {str(p.pid) for p in tree if title(p) == "raylet"}
+    prefixes = tuple(f"{s}/" for s in sessions)
+    left = set()
+    for proc in [*tree, *psutil.process_iter()]:
+        with contextlib.suppress(psutil.Error):
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc in tree or proc.environ().get("RAY_RAYLET_PID") in raylets \
+                    or any(f.path.startswith(prefixes) for f in proc.open_files()):
+                left.add(proc)
+    return left
+
+
+def title(proc) -> str:
+    """A process's name as its command line gives it (Ray's workers: `ray::VLLMEngine.generate`)."""
+    with contextlib.suppress(psutil.Error, IndexError):
+        return os.path.basename(proc.cmdline()[0])
+    return "?"
+
+
+def kill_run(proc) -> None:
+    """SIGKILLs a run started with start_new_session, and every process of it (its Ray cluster)."""
+    run = psutil.Process(proc.pid)
+    tree = {run, *run.children(recursive=True)}
+    sessions = ray_sessions(tree)
+    for victim in [run, *processes_of_run(tree, sessions)]:
+        with contextlib.suppress(psutil.Error):
+            victim.kill()
+    proc.wait()
 
 
 def _wandb_log_records(path: Path):

@@ -23,3 +23,48 @@ def test_orz_train_is_python_m_orz_train(capsys):
 def test_the_console_script_runs_plan():
     out = subprocess.run([sys.executable, "-m", "orz.cli", "plan", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--cluster CLUSTER" in out.stdout
+
+
+def test_a_ctrl_c_lost_in_a_del_is_raised_again():
+    """Python runs a signal's handler at whatever bytecode the main thread reaches next; one that
+    lands in a `__del__` (Ray's ObjectRefGenerator has one, dropped in the trainer's thread by
+    every engine stream that ends) is printed as ignored and lost: once a run went on to its end
+    and exited 0. The run's handler raises it again until the run has caught it."""
+    import gc
+    import signal
+    import time
+
+    import pytest
+
+    from orz.stopping import StopSignals, Stopped
+
+    lost = []
+
+    class DroppedInTheMainThread:
+        def __del__(self):
+            try:
+                signal.raise_signal(signal.SIGINT)  # the handler runs here, inside __del__
+            except BaseException as err:  # what CPython does with it: printed and dropped
+                lost.append(err)
+
+    signals = StopSignals()
+    signals.install()
+    try:
+        with pytest.raises(Stopped) as stopped:
+            DroppedInTheMainThread()
+            gc.collect()
+            assert lost and isinstance(lost[0], Stopped)  # the first raise was lost...
+            time.sleep(10)  # ...and the run would have carried on
+        assert stopped.value.signum == signal.SIGINT
+        signals.caught()
+        signal.raise_signal(signal.SIGINT)  # shutting down: ignored
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_malformed_fault_is_refused_before_anything_starts(capsys):
+    from orz import train
+
+    assert train.main(["model.path=/nonexistent", "trainer.fault=critic@2"]) == 2
+    assert "trainer.fault='critic@2' must be ROLE@ITERATION" in capsys.readouterr().err

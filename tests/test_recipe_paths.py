@@ -5,8 +5,12 @@ overlong penalty and dynamic sampling. Runs resumed from an earlier checkpoint c
 metrics of the uninterrupted run."""
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import pytest
 from orz.config import ConfigError, load_config
 from orz.data.datasets import DatasetFormatError
 from orz.ppo.trainer import main as train
-from run_history import deterministic as _deterministic, history as _history
+from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run
 
 pytestmark = pytest.mark.slow
 
@@ -34,23 +38,25 @@ def _resume_copy(whole: Path, copy: Path, checkpoint: int) -> None:
     (copy / "checkpoints/latest").write_text(f"iter_{checkpoint:06d}")
 
 
-def _resumed_matches(whole, overrides_for, checkpoint, tmp_path):
+def _resumed_matches(whole, overrides_for, checkpoint, tmp_path, capsys):
+    """A copy of `whole` at iter_`checkpoint`, resumed: it says so, keeps the rows up to the
+    checkpoint byte for byte, and continues to `whole`'s metrics (run_history.check_resumed)."""
     tmp_path.mkdir(exist_ok=True)
     copy = tmp_path / "resumed"
     _resume_copy(whole, copy, checkpoint)
+    before = (copy / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
     train(load_config(None, overrides_for(copy)))
-    resumed, reference = _history(copy), _history(whole)
-    assert [row["step"] for row in resumed] == [row["step"] for row in reference]
-    for mine, ref in zip(resumed[checkpoint + 1:], reference[checkpoint + 1:]):
-        assert _deterministic(mine) == _deterministic(ref)
+    check_resumed(copy, before, capsys.readouterr().out, checkpoint, whole)
 
 
-def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundary(ray_cluster, tiny_run, tmp_path):
+def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundary(ray_cluster, tiny_run, tmp_path,
+                                                                                  capsys):
     """Stage 1: lr 1e-3, 12 new tokens, '+' problems, PPO's loss; stage 2 (two iterations): lr
     5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's
     config, not to the previous stage's: back to lr 1e-3 and 12 tokens). Resumed from iteration 1,
-    the boundary (that checkpoint holds stage 1's optimizer settings), and from iteration 2,
-    inside stage 2."""
+    the boundary (that checkpoint holds stage 1's optimizer settings), and, killed (SIGKILL) in
+    iteration 3, from iteration 2, inside stage 2."""
     stages = ("stages=[{iterations: 1, overrides: {}}, "
               "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6, algorithm.policy_loss: cispo}}, "
               "{iterations: 1, overrides: {data.synthetic_ops: '*', algorithm.policy_loss: gspo, "
@@ -81,11 +87,26 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
                   "gspo": -sum(sum(s["advantages"]) / len(s["advantages"]) for s in samples) / len(samples)}
         assert row["actor/pg_loss"] == pytest.approx(losses.pop(used), abs=1e-5), (iteration, used)
         assert all(abs(row["actor/pg_loss"] - other) > 1e-4 for other in losses.values()), (iteration, losses)
-    for checkpoint in (1, 2):
-        _resumed_matches(whole, overrides, checkpoint, tmp_path / f"from_{checkpoint}")
+    _resumed_matches(whole, overrides, 1, tmp_path / "from_1", capsys)
+
+    killed = tmp_path / "killed"
+    latest = killed / "checkpoints/latest"
+    tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # shaped_reward
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(killed)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "PYTHONPATH": tests})
+    deadline = time.time() + 600
+    while not (latest.exists() and latest.read_text() >= "iter_000002"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.1)
+    kill_run(proc)
+    assert latest.read_text() == "iter_000002"  # killed in iteration 3, the second of stage 2
+    before = (killed / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    train(load_config(None, overrides(killed)))
+    check_resumed(killed, before, capsys.readouterr().out, 2, whole)
 
 
-def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tiny_run, tmp_path):
+def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tiny_run, tmp_path, capsys):
     def overrides(out):
         return [*tiny_run(out, "gae", iterations=2), "actor.dp=2", "actor.use_distributed_optimizer=true",
                 "critic.pp=2", "actor.micro_batch_tokens=96", "trainer.keep_checkpoints=3"]
@@ -100,7 +121,7 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes(ray_cluster, tin
     shards = sorted(p.name for p in (whole / "checkpoints/iter_000002/actor/mp_rank_00_000").iterdir())
     assert shards == ["model.safetensors", "optim.pt", "optim_dp_00_0.pt", "optim_dp_01_0.pt"]
     assert (whole / "checkpoints/iter_000002/critic/mp_rank_00_001/optim.pt").is_file()
-    _resumed_matches(whole, overrides, 1, tmp_path)
+    _resumed_matches(whole, overrides, 1, tmp_path, capsys)
 
 
 def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_run, tmp_path):
@@ -186,7 +207,7 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path):
+def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path, capsys):
     """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
     trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
     holds batches generated ahead (saved every 2 iterations, resumed from the earlier one)
@@ -203,7 +224,7 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
     assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
     assert rows[1]["timing/overlap_rollout_train"] > 0
-    _resumed_matches(whole, overrides, 2, tmp_path)
+    _resumed_matches(whole, overrides, 2, tmp_path, capsys)
 
 
 def test_a_sample_more_versions_behind_than_max_staleness_is_refused():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from orz.bundles import Bundles
 from orz.config import AlgorithmConfig, RoleConfig
+from orz.faults import FaultSite
 from orz.models.checkpoint import rank_dir
 from orz.models.inputs import ModelInputs
 from orz.models.optimizer_shards import (
@@ -94,7 +95,7 @@ def _last_token_values(values: torch.Tensor, exp: Experience) -> torch.Tensor:
     return out
 
 
-class MegatronWorker:
+class MegatronWorker(FaultSite):
     """One rank of a role. Created by WorkerGroup; `setup` joins the role's world."""
 
     def __init__(self, spec: RoleSpec, rank: int, world_size: int):
@@ -106,6 +107,9 @@ class MegatronWorker:
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
         self._threads = spec.cfg.threads
         torch.set_num_threads(self._threads)
+
+    def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
+        return f"{self.spec.name}-{self.rank}"
 
     @ray.method(concurrency_group="control")
     def use_threads(self, threads: int) -> None:
@@ -282,6 +286,7 @@ class MegatronWorker:
         mini-batch reads it from its own forward (detached; the weights have not moved yet), the
         others from one no-grad pass before the first step. One pass fewer than a separate one.
         The objective is core_algos.actor_loss; the π_old read here goes back with the metrics."""
+        self._raise_armed_fault()
         algo, temperature = step.algo, step.temperature
         shards = [minibatch.shard(*self._dp) for minibatch in minibatches]
         reads_old = shards[0].experience.old_logprobs is None
@@ -588,6 +593,10 @@ class WorkerGroup:
 
     def offload(self) -> None:
         ray.get(self._call("offload"))
+
+    def arm_fault(self, message: str) -> None:
+        """trainer.fault: every worker raises at the start of its next update (orz/faults.py)."""
+        ray.get(self._call("arm_fault", message))
 
     def onload(self) -> None:
         ray.get(self._call("onload"))

@@ -20,13 +20,15 @@ PLOTTED = (  # (panel title, metric keys drawn in it)
 
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, trackers: list = (), resume_from_step: int = -1):
-        """resume_from_step: a resumed run keeps the file's lines up to its checkpoint's step; the
-        later ones belong to iterations that will run again. A new run (-1) starts an empty file."""
+        """resume_from_step: a resumed run keeps the file's lines up to its checkpoint's step, byte
+        for byte; the later ones belong to iterations that will run again (and a line a killed run
+        left unfinished, without its newline, to one that will). A new run (-1) starts an empty file."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_from_step]
+            finished = self.path.read_text().split("\n")[:-1]  # after the last newline: "" or an unfinished line
+            kept = [line for line in finished if json.loads(line)["step"] <= resume_from_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
         self.trackers = list(trackers)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import signal
 import threading
@@ -34,17 +35,20 @@ import numpy as np
 import ray
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.bundles import Bundles
-from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
+from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import DatasetFormatError, Row, RunData
 from orz.data.sampler import PromptLoader
 from orz.data.templates import make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
+from orz.stopping import StopSignals, Stopped
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
 from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
@@ -162,6 +166,8 @@ class RayPPOTrainer:
         self.data = RunData(cfg.trainer.seed) if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.reward, self.evaluators, self.loader = None, {}, None
+        self.fault = Fault.parse(cfg.trainer.fault)  # main has refused a malformed one
+        self.phase = "start"  # what the iteration in flight is doing (named if it fails)
         self._setup_roles()
         self._setup_controllers()
         state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None else None
@@ -262,11 +268,16 @@ class RayPPOTrainer:
         with Progress(TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.description}"), console=console) as progress:
             task = progress.add_task("", total=self.total, completed=self.iteration)
+
+            def show(phase: str) -> None:
+                self.phase = phase
+                progress.update(task, description=phase)
+
             while self.iteration < self.total:
                 stage = stage_at(self.run_cfg, self.iteration)[0]
                 if stage != self.stage_index:
                     self._enter_stage(stage)
-                metrics = self.step(lambda phase: progress.update(task, description=phase))
+                metrics = self.step(show)
                 self.iteration += 1
                 last = self.iteration == self.total
                 if (cfg.eval_every and self.iteration % cfg.eval_every == 0) or last:
@@ -292,6 +303,7 @@ class RayPPOTrainer:
         scores) batch i + k in a background thread while the actor trains on batch i; the sync
         waits for them. Batches already generated wait in `self.pending` (and in checkpoints)."""
         timer, k = Timer(), self.run_cfg.trainer.max_staleness
+        self._arm_fault()
         with timer("step"):
             show("rollout")
             while len(self.pending) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
@@ -348,6 +360,19 @@ class RayPPOTrainer:
         if every and (self.iteration + 1) % every == 0:
             self._dump(experience)
         return metrics
+
+    def _arm_fault(self) -> None:
+        """trainer.fault: the role raises in this iteration (orz/faults.py). With batches generated
+        ahead, the engines and the reward raise in the next rollout they start."""
+        fault = self.fault
+        if fault is None or fault.iteration != self.iteration + 1:
+            return
+        if fault.role == "actor":
+            self.actor.arm_fault(fault.message("every actor worker's update"))
+        elif fault.role == "engine":
+            self.fleet.arm_fault(fault.message("every vLLM engine's generation"))
+        else:
+            self.reward.arm_fault(fault.message("the reward router's scoring"))
 
     def _sync(self, timer: Timer, show) -> dict:
         """The actor's new weights into every engine, as the next version."""
@@ -735,53 +760,77 @@ def _summary(metrics: dict) -> str:
     return "  ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics)
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through every `finally`, like Ctrl-C's KeyboardInterrupt
-
-
 def main(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
-    SIGTERM and Ctrl-C stop it with every role shut down, and the local Ray cluster too if this
-    call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
+    SIGTERM and Ctrl-C raise Stopped once every role is shut down, and the local Ray cluster too if
+    this call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
     start on and across restarts, ends the run after the current iteration with a checkpoint."""
     stop = threading.Event()
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread:
+    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
+    if signals:
         signal.signal(signal.SIGUSR1, lambda *_: stop.set())
-    run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
-    data = check_data(cfg)
-    t = cfg.trainer
-    log_dir = Path(t.output_dir) / "logs"
-    if not t.verbose:
-        console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        # "local": a new cluster even where `ray start` left its address in /tmp/ray.
-        local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-        with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
-            ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
-                     configure_logging=False, **local)
-    with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
-        # After ray.init, whose core worker turns SIGTERM into an abort that skips every cleanup.
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+        signals.install()
+    progress = {"iterations": None}  # of the trainer in use, for Stopped
+    owns_ray = False
+    try:
         try:
-            return _train_with_restarts(cfg, data, stop)
-        finally:
+            try:
+                Fault.parse(cfg.trainer.fault)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
+            data = check_data(cfg)
+            t = cfg.trainer
+            log_dir = Path(t.output_dir) / "logs"
+            if not t.verbose:
+                console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
+            owns_ray = not ray.is_initialized()
             if owns_ray:
+                # "local": a new cluster even where `ray start` left its address in /tmp/ray.
+                local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
+                with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
+                    ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
+                             configure_logging=False, **local)
+            if signals:
+                signals.install()
+            with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
+                return _train_with_restarts(cfg, data, stop, signals, progress)
+        except KeyboardInterrupt:
+            if signals:
+                signals.caught()
+            latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
+            raise Stopped(signals.signum if signals and signals.signum else signal.SIGINT, progress["iterations"],
+                          str(latest.parent / latest.read_text().strip()) if latest.is_file() else None) from None
+        finally:
+            if owns_ray and ray.is_initialized():
                 ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, previous)
+    finally:
+        if signals:
+            signals.restore()
 
 
-def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.Event) -> dict:
+def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.Event,
+                         signals: StopSignals | None, progress: dict) -> dict:
     resume_from, restarts = latest_checkpoint(cfg), 0
     while True:
-        trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
+        trainer = None
         try:
+            trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
             return trainer.fit(stop) | {"restarts": restarts}
+        except KeyboardInterrupt:
+            if signals:
+                signals.caught()  # before the shutdown below, which must not be interrupted
+            raise
         except Exception as err:
+            if trainer is None:
+                raise
             lost = trainer.lost_workers()
-            if not lost or restarts == cfg.trainer.max_restarts:
+            if not lost:  # an exception, not a lost process: starting again would raise it again
+                console.print(f"[bold red]orz: iteration {trainer.iteration + 1} failed[/] in its {trainer.phase} "
+                              f"phase: {escape(_origin(err))}; the run stops, its traceback follows. The last checkpoint: "
+                              f"{trainer.last_checkpoint or 'none'}")
+                raise
+            if restarts == cfg.trainer.max_restarts:
                 raise
             restarts += 1
             resume_from = trainer.last_checkpoint
@@ -789,4 +838,15 @@ def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.E
                           f"({type(err).__name__}); restart {restarts} of at most {cfg.trainer.max_restarts}, "
                           f"from {resume_from or 'the start'}")
         finally:
-            trainer.shutdown()
+            if trainer is not None:
+                progress["iterations"] = trainer.iteration
+                trainer.shutdown()
+
+
+def _origin(err: BaseException) -> str:
+    """The error's first line and, when a Ray actor raised it, which actor (its repr: the name of
+    its log, `actor-0`, `engine-0`) in which method, from the line Ray puts over its traceback."""
+    cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+    what = f"{type(cause or err).__name__}: {cause or err}".splitlines()[0]
+    actor = re.search(r"ray::([\w.]+)\(\).*?repr=([^)]+)\)", str(err)) if cause is not None else None
+    return f"{what} (raised in {actor[2]}, {actor[1]})" if actor else what

@@ -26,6 +26,7 @@ from typing import Any
 
 from orz.config import RewardConfig
 from orz.data.datasets import BUILTIN_VERIFIERS, DatasetFormatError, Row
+from orz.faults import FaultSite
 from orz.reward import custom
 from orz.reward.choice import extract_choice
 from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
@@ -120,7 +121,7 @@ class _Part:
     extras: dict[str, float] = field(default_factory=dict)
 
 
-class RewardRouter:
+class RewardRouter(FaultSite):
     """Holds the verifier pools a set of rows needs; `close()` when done."""
 
     def __init__(self, cfg: RouterConfig, rows: Sequence[Row]):
@@ -181,6 +182,7 @@ class RewardRouter:
 
     # ---- inside a job ----------------------------------------------------------------------
     def _score(self, responses: list[str], rows: list[Row], finish_reasons: list[str | None]) -> list[Verdict]:
+        self._raise_armed_fault()  # trainer.fault=reward@N: this job's Future holds it
         own: dict[str, list[int]] = defaultdict(list)  # verifier -> finished responses it judges
         for i, (row, reason) in enumerate(zip(rows, finish_reasons)):
             if reason == "stop":

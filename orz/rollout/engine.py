@@ -13,6 +13,7 @@ import ray
 import torch
 
 from orz.config import RolloutConfig
+from orz.faults import FaultSite
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
 
@@ -69,7 +70,7 @@ class StaleWeightsError(RuntimeError):
     """An engine was asked to generate with weights older than the caller requires."""
 
 
-class VLLMEngine:
+class VLLMEngine(FaultSite):
     def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0, log_dir: str = ""):
         """log_dir: this engine's stdout/stderr go to log_dir/engine-<seed>.log ("" keeps them)."""
         from orz.logs import to_log_file
@@ -96,6 +97,10 @@ class VLLMEngine:
         self.weight_version = 0
         self._interrupted: set[int] = set()  # calls asked to stop (interrupt)
         self._paused: dict[int, tuple] = {}  # call -> (its sampling, the groups it left unfinished)
+        self.seed = seed
+
+    def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
+        return f"engine-{self.seed}"
 
     def pid(self) -> int:
         return os.getpid()
@@ -109,6 +114,7 @@ class VLLMEngine:
         call: an id that makes the generation interruptible (partial rollout): after
         `interrupt(call)` it stops at its next step, keeps what each unfinished response has
         generated, and ends; `resume(call)` finishes those responses with the weights loaded since."""
+        self._raise_armed_fault()
         self._check_version(min_version)
         cfg = SamplingConfig(**sampling)
         groups = {index: [_Response(index, list(prompt_ids), cfg.seed + index * cfg.n + j, self.weight_version)

@@ -181,6 +181,10 @@ class EngineFleet:
         if self.cfg.sleep_mode:
             ray.get([e.wake_up.remote() for e in self.engines])
 
+    def arm_fault(self, message: str) -> None:
+        """trainer.fault: every engine raises at the start of its next generation (orz/faults.py)."""
+        ray.get([e.arm_fault.remote(message) for e in self.engines])
+
     # ---- weights ---------------------------------------------------------------------------
     def sync(self, source: WeightSource, version: int, engine_ids: list[int] | None = None, _attempt: int = 0) -> dict:
         """Puts `source`'s weights into the engines (all by default) as `version`; returns timings.
