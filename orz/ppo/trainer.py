@@ -48,15 +48,14 @@ from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
-from orz.stopping import StopSignals, Stopped
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import run_rules
 from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
-    IS_LEVELS,
     FixedKLController,
+    IS_LEVELS,
     dynamic_sampling_filter,
     estimate_advantages,
     kl_in_score,
@@ -74,6 +73,7 @@ from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
+from orz.stopping import StopSignals, Stopped
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
 
