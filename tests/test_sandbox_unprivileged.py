@@ -57,7 +57,7 @@ controls = {name: subprocess.run([sys.executable, "-c", source], capture_output=
             for name, source in job["controls"].items()}
 tests = CodeTests(*job["tests"])
 limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
-bomb_limits = SandboxLimits(wall_s=15.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
+bomb_limits = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
 with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
         CodeReward(CodeRewardConfig(max_parallel=1, limits=bomb_limits)) as bomb_reward:
     isolation = reward.sandbox.isolation
@@ -66,11 +66,11 @@ with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
     resource.setrlimit(resource.RLIMIT_NPROC, (before + 64, before + 64))  # the user's ulimit -u
     bomb = threading.Thread(target=bomb_reward.score, args=([job["bomb"]], [tests]))
     bomb.start()
-    deadline = time.monotonic() + 5
-    while tasks() - before < limits.processes and time.monotonic() < deadline:
-        time.sleep(0.05)
+    deadline = time.monotonic() + 20  # a loaded machine (the whole suite) ramps the bomb up slowly
     starts = []
-    for _ in range(10):  # each: the bomb's tasks at that moment, whether it still ran, what Python printed
+    for _ in range(10):  # each once the bomb holds its limit: its tasks then, whether it still ran, what Python printed
+        while tasks() - before < limits.processes and bomb.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         bomb_tasks, running = tasks() - before, bomb.is_alive()
         started = subprocess.run([sys.executable, "-c", "print(3)"], capture_output=True, text=True, timeout=30)
         starts.append([bomb_tasks, running and bomb.is_alive(), started.stdout])
