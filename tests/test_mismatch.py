@@ -109,11 +109,12 @@ def test_the_whole_actor_objective_by_hand():
     assert float(loss.detach()) == pytest.approx((-3 + 2 * 2 * 1.5) / 5, abs=1e-6)
 
 
-# ---- end to end: three stages of two stale iterations each (max_staleness=1: the second
+# ---- end to end: four stages of two stale iterations each (max_staleness=1: the second
 # iteration of a stage trains on samples of the weights before the last update).
 STAGES = ("[{iterations: 2, overrides: {}}, "
           "{iterations: 2, overrides: {algorithm.mismatch_mask: [0.9, 1.1]}}, "
-          "{iterations: 2, overrides: {algorithm.mismatch_reject_geo: [0.95, 1.05]}}]")
+          "{iterations: 2, overrides: {algorithm.mismatch_reject_geo: [0.95, 1.05]}}, "
+          "{iterations: 2, overrides: {algorithm.is_level: sequence}}]")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def stale_run(ray_cluster, tiny_run, tmp_path_factory):
                              f"stages={STAGES}", "reward.custom={spaces: 'shaped_reward:space_share'}",
                              "reward.weights={spaces: 1.0}", "trainer.save_every=0", "trainer.export_hf=false"]))
     dumps = [[json.loads(line) for line in (out / "samples" / f"iter_{i:06d}.jsonl").read_text().splitlines()]
-             for i in range(1, 7)]
+             for i in range(1, 9)]
     return history(out)[1:], dumps
 
 
@@ -135,11 +136,15 @@ def _ratios(sample) -> torch.Tensor:
     return (torch.tensor(sample["old_logprobs"]) - torch.tensor(sample["rollout_logprobs"])).exp()
 
 
-def _pg_loss(samples, keep) -> float:
-    """token-mean of −A·w over the kept tokens, w = min(r, 2): the policy loss at ratio π/π_old = 1,
-    which the first (here the only) mini-batch has."""
-    numerator = sum(float((-torch.tensor(s["advantages"]) * _ratios(s).clamp(max=2.0) * k).sum())
-                    for s, k in zip(samples, keep))
+def _pg_loss(samples, keep, level="token") -> float:
+    """token-mean of −A·w over the kept tokens, w = min(r, 2) per token, or min(Π r, 2) over the
+    sequence's kept tokens: the policy loss at ratio π/π_old = 1, which the first (here the only)
+    mini-batch has."""
+    def weights(s, k):
+        r = _ratios(s)
+        return r.clamp(max=2.0) if level == "token" else (r.log() * k).sum().exp().clamp(max=2.0).expand_as(r)
+
+    numerator = sum(float((-torch.tensor(s["advantages"]) * weights(s, k) * k).sum()) for s, k in zip(samples, keep))
     return numerator / sum(float(k.sum()) for k in keep)
 
 
@@ -151,7 +156,7 @@ def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
         ratios = torch.cat([_ratios(s) for s in samples])
         assert row["mismatch/kl_k3"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()), rel=1e-4, abs=1e-9)
         assert row["mismatch/logp_abs_diff_max"] == pytest.approx(float(ratios.log().abs().max()), rel=1e-4)
-    for stale in (1, 3, 5):  # the second iteration of each stage trains on the previous weights' samples
+    for stale in (1, 3, 5, 7):  # the second iteration of each stage trains on the previous weights' samples
         assert rows[stale]["mismatch/kl_k3"] > max(10 * rows[stale - 1]["mismatch/kl_k3"], 1e-4)
 
     # Stage 1, no mask: IS weights min(r, 2) weigh the loss the actor reports.
@@ -187,3 +192,9 @@ def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
         keep = [torch.full((len(s["advantages"]),), 0.0 if out else 1.0) for s, out in zip(samples, rejected.tolist())]
         assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, keep), abs=1e-5)
     assert 0 < rows[5]["mismatch/rejected_seq_frac"] < 1
+
+    # Stage 4: sequence-level IS, w = min(Πₜ rₜ, 2) on every token of the sequence.
+    for row, samples in zip(rows[6:8], dumps[6:8]):
+        full = [torch.ones(len(s["advantages"])) for s in samples]
+        assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, full, "sequence"), abs=1e-5)
+    assert abs(_pg_loss(dumps[7], full, "token") - rows[7]["actor/pg_loss"]) > 1e-4  # not the token-level loss
