@@ -67,7 +67,10 @@ class RolloutConfig:
     cpus_per_engine: float = 1.0
     kv_cache_gib: int = 2  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5  # GPU only
-    max_model_len: int = 0  # 0: prompt_max_tokens + max_new_tokens
+    # The longest sample (prompt + response; with an environment every turn and observation too).
+    # 0: data.prompt_max_tokens + max_new_tokens; with an environment data.prompt_max_tokens +
+    # max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens (run_rules.context_length).
+    max_model_len: int = 0
     n_samples: int = 8  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,6 +85,17 @@ class RolloutConfig:
     # Partial rollout (max_staleness > 0): when the actor's update ends before the next batch is
     # generated, the engines stop, take the new weights, and continue each unfinished response.
     partial: bool = False
+    # Multi-turn rollout (docs/multiturn.md). A row's "env" field names its environment, else
+    # this one; "" and no row naming one: single turn. "python" (built in) runs the code block a
+    # turn closes in the sandbox and shows the output.
+    env: str = ""
+    envs: dict[str, str] = field(default_factory=dict)  # name -> "package.module:Class", one instance per sample
+    max_turns: int = 4  # model turns per sample; max_new_tokens bounds each
+    env_timeout_s: float = 60.0  # an environment's reset or step past this ends its sample with score 0
+    tool_open: str = "<code>"  # python: a code block opens with this ...
+    tool_close: str = "</code>"  # ... and closes with this, a stop string of every turn
+    tool_timeout_s: float = 10.0  # python: a code block's wall clock in the sandbox (< env_timeout_s)
+    max_observation_tokens: int = 256  # an observation's tokens, its wrapping included; longer ones are cut
 
 
 @dataclass
@@ -314,19 +328,21 @@ def to_dict(cfg) -> dict:
 
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
     """`["trainer.iterations=20", ...]` or `{"trainer.iterations": 20}`: a new config.
-    Values are parsed as YAML (numbers, booleans, lists); unknown keys are an error."""
+    Values are parsed as YAML (numbers, booleans, lists); unknown keys are an error. A dict-typed
+    field takes a whole mapping (`reward.weights={a: 1}`) or one new or changed key (`reward.weights.a=1`)."""
     items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
     data = to_dict(cfg)
     for key, value in items:
         *parents, last = key.split(".")
-        target = data
+        target, hint = data, ExperimentConfig  # the mapping written into, and its field's type
         for i, part in enumerate(parents):
-            if not isinstance(target, dict) or part not in target:
+            if not dataclasses.is_dataclass(hint) or part not in target:
                 prefix = ".".join(parents[:i])
                 raise ConfigError(f"override {key!r}: unknown key {'.'.join(key.split('.')[: i + 1])!r}"
                                   f"{_did_you_mean(part, target if isinstance(target, dict) else {}, prefix)}")
-            target = target[part]
-        if not isinstance(target, dict) or last not in target:
+            target, hint = target[part], typing.get_type_hints(hint)[part]
+        takes_new_keys = typing.get_origin(hint) is dict  # a dict-typed field: its keys are the user's
+        if not isinstance(target, dict) or (last not in target and not takes_new_keys):
             raise ConfigError(f"override {key!r}: unknown key {key!r}"
                               f"{_did_you_mean(last, target if isinstance(target, dict) else {}, '.'.join(parents))}")
         target[last] = value

@@ -23,6 +23,21 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(None, [override])
 
 
+def test_dict_fields_take_a_whole_mapping_or_one_key(tmp_path):
+    cfg = load_config(None, ["reward.weights={format: 0.5}", "reward.weights.length=1", "rollout.envs.echo=turn_envs:Echo",
+                             "data.eval.arith=synthetic:arithmetic"])
+    assert cfg.reward.weights == {"format": 0.5, "length": 1.0} and cfg.rollout.envs == {"echo": "turn_envs:Echo"}
+    assert cfg.data.eval == {"arith": "synthetic:arithmetic"}
+    assert load_config(None, ["reward.weights.a=1", "reward.weights={b: 2}"]).reward.weights == {"b": 2.0}  # replaced
+    (tmp_path / "envs.yaml").write_text("rollout:\n  envs:\n    echo: turn_envs:Echo\nreward:\n  weights:\n    echo: 2\n")
+    cfg = load_config(tmp_path / "envs.yaml")
+    assert cfg.rollout.envs == {"echo": "turn_envs:Echo"} and cfg.reward.weights == {"echo": 2.0}
+    for bad, key in (("reward.weights.a.b=1", "reward.weights.a"), ("reward.weights.a=heavy", "reward.weights.a"),
+                     ("trainer.iterations.x=1", "trainer.iterations.x")):
+        with pytest.raises(ConfigError, match=rf"\b{key}\b"):
+            load_config(None, [bad])
+
+
 def test_yaml_preset_round_trip_and_unknown_key(tmp_path):
     cfg = load_config("configs/tiny_grpo.yaml", ["trainer.iterations=7"])
     assert cfg.algorithm.advantage == "grpo" and cfg.trainer.iterations == 7

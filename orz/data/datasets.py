@@ -9,7 +9,7 @@ Row formats accepted (one file may mix them, and so may a run's data.train acros
 - ORZ conversation: `[{"from": "human", "value": q}, {"from": "assistant", "ground_truth": {"value": a}}]`
 - ORZ evaluation:   `{"prompt": [{"from": "user", "value": q}], "final_answer": a}`
 - flat:             `{"prompt": q, "answer": a}`, optionally `"verifier": name` (a custom reward's
-  name, or math / code / multiple_choice) and `"data_source"`
+  name, or math / code / multiple_choice), `"data_source"` and `"env"` (its environment's name)
 - verl / Skywork-OR1: `{"data_source", "prompt": [{"role": "user", "content": q}],
   "reward_model": {"style", "ground_truth"}, "extra_info", "ability"}`. The ground truth is a
   list of acceptable math answers (often the string of a Python list, `"['3']"`), or code tests
@@ -106,6 +106,7 @@ class Row:
     data_source: str = ""  # per-source metrics; verl's compute_score reads it
     ground_truth: Any = None  # as the file gives it, for custom rewards
     extra_info: Any = None
+    env: str = ""  # its environment (multi-turn rollout, orz.rollout.envs); "": rollout.env's
     source: str = field(default="", compare=False)  # where it was read: not part of what the row is
     number: int = field(default=0, compare=False)
 
@@ -230,7 +231,10 @@ def _parse(raw: Any, source: str, number: int) -> Row:
         return Row(_last_user_message(raw), "math", _conversation_answers(raw), **where)
     if not isinstance(raw, dict):
         raise ValueError(f"a row must be an object or a conversation list, got {type(raw).__name__}")
-    common = {**where, "data_source": str(raw.get("data_source") or ""), "extra_info": raw.get("extra_info")}
+    env = raw.get("env") or ""
+    if not isinstance(env, str):
+        raise ValueError(f"'env' must be an environment's name, got {env!r:.80}")
+    common = {**where, "data_source": str(raw.get("data_source") or ""), "extra_info": raw.get("extra_info"), "env": env}
     verifier = raw.get("verifier")
     if verifier is not None and (not isinstance(verifier, str) or not verifier.strip()):
         raise ValueError(f"'verifier' must be a name, got {verifier!r:.80}")

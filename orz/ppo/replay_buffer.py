@@ -313,6 +313,9 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
     loss_tokens = experience.response_mask[row].bool()
     record: dict[str, Any] = {"row": row, "prompt": prompt, "response": response,
                               "num_loss_tokens": int(loss_tokens.sum())}
+    if per_token:  # the trained ids, and which of them are loss tokens (multi-turn: not an observation's)
+        record["response_ids"] = experience.sequences[row, start:end].tolist()
+        record["response_mask"] = experience.response_mask[row, : end - start].tolist()
     for name, dims, value in experience.tensor_fields():
         if dims == "B" and name != "prompt_lengths":
             record[name] = value[row].item()
@@ -334,9 +337,10 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
 
 def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                              rollout_logprobs: Sequence[Sequence[float]] | None = None,
-                             pad_id: int = 0) -> Experience:
+                             pad_id: int = 0, loss_masks: Sequence[Sequence[int]] | None = None) -> Experience:
     """An Experience with the token fields (and the engine's log-probs) of B rollouts, in the
-    module's layout: ``sequences`` = prompt + response right-padded, ``response_mask`` over T."""
+    module's layout: ``sequences`` = prompt + response right-padded, ``response_mask`` over T: 1 on
+    every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
@@ -349,7 +353,7 @@ def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: 
         tokens = list(prompt) + list(response)
         sequences[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
-        response_mask[row, : len(response)] = 1
+        response_mask[row, : len(response)] = 1 if loss_masks is None else torch.tensor(loss_masks[row], dtype=torch.float)
     logprobs = None
     if rollout_logprobs is not None:
         logprobs = torch.zeros(batch, resp_width)

@@ -4,6 +4,7 @@
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
+    context_length(cfg, multi_turn)  # the longest sample the engines hold
     range_problems(cfg)         # the settings outside their valid range, one line each
 
 Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
@@ -22,6 +23,7 @@ from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
+from orz.rollout.envs import PYTHON, env_names, load_env_class
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -125,7 +127,7 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         problems.append(f"algorithm.dual_clip caps PPO's per-token surrogate and has no meaning for "
                         f"policy_loss={a.policy_loss!r}; unset it")
     try:
-        RouterConfig.from_config(cfg.reward)
+        RouterConfig.from_config(cfg.reward, envs=env_names(cfg.rollout.envs))
     except ValueError as err:
         problems.append(str(err))
     problems += _reward_model_problems(cfg.reward)
@@ -149,11 +151,18 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     if a.kl_target is not None and a.kl_coef <= 0:
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
-    context = r.max_model_len or d.prompt_max_tokens + r.max_new_tokens
+    multi_turn = bool(r.env or r.envs)
+    if multi_turn:
+        problems += multi_turn_problems(cfg)
+    context = context_length(cfg, multi_turn)
     if arch is not None and context > arch.max_position_embeddings:
-        problems.append(f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
-                        f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
-                        f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
+        sizes = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len else
+                 f"data.prompt_max_tokens + rollout.max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens")
+        if not multi_turn:
+            sizes = (f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
+                     f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''}")
+        problems.append(f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
+                        f"{arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
         if arch is not None:
             try:
@@ -170,6 +179,53 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def context_length(cfg: ExperimentConfig, multi_turn: bool) -> int:
+    """The longest sample, prompt included: rollout.max_model_len when set; else prompt_max_tokens
+    + max_new_tokens, and with an environment prompt_max_tokens + T·max_new_tokens + (T − 1)·
+    max_observation_tokens for T = max_turns (every turn and every observation between two)."""
+    r, d = cfg.rollout, cfg.data
+    if r.max_model_len:
+        return r.max_model_len
+    if not multi_turn:
+        return d.prompt_max_tokens + r.max_new_tokens
+    return d.prompt_max_tokens + r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_observation_tokens
+
+
+def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
+    """With an environment: known names, importable classes, consistent limits, and what is not
+    built for several turns (the overlong penalty, partial rollout) refused."""
+    r, problems = cfg.rollout, []
+    if PYTHON in r.envs:
+        problems.append(f"rollout.envs.{PYTHON}: '{PYTHON}' is the built-in tool environment; pick another name")
+    for name, spec in r.envs.items():
+        try:
+            load_env_class(name, spec)
+        except ValueError as err:
+            problems.append(str(err))
+    if r.env and r.env not in env_names(r.envs):
+        problems.append(f"rollout.env={r.env!r} names no environment; known: {sorted(env_names(r.envs))} "
+                        "(add it to rollout.envs)")
+    if r.tool_timeout_s >= r.env_timeout_s:
+        problems.append(f"rollout.tool_timeout_s={r.tool_timeout_s} must be below rollout.env_timeout_s="
+                        f"{r.env_timeout_s}: a code block past its timeout is killed and its observation says so; "
+                        "an environment past env_timeout_s ends its sample with score 0")
+    if not r.tool_open or not r.tool_close or r.tool_open == r.tool_close:
+        problems.append(f"rollout.tool_open={r.tool_open!r} and rollout.tool_close={r.tool_close!r} must be two "
+                        "different non-empty delimiters (tool_close ends a turn)")
+    if r.max_model_len and r.max_model_len < cfg.data.prompt_max_tokens + r.max_new_tokens:
+        problems.append(f"rollout.max_model_len={r.max_model_len} cannot hold data.prompt_max_tokens="
+                        f"{cfg.data.prompt_max_tokens} + one turn of rollout.max_new_tokens={r.max_new_tokens}; "
+                        "raise it, or set 0 to derive it from max_turns")
+    if cfg.algorithm.overlong_buffer:
+        problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} penalises a response's length "
+                        "near max_new_tokens, which bounds each turn of a multi-turn sample, not the sample: set it "
+                        "0 with an environment (rollout.max_model_len bounds the sample; reaching it is a truncation)")
+    if r.partial:
+        problems.append("rollout.partial=true is not built for multi-turn rollout (a conversation is continued "
+                        "turn by turn, not across a weight update): set it false with an environment")
+    return problems
 
 
 def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
@@ -256,7 +312,11 @@ _RANGES = (
     ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
     ("rollout.kv_cache_gib", lambda v: v >= 1, ">= 1"),
     ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("rollout.max_model_len", lambda v: v >= 0, ">= 0 (0: data.prompt_max_tokens + rollout.max_new_tokens)"),
+    ("rollout.max_model_len", lambda v: v >= 0, ">= 0 (0: derived, run_rules.context_length)"),
+    ("rollout.max_turns", lambda v: v >= 1, ">= 1"),
+    ("rollout.env_timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.tool_timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.max_observation_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout.n_samples", lambda v: v >= 1, ">= 1"),
     ("rollout.temperature", lambda v: 0 <= v <= 2, "in [0, 2] (vLLM's range; 0: greedy)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -72,7 +72,11 @@ from orz.ppo.replay_buffer import Experience, experience_from_rollouts
 from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
 from orz.rollout.engine import Sample, SamplingConfig
+from orz.rollout.envs import env_names
 from orz.rollout.fleet import EngineFleet, FleetConfig
+from orz.rollout.multiturn import (
+    Conversation, MultiTurnRollout, TurnLimits, env_scores, make_envs, multiturn_metrics, turn_stops, uses_envs,
+)
 from orz.stopping import StopSignals, Stopped
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
@@ -102,11 +106,19 @@ def check_data(cfg: ExperimentConfig) -> RunData:
     context is sized from it): training skips a longer prompt, evaluation refuses it."""
     data, tokenizer = RunData(cfg.trainer.seed), load_tokenizer(cfg.model.path)
     for _, staged in stage_configs(cfg):
-        d, router = staged.data, RouterConfig.from_config(staged.reward)
+        envs = env_names(staged.rollout.envs)
+        d, router = staged.data, RouterConfig.from_config(staged.reward, envs=envs)
         template = make_template(d.template, tokenizer, d.instruction)
         evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
         rows = data.train(d) + evaluated
         check_verifiers(rows, router)
+        unknown_env = next((r for r in rows if r.env and r.env not in envs), None)
+        if unknown_env is not None:
+            raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "
+                                     f"known: {sorted(envs)} (add it to rollout.envs)")
+        problems = run_rules.multi_turn_problems(staged) if uses_envs(staged.rollout, rows) else []
+        if problems:
+            raise ConfigError("\n".join(problems))
         scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
         if scored_by_model is not None and not staged.reward.model.path:
             raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
@@ -205,7 +217,8 @@ class RayPPOTrainer:
         role_args = {"actor": {}, "ref": {"train": False},
                      "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"critic": True, "train": False, "model_path": rm.path}}
-        longest = max(staged.data.prompt_max_tokens + staged.rollout.max_new_tokens for _, staged in stage_configs(cfg))
+        longest = max(run_rules.context_length(staged, uses_envs(staged.rollout, self.data.train(staged.data)))
+                      for _, staged in stage_configs(cfg))
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
                                             batch_invariant=cfg.trainer.batch_invariant)
 
@@ -247,7 +260,11 @@ class RayPPOTrainer:
             self.loader.load_state_dict(loader_state)
         if self.reward is not None:
             self.reward.close()
-        self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows)
+        self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
+        # Multi-turn when an environment is configured or named by a row; else today's single-turn path.
+        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code),
+                                          TurnLimits.of(cfg), turn_stops(cfg.rollout)) \
+            if uses_envs(cfg.rollout, self.loader.rows) else None
         self._setup_eval()
         roles = run_rules.roles(cfg)
         for name, group in self._named_groups():
@@ -427,8 +444,14 @@ class RayPPOTrainer:
         after the last sample: each prompt's group goes to the reward router as soon as its samples
         finish, so scoring overlaps generation."""
         pending = []
-        for group in self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
-                                       interruptible=self.stage_cfg.rollout.partial):
+        if self.multiturn is not None:
+            env = self.stage_cfg.rollout.env
+            groups = self.multiturn.stream([(ids, row.record(), row.env or env) for row, ids in prompts], sampling,
+                                           min_version)
+        else:
+            groups = self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
+                                       interruptible=self.stage_cfg.rollout.partial)
+        for group in groups:
             row = prompts[group[0].index][0]
             pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
                                                       [s.finish_reason for s in group])))
@@ -453,6 +476,8 @@ class RayPPOTrainer:
             judged += verdicts
             reward_wait += wait
             scores = torch.tensor([v.score for v in verdicts])
+            if self.multiturn is not None:
+                scores = env_scores(samples, scores, self.stage_cfg.reward.weights)
             if self.reward_model is not None:
                 model_scores = self._model_scores(samples, [prompts[s.index][0] for s in samples])
                 model_score_sum += model_scores.sum().item()
@@ -477,7 +502,8 @@ class RayPPOTrainer:
         samples = [sample for sample, _, _ in kept]
         scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                              [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0)
+                                              [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
+                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None)
         lengths = experience.response_mask.sum(1)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
         every_score = torch.tensor([score for _, _, score, _, _ in drawn])
@@ -498,6 +524,8 @@ class RayPPOTrainer:
             # Partial rollout: responses continued by newer weights than they started with.
             "rollout/partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
         }
+        if self.multiturn is not None:
+            metrics |= multiturn_metrics([sample for _, sample, _, _, _ in drawn])  # over every draw, like reward/*
         if self.reward_model is not None:
             metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*
         if algo.dynamic_sampling:
@@ -624,9 +652,12 @@ class RayPPOTrainer:
         (self.out / "samples").mkdir(exist_ok=True)
         with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
             for draw, sample, score, group, keep in drawn:
-                out.write(json.dumps({"draw": draw, "group": group, "response": sample.text, "score": score,
-                                      "length": len(sample.response_ids), "kept": id(sample) in kept,
-                                      "passed_filter": keep}) + "\n")
+                record = {"draw": draw, "group": group, "response": sample.text, "score": score,
+                          "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep}
+                if isinstance(sample, Conversation):  # every turn in order: origin "model" or "env", text, ids
+                    record |= {"turns": [vars(turn) for turn in sample.turns], "env": sample.env,
+                               "env_reward": sample.env_reward, "env_error": sample.env_error}
+                out.write(json.dumps(record) + "\n")
 
     def _dump(self, experience: Experience) -> None:
         """samples/iter_N.jsonl; with trainer.dump_per_token, every token's figures, and the IS
@@ -650,7 +681,8 @@ class RayPPOTrainer:
         for evaluator in self.evaluators.values():
             evaluator.close()
         benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.data.eval_sets(cfg.data).items()]
-        verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass"),
+        verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass",
+                                                    envs=env_names(r.envs)),
                            weights={})
         common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=self.run_cfg.trainer.seed,
                       reward=verdicts)

@@ -19,7 +19,7 @@ reward endpoint); w_v is 1 unless `weights` names the verifier.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,8 +68,10 @@ class RouterConfig:
 
     @classmethod
     def from_config(cls, reward: RewardConfig, *, format_reward: float | None = None,
-                    num_workers: int | None = None, scoring: str | None = None) -> RouterConfig:
-        """The router of a run's `reward` section (the evaluator overrides what makes a verdict binary)."""
+                    num_workers: int | None = None, scoring: str | None = None,
+                    envs: Collection[str] = ()) -> RouterConfig:
+        """The router of a run's `reward` section (the evaluator overrides what makes a verdict binary).
+        envs: the environments' names, whose weights in reward.weights the trainer applies, not the router."""
         c = reward.code
         return cls(
             math=MathRewardConfig(extraction=tuple(reward.extraction), timeout_s=reward.timeout_s,
@@ -78,7 +80,7 @@ class RouterConfig:
             code=CodeRewardConfig(scoring=scoring or c.scoring, extraction=c.extraction, max_parallel=c.max_parallel,
                                   limits=SandboxLimits(wall_s=c.wall_s, cpu_s=c.cpu_s, memory_mb=c.memory_mb),
                                   allow_weak_sandbox=c.allow_weak_sandbox),
-            custom=dict(reward.custom), weights=dict(reward.weights),
+            custom=dict(reward.custom), weights={k: w for k, w in reward.weights.items() if k not in envs},
             custom_workers=reward.custom_workers, custom_timeout_s=reward.custom_timeout_s,
         )
 
@@ -149,9 +151,9 @@ class RewardRouter(FaultSite):
                           for n in needed if n in self.specs and custom.is_endpoint(self.specs[n])}
 
     @classmethod
-    def from_config(cls, reward: RewardConfig, rows: Sequence[Row]) -> RewardRouter:
-        """The router of a run's `reward` section, for `rows`."""
-        return cls(RouterConfig.from_config(reward), rows)
+    def from_config(cls, reward: RewardConfig, rows: Sequence[Row], envs: Collection[str] = ()) -> RewardRouter:
+        """The router of a run's `reward` section, for `rows` (envs: see RouterConfig.from_config)."""
+        return cls(RouterConfig.from_config(reward, envs=envs), rows)
 
     def check(self, rows: Sequence[Row]) -> None:
         """Refuses a row whose verifier nothing defines, or one this router was not built for."""

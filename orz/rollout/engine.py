@@ -7,6 +7,7 @@ here). On GPU it runs vLLM's own tensor parallelism over `tensor_parallel_size` 
 from __future__ import annotations
 
 import os
+import queue
 from dataclasses import asdict, dataclass, field
 
 import ray
@@ -97,6 +98,7 @@ class VLLMEngine(FaultSite):
         self.weight_version = 0
         self._interrupted: set[int] = set()  # calls asked to stop (interrupt)
         self._paused: dict[int, tuple] = {}  # call -> (its sampling, the groups it left unfinished)
+        self._inbox: queue.Queue = queue.Queue()  # (session, requests or None) for `serve`
         self.seed = seed
 
     def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
@@ -132,6 +134,62 @@ class VLLMEngine(FaultSite):
     def interrupt(self, call: int) -> None:
         """Asks call `call` to stop at its next step (runs beside it; a call already ended ignores it)."""
         self._interrupted.add(call)
+
+    @ray.method(concurrency_group="control")
+    def submit(self, session: int, requests: list[tuple[int, list[int], int, int, list[str]]] | None) -> None:
+        """Queues requests for `serve(session)`, beside it: (key, prompt ids, seed, max new tokens,
+        stop strings) each. None closes the session once what it holds has finished."""
+        self._inbox.put((session, requests))
+
+    def serve(self, session: int, sampling: dict, min_version: int = 0):
+        """Multi-turn rollout (orz.rollout.multiturn): one response to each request `submit` queues
+        for `session`, taken into the running step loop as it arrives, so that the engine decodes
+        the others while a sample waits for its environment. Yields each as a Sample dict (its
+        `index` the request's key) as soon as it finishes; ends once the session is closed and
+        nothing is left. A continuation's prompt is the conversation so far: vLLM's prefix cache
+        reuses its KV where it can."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._raise_armed_fault()
+        self._check_version(min_version)
+        cfg = SamplingConfig(**sampling)
+        engine, live, closing = self.llm.llm_engine, {}, False  # request id -> its response
+        try:
+            while live or not closing:
+                for requests in self._take(session, wait=not live):
+                    if requests is None:
+                        closing = True
+                        continue
+                    for key, prompt_ids, seed, max_tokens, stop in requests:
+                        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                                max_tokens=max_tokens, stop=stop or None, include_stop_str_in_output=True,
+                                                seed=seed, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                        request_id = f"orz-{session}-{key}"
+                        engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                        live[request_id] = _Response(key, list(prompt_ids), seed, self.weight_version)
+                for out in engine.step() if live else ():
+                    response = live.get(out.request_id)
+                    for completion in out.outputs if response is not None else ():
+                        self._extend(response, completion)
+                    if response is not None and response.finish_reason:
+                        del live[out.request_id]
+                        yield asdict(self._sample(response))
+        finally:  # a session abandoned part-way leaves nothing behind in the engine
+            if live:
+                engine.abort_request(list(live))
+
+    def _take(self, session: int, wait: bool) -> list:
+        """What `submit` queued for `session` (another session's leftovers are dropped); with
+        `wait`, up to a second for the first of it."""
+        taken = []
+        try:
+            while True:
+                got, requests = self._inbox.get(timeout=1.0) if wait and not taken else self._inbox.get_nowait()
+                if got == session:
+                    taken.append(requests)
+        except queue.Empty:
+            return taken
 
     def _check_version(self, min_version: int) -> None:
         if self.weight_version < min_version:

@@ -1,0 +1,370 @@
+"""Multi-turn rollout, token in and token out: each sample alternates model turns and its
+environment's observations until the environment says done, `max_turns` model turns, or
+`max_model_len` tokens (a truncation).
+
+    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(cfg.rollout, cfg.reward.code), TurnLimits.of(cfg))
+    for group in rollout.stream([(prompt_ids, row.record(), env_name), ...], sampling):
+        ...   # each prompt's n Conversations, as soon as all n have ended
+
+The response of a sample is what the model and its environment appended after the prompt:
+
+    response_ids  m m m m o o o m m m      model turn, observation, model turn
+    loss_mask     1 1 1 1 0 0 0 1 1 1      0 on observation tokens: no loss, KL, entropy, IS weight
+    logprobs      the engine's on m, 0 on o
+
+A model turn is the engine's own ids and log-probs; an observation is tokenised once, on its own,
+and appended as ids. The conversation is never re-tokenised: the next turn's prompt is the ids so
+far, so the trainer sees exactly the tokens that were sampled (re-tokenising the joined text can
+merge tokens across a turn boundary).
+
+No barrier across the batch: every engine runs one `serve` session that takes each sample's next
+turn as soon as its environment has answered (environments run in a thread pool, bounded by
+env_timeout_s), while it keeps decoding the others. An engine that dies is restarted (re-synced
+by the fleet) and the turns it held are asked again of the new one; the conversations so far
+are kept by this driver.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from orz.config import CodeScoringConfig, ExperimentConfig, RolloutConfig
+from orz.rollout.engine import Sample, SamplingConfig
+from orz.rollout.envs import PYTHON, Environment, StepResult, as_step_result, load_env_class
+from orz.rollout.fleet import EngineFleet
+
+MODEL, ENV = "model", "env"  # a turn's origin
+_TURN_SEED_STRIDE = 2**20  # turn t of a sample samples from seed + t·2^20 (turn 0: the single-turn seed)
+_sessions = itertools.count()
+
+
+@dataclass
+class Turn:
+    origin: str  # MODEL or ENV
+    text: str
+    ids: list[int]
+
+
+@dataclass
+class Conversation(Sample):
+    """One multi-turn sample: a Sample whose response holds every turn and observation, whose
+    `text` is the model's own turns joined (what the verifier reads) and whose `finish_reason` is
+    "length" when its last turn or max_model_len cut it."""
+
+    env: str = ""  # its environment's name; "": none (one turn)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens, 0 on observation tokens
+    turns: list[Turn] = field(default_factory=list)
+    env_reward: float = 0.0  # Σ of its environment's rewards
+    env_error: str = ""  # the environment raised or timed out (scored 0): what happened
+    counts: dict[str, int] = field(default_factory=dict)  # tool_calls, tool_errors, tool_timeouts
+    env_seconds: float = 0.0  # wall time of its environment's calls
+
+    @property
+    def model_turns(self) -> int:
+        return sum(turn.origin == MODEL for turn in self.turns)
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    max_new_tokens: int  # per turn
+    max_model_len: int  # prompt + every turn + every observation
+    max_observation_tokens: int
+    env_timeout_s: float
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> TurnLimits:
+        from orz.ppo.run_rules import context_length
+
+        r = cfg.rollout
+        return cls(r.max_turns, r.max_new_tokens, context_length(cfg, multi_turn=True), r.max_observation_tokens,
+                   r.env_timeout_s)
+
+
+def make_envs(rollout: RolloutConfig, code: CodeScoringConfig) -> dict[str, Callable[[], Environment]]:
+    """name -> a function making one sample's environment: rollout.envs' classes, and `python`,
+    whose sandbox (the code reward's limits, made on first use) every sample shares."""
+    factories = {name: load_env_class(name, spec) for name, spec in rollout.envs.items()}
+    sandbox = []
+
+    def python_tool() -> Environment:
+        from orz.reward.sandbox import Sandbox, SandboxLimits
+        from orz.rollout.python_tool import PythonTool
+
+        if not sandbox:
+            sandbox.append(Sandbox(SandboxLimits(cpu_s=code.cpu_s, memory_mb=code.memory_mb)))
+            if sandbox[0].weak and not code.allow_weak_sandbox:
+                raise RuntimeError(f"the python environment refused: the sandbox has neither a uid of its own nor "
+                                   f"namespaces here ({'; '.join(sandbox[0].weak)}); run as root, allow user "
+                                   "namespaces, or set reward.code.allow_weak_sandbox=true")
+        return PythonTool(sandbox[0], rollout.tool_open, rollout.tool_close, rollout.tool_timeout_s,
+                          rollout.max_observation_tokens)
+
+    return factories | {PYTHON: python_tool}
+
+
+def uses_envs(rollout: RolloutConfig, rows) -> bool:
+    """Whether a stage's rollout is multi-turn: rollout.env is set or one of its rows names an environment."""
+    return bool(rollout.env) or any(row.env for row in rows)
+
+
+def turn_stops(rollout: RolloutConfig) -> dict[str, list[str]]:
+    """Each environment's extra stop strings: the python tool's turns end where a code block closes."""
+    return {PYTHON: [rollout.tool_close]}
+
+
+class MultiTurnRollout:
+    """Drives the fleet's engines through every sample's turns (see the module docstring)."""
+
+    def __init__(self, fleet: EngineFleet, tokenizer, envs: dict[str, Callable[[], Environment]], limits: TurnLimits,
+                 stops: dict[str, list[str]] | None = None, env_threads: int = 32, max_restarts: int = 3):
+        self.fleet, self.tokenizer, self.envs, self.limits = fleet, tokenizer, envs, limits
+        self.stops = stops or {}
+        self.env_threads, self.max_restarts = env_threads, max_restarts
+
+    def stream(self, prompts: list[tuple[list[int], dict, str]], sampling: SamplingConfig,
+               min_version: int | None = None) -> Iterator[list[Conversation]]:
+        """prompts: (prompt ids, row record, environment name or ""). Yields each prompt's
+        `sampling.n` Conversations (in sample order) as soon as all have ended, in no fixed order."""
+        run = _Run(self, prompts, sampling, self.fleet.weight_version if min_version is None else min_version)
+        try:
+            yield from run.loop()
+        finally:
+            run.close()
+
+
+class _Run:
+    """One call of MultiTurnRollout.stream: its conversations, sessions and events."""
+
+    def __init__(self, rollout: MultiTurnRollout, prompts, sampling: SamplingConfig, min_version: int):
+        self.r, self.sampling, self.min_version = rollout, sampling, min_version
+        self.n, self.session = sampling.n, next(_sessions)
+        self.events: queue.Queue = queue.Queue()
+        self.pool = ThreadPoolExecutor(rollout.env_threads, thread_name_prefix="orz-env")
+        self.engines = len(rollout.fleet.engines)
+        self.conversations: dict[int, Conversation] = {}
+        self.rows: dict[int, dict] = {}
+        self.instances: dict[int, Environment] = {}
+        self.asked: dict[int, tuple] = {}  # key -> the request of its turn in flight at an engine
+        self.deadlines: dict[int, float] = {}  # key -> when its environment call times out
+        self.epochs = [0] * self.engines  # a restarted engine's stream starts a new epoch
+        self.restarts = 0
+        for i, (prompt_ids, row, env) in enumerate(prompts):
+            for j in range(self.n):
+                key = i * self.n + j
+                self.conversations[key] = Conversation(index=i, prompt_ids=list(prompt_ids), response_ids=[],
+                                                       logprobs=[], finish_reason="", text="", weight_version=0,
+                                                       env=env)
+                self.rows[key] = row
+        self.left = {i: self.n for i in range(len(prompts))}  # conversations not ended, by prompt
+        self.ready: list[list[Conversation]] = []  # groups whose conversations have all ended
+
+    # ---- the event loop ----------------------------------------------------------------------
+    def loop(self) -> Iterator[list[Conversation]]:
+        for e in range(self.engines):
+            self._open(e)
+        for key, conversation in self.conversations.items():
+            if conversation.env:
+                self._call_env(key, "reset", self.rows[key])
+            else:
+                self._ask_model(key)
+        while any(self.left.values()) or self.ready:
+            yield from self.ready
+            self.ready.clear()
+            if not any(self.left.values()):
+                break
+            self._time_out_envs()
+            try:
+                kind, who, value = self.events.get(timeout=self._wait_s())
+            except queue.Empty:
+                continue
+            if kind == "turn":
+                engine, epoch = who
+                if epoch == self.epochs[engine] and value["index"] in self.asked:
+                    self._model_turn(value)
+            elif kind == "failed":
+                self._engine_failed(*who, value)
+            else:  # "reset" or "step": an environment answered
+                self._env_answered(kind, who, value)
+
+    def _wait_s(self) -> float | None:
+        return max(0.0, min(self.deadlines.values()) - time.monotonic()) if self.deadlines else None
+
+    # ---- engines -----------------------------------------------------------------------------
+    def _open(self, engine_id: int) -> None:
+        """Starts engine `engine_id`'s serve session and a thread that forwards what it yields."""
+        engine, epoch = self.r.fleet.engines[engine_id], self.epochs[engine_id]
+        stream = engine.serve.options(num_returns="streaming").remote(self.session, asdict(self.sampling),
+                                                                     self.min_version)
+
+        def forward():
+            try:
+                for ref in stream:
+                    self.events.put(("turn", (engine_id, epoch), ray.get(ref)))
+            except Exception as err:  # noqa: BLE001 - the loop decides: restart, or raise
+                self.events.put(("failed", (engine_id, epoch), err))
+
+        threading.Thread(target=forward, name=f"orz-serve-{engine_id}", daemon=True).start()
+
+    def _ask_model(self, key: int) -> None:
+        """Asks the sample's next turn of its engine, within max_new_tokens and max_model_len."""
+        c = self.conversations[key]
+        context = c.prompt_ids + c.response_ids
+        max_tokens = min(self.r.limits.max_new_tokens, self.r.limits.max_model_len - len(context))
+        if max_tokens < 1:
+            return self._end(key, "length")
+        turn = c.model_turns
+        stop = [*self.sampling.stop, *self.r.stops.get(c.env, [])]
+        request = (key, context, self.sampling.seed + key + turn * _TURN_SEED_STRIDE, max_tokens, stop)
+        self.asked[key] = request
+        engine = self.r.fleet.engines[c.index % self.engines]  # a prompt's samples share an engine's prefix cache
+        engine.submit.remote(self.session, [request])
+
+    def _engine_failed(self, engine_id: int, epoch: int, err: Exception) -> None:
+        """A dead engine is restarted and re-synced (EngineFleet.restart) and asked again for the
+        turns it held; any other failure (an exception raised inside it) ends the rollout."""
+        if epoch != self.epochs[engine_id]:
+            return
+        if not isinstance(err, RayActorError):
+            raise err
+        self.restarts += 1
+        if self.restarts > self.r.max_restarts:
+            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from err
+        self.r.fleet.restart(engine_id)
+        self.epochs[engine_id] += 1
+        self._open(engine_id)
+        for key in [k for k in self.asked if self.conversations[k].index % self.engines == engine_id]:
+            self._ask_model(key)
+
+    def _model_turn(self, sample: dict) -> None:
+        key = sample["index"]
+        del self.asked[key]
+        c = self.conversations[key]
+        ids = sample["response_ids"]
+        c.turns.append(Turn(MODEL, sample["text"], ids))
+        c.response_ids += ids
+        c.logprobs += sample["logprobs"]
+        c.token_versions += sample["token_versions"]
+        c.loss_mask += [1] * len(ids)
+        if not c.env:
+            self._end(key, sample["finish_reason"])
+        else:
+            c.finish_reason = sample["finish_reason"]
+            self._call_env(key, "step", sample["text"])
+
+    # ---- environments ------------------------------------------------------------------------
+    def _call_env(self, key: int, method: str, argument) -> None:
+        """env.reset(row) or env.step(turn text) in the pool; its answer comes back as an event."""
+        if method == "reset":
+            self.instances[key] = None
+        self.deadlines[key] = time.monotonic() + self.r.limits.env_timeout_s
+
+        def call():
+            start = time.perf_counter()
+            try:
+                if method == "reset":
+                    self.instances[key] = self.r.envs[self.conversations[key].env]()
+                result = getattr(self.instances[key], method)(argument)
+                return result, time.perf_counter() - start
+            finally:
+                self.conversations[key].env_seconds += time.perf_counter() - start
+
+        future: Future = self.pool.submit(call)
+        future.add_done_callback(lambda done: self.events.put((method, key, done)))
+
+    def _env_answered(self, method: str, key: int, done: Future) -> None:
+        if key not in self.deadlines:  # timed out before it answered: ended already
+            return
+        del self.deadlines[key]
+        c = self.conversations[key]
+        try:
+            result = done.result()[0]
+            step = as_step_result(result) if method == "step" else None
+        except Exception as err:  # noqa: BLE001 - a user's environment: the sample scores 0, the run goes on
+            c.env_error = f"{method}: {type(err).__name__}: {err}"[:300]
+            return self._end(key, c.finish_reason or "stop")
+        if step is None:
+            return self._ask_model(key)
+        self._after_step(key, step)
+
+    def _after_step(self, key: int, step: StepResult) -> None:
+        c, limits = self.conversations[key], self.r.limits
+        c.env_reward += step.reward or 0.0
+        for name, count in step.counts.items():
+            c.counts[name] = c.counts.get(name, 0) + count
+        if step.done or step.observation is None or c.model_turns >= limits.max_turns:
+            return self._end(key, c.finish_reason)
+        ids = self.r.tokenizer.encode(step.observation, add_special_tokens=False)[: limits.max_observation_tokens]
+        if len(c.prompt_ids) + len(c.response_ids) + len(ids) >= limits.max_model_len:
+            return self._end(key, "length")  # no room for another turn: a truncation
+        c.turns.append(Turn(ENV, self.r.tokenizer.decode(ids), ids))
+        c.response_ids += ids
+        c.logprobs += [0.0] * len(ids)
+        c.token_versions += [c.token_versions[-1] if c.token_versions else 0] * len(ids)
+        c.loss_mask += [0] * len(ids)
+        self._ask_model(key)
+
+    def _time_out_envs(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
+            del self.deadlines[key]
+            c = self.conversations[key]
+            c.env_error = f"timeout: no answer within rollout.env_timeout_s={self.r.limits.env_timeout_s}"
+            self._end(key, c.finish_reason or "stop")
+
+    # ---- ending ------------------------------------------------------------------------------
+    def _end(self, key: int, finish_reason: str) -> None:
+        """Ends a conversation; its group is ready once all of the prompt's n have ended."""
+        c = self.conversations[key]
+        c.finish_reason = finish_reason
+        c.text = "".join(turn.text for turn in c.turns if turn.origin == MODEL)
+        model_versions = [v for v, m in zip(c.token_versions, c.loss_mask) if m]
+        c.weight_version = min(model_versions, default=self.min_version)
+        self.instances.pop(key, None)
+        self.left[c.index] -= 1
+        if not self.left[c.index]:
+            first = c.index * self.n
+            self.ready.append([self.conversations[k] for k in range(first, first + self.n)])
+
+    def close(self) -> None:
+        for engine in self.r.fleet.engines:
+            engine.submit.remote(self.session, None)
+        self.pool.shutdown(wait=False, cancel_futures=True)  # a hung environment's thread is left to end
+
+
+def env_scores(conversations: list[Conversation], verifier_scores: torch.Tensor, weights: dict[str, float]) -> torch.Tensor:
+    """(B,) s = verifier score + w_env · Σ env rewards (w_env = reward.weights[env], default 1);
+    0 for a sample whose environment raised or timed out."""
+    env_part = torch.tensor([weights.get(c.env, 1.0) * c.env_reward for c in conversations])
+    failed = torch.tensor([bool(c.env_error) for c in conversations])
+    return torch.where(failed, torch.zeros_like(verifier_scores), verifier_scores + env_part)
+
+
+def multiturn_metrics(conversations: list[Conversation]) -> dict[str, float]:
+    """rollout/turns_*, the tool counts, environment failures, timing/tool (Σ seconds of every
+    environment call, which overlap generation), the share of response tokens from environments,
+    and reward/env/<name>/mean."""
+    turns = torch.tensor([float(c.model_turns) for c in conversations])
+    env_tokens = sum(len(c.loss_mask) - sum(c.loss_mask) for c in conversations)
+    metrics = {
+        "rollout/turns_mean": turns.mean().item(), "rollout/turns_max": turns.max().item(),
+        **{f"rollout/{name}": float(sum(c.counts.get(name, 0) for c in conversations))
+           for name in ("tool_calls", "tool_errors", "tool_timeouts")},
+        "rollout/env_errors": float(sum(bool(c.env_error) for c in conversations)),
+        "rollout/env_timeouts": float(sum(c.env_error.startswith("timeout") for c in conversations)),
+        "timing/tool": sum(c.env_seconds for c in conversations),
+        "rollout/env_token_frac": env_tokens / max(sum(len(c.loss_mask) for c in conversations), 1),
+    }
+    for name in sorted({c.env for c in conversations if c.env}):
+        rewards = [c.env_reward for c in conversations if c.env == name]
+        metrics[f"reward/env/{name}/mean"] = sum(rewards) / len(rewards)
+    return metrics

@@ -1,0 +1,138 @@
+"""Multi-turn rollout: the environment protocol, the python tool in the real sandbox, observation
+tokens out of the actor's loss, refusals before start, and one tiny `orz train` run (python tool
+and a user environment by import path, side by side) whose dumps are checked token by token."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from orz.config import ConfigError, load_config
+from orz.ppo import run_rules
+from orz.ppo.core_algos import actor_loss
+from orz.ppo.replay_buffer import experience_from_rollouts
+from orz.rollout.envs import StepResult, as_step_result
+from orz.rollout.python_tool import PythonTool, closed_block
+
+TESTS = os.path.dirname(__file__)
+sys.path.insert(0, TESTS)  # turn_envs, shaped_reward: by import path, as a user's module
+from turn_envs import digit_share  # noqa: E402
+
+# A tokenizer of few characters (the prompts' other characters read as <unk>), so that a random
+# model opens and closes code blocks by chance; "</code>\n<output>" merges the end of a model turn
+# with the start of the python tool's observation when the joined text is re-tokenised.
+TAGS = ("<think>", "</think>", "<answer>", "</answer>", "<code>", "</code>", "<output>", "</output>",
+        "</code>\n<output>")
+
+
+def test_step_results_from_plain_dicts():
+    assert as_step_result({"observation": "hi", "reward": 1, "done": False}) == StepResult("hi", 1.0, False)
+    assert as_step_result({"done": True}) == StepResult(None, None, True)
+    for bad in ({"observation": "x"}, {"done": True, "score": 1}, {"done": False, "observation": 3}, ("x", 1, True)):
+        with pytest.raises(TypeError):
+            as_step_result(bad)
+
+
+def test_python_tool_runs_the_closed_block_in_the_sandbox():
+    from orz.reward.sandbox import Sandbox, SandboxLimits
+
+    assert closed_block("a<code>print(1)</code>", "<code>", "</code>") == "print(1)"
+    assert closed_block("a<code>print(1)", "<code>", "</code>") is None  # never closed: the turn ran out
+    assert closed_block("no block</code>", "<code>", "</code>") is None
+    tool = PythonTool(Sandbox(SandboxLimits()), "<code>", "</code>", timeout_s=1.0, max_chars=40)
+    ok = tool.step("so <code>print(6 * 7)</code>")
+    assert ok.observation == "\n<output>\n42\n\n</output>\n" and not ok.done
+    assert ok.counts == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
+    error = tool.step("<code>1/0</code>")
+    assert error.counts["tool_errors"] == 1 and "[output cut]" in error.observation  # the traceback, cut to 40
+    assert len(error.observation) == 40
+    hung = tool.step("<code>while True: pass</code>")
+    assert "timed out after 1 s" in hung.observation and hung.counts["tool_timeouts"] == 1
+    assert tool.step("the answer is 42").done  # no code: the sample ends
+
+
+def test_observation_tokens_carry_no_loss_and_no_gradient():
+    """Through the real actor loss: logits at an observation position change neither the loss nor
+    any gradient; the mask is 0 exactly there."""
+    experience = experience_from_rollouts([[5, 6]], [[7, 8, 9, 10, 11]], [[-1.0, -1.1, 0.0, 0.0, -0.9]],
+                                          loss_masks=[[1, 1, 0, 0, 1]])
+    assert experience.response_mask.tolist() == [[1, 1, 0, 0, 1]]
+    response = experience.sequences[:, 2:7]  # (1, T)
+    old = experience.rollout_logprobs
+    advantages = torch.tensor([[1.0, -2.0, 3.0, 4.0, 0.5]])
+
+    def loss_and_grad(logits):
+        logits = logits.clone().requires_grad_()
+        logprob = torch.log_softmax(logits, -1).gather(-1, response[..., None])[..., 0]  # (1, T)
+        loss, _ = actor_loss(logprob, old, advantages, experience.response_mask, rollout_logprob=old,
+                             is_level="token", is_cap=2.0, entropy=torch.ones_like(logprob), entropy_coef=0.1,
+                             ref_logprob=old - 0.2, kl_coef=0.5, kl_kind="k3")
+        loss.backward()
+        return loss.detach(), logits.grad
+
+    logits = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
+    changed = logits.clone()
+    changed[0, 2:4] = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)) * 5  # observation positions
+    (loss, grad), (loss2, grad2) = loss_and_grad(logits), loss_and_grad(changed)
+    assert loss == loss2 and torch.equal(grad, grad2)
+    assert grad[0, 2:4].abs().max() == 0 and grad[0, [0, 1, 4]].abs().min() > 0
+
+
+def _refusal(tmp_path, overrides):
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError) as err:
+        run_rules.check(cfg)
+    return str(err.value)
+
+
+def test_refusals_before_start_name_the_keys(tmp_path):
+    assert "cannot import module 'no_such_module'" in _refusal(tmp_path, ["rollout.envs.x=no_such_module:Env"])
+    assert "no class 'Nope'" in _refusal(tmp_path, ["rollout.envs.x=turn_envs:Nope"])
+    assert "'python' is the built-in" in _refusal(tmp_path, ["rollout.envs.python=turn_envs:Echo"])
+    assert "rollout.env='chess' names no environment" in _refusal(tmp_path, ["rollout.env=chess"])
+    text = _refusal(tmp_path, ["rollout.env=python", "rollout.tool_timeout_s=60", "rollout.env_timeout_s=30"])
+    assert "rollout.tool_timeout_s=60.0 must be below rollout.env_timeout_s=30.0" in text
+    assert "algorithm.overlong_buffer=8" in _refusal(tmp_path, ["rollout.env=python", "algorithm.overlong_buffer=8"])
+    assert "rollout.partial=true is not built" in _refusal(tmp_path, ["rollout.env=python", "rollout.partial=true",
+                                                                      "trainer.max_staleness=1"])
+    assert "rollout.max_model_len=100 cannot hold" in _refusal(tmp_path, ["rollout.env=python", "rollout.max_model_len=100",
+                                                                         "data.prompt_max_tokens=64",
+                                                                         "rollout.max_new_tokens=64"])
+    assert "rollout.max_turns=0 is out of range" in _refusal(tmp_path, ["rollout.max_turns=0"])
+    # Derived: the prompt, every turn and every observation between two.
+    cfg = load_config(None, ["rollout.env=python", "data.prompt_max_tokens=10", "rollout.max_turns=3",
+                             "rollout.max_new_tokens=5", "rollout.max_observation_tokens=7"])
+    assert run_rules.context_length(cfg, multi_turn=True) == 10 + 3 * 5 + 2 * 7
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    from orz.data.tokenizers import char_tokenizer
+    from orz.models.tiny import make_tiny_hf
+
+    path = tmp_path_factory.mktemp("tool_llama")
+    tokenizer = char_tokenizer(["0123456789+= \n"], extra_tokens=TAGS)
+    tokenizer.save_pretrained(path)
+    make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                 num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    return str(path)
+
+
+def _rows(path: Path, envs: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i), "env": env}) + "\n"
+                            for i, env in enumerate(envs, start=1)))
+    return str(path)
+
+
+def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool_model, tmp_path):
+    from orz.data.datasets import DatasetFormatError
+    from orz.ppo.trainer import check_data
+
+    rows = _rows(tmp_path / "rows.jsonl", ["python", "chess"])
+    cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])
+    with pytest.raises(DatasetFormatError, match=rf"{rows}, row 2: unknown environment 'chess'"):
+        check_data(cfg)
