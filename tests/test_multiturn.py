@@ -24,8 +24,8 @@ from turn_envs import digit_share  # noqa: E402
 # A tokenizer of few characters (the prompts' other characters read as <unk>), so that a random
 # model opens and closes code blocks by chance; "</code>\n<output>" merges the end of a model turn
 # with the start of the python tool's observation when the joined text is re-tokenised.
-TAGS = ("<think>", "</think>", "<answer>", "</answer>", "<code>", "</code>", "<output>", "</output>",
-        "</code>\n<output>")
+TAGS = ("<think>", "<code>", "</code>", "<output>", "</output>", "</code>\n<output>")
+MERGED = "</code>\n<output>"
 
 
 def test_step_results_from_plain_dicts():
@@ -115,6 +115,7 @@ def tool_model(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tool_llama")
     tokenizer = char_tokenizer(["0123456789+= \n"], extra_tokens=TAGS)
+    assert tokenizer.encode(MERGED, add_special_tokens=False) == [tokenizer.convert_tokens_to_ids(MERGED)]
     tokenizer.save_pretrained(path)
     make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                  num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -136,3 +137,97 @@ def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])
     with pytest.raises(DatasetFormatError, match=rf"{rows}, row 2: unknown environment 'chess'"):
         check_data(cfg)
+
+
+# ---- end to end: one tiny run, three python rows, one user environment (Echo, never done: the
+# turn limit ends it) and one that raises (Broken), with dynamic sampling and streaming rewards.
+@pytest.fixture(scope="module")
+def tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
+    from orz.ppo.trainer import main as train
+    from run_history import history
+
+    out = tmp_path_factory.mktemp("tools")
+    rows = _rows(out / "rows.jsonl", ["python", "python", "python", "echo", "broken"])
+    train(load_config(None, [
+        *tiny_run(out, "grpo", iterations=2, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
+        "trainer.prompts_per_iteration=5", "rollout.stop=[]", "rollout.max_new_tokens=24", "rollout.max_turns=3",
+        "rollout.max_observation_tokens=48", "rollout.envs={echo: 'turn_envs:Echo', broken: 'turn_envs:Broken'}",
+        "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}",
+        "algorithm.dynamic_sampling=true", "algorithm.max_prompt_draws=2", "algorithm.entropy_coef=0",
+        "trainer.dump_per_token=true", "trainer.save_every=0", "trainer.export_hf=false"]))
+    samples = out / "samples"
+    draws = [[json.loads(line) for line in (samples / f"iter_{i:06d}_draws.jsonl").read_text().splitlines()]
+             for i in (1, 2)]
+    trained = [[json.loads(line) for line in (samples / f"iter_{i:06d}.jsonl").read_text().splitlines()] for i in (1, 2)]
+    return history(out)[1:], draws, trained
+
+
+def _model_text(sample) -> str:
+    return "".join(turn["text"] for turn in sample["turns"] if turn["origin"] == "model")
+
+
+def _calls_code(turn) -> bool:
+    """A model turn that closes a code block opened in it (rechecked here with string operations)."""
+    return turn["origin"] == "model" and turn["text"].endswith("</code>") and "<code>" in turn["text"][: -len("</code>")]
+
+
+@pytest.mark.slow
+def test_turns_tools_errors_and_scores_as_the_dumps_say(tool_run):
+    rows, draws, _ = tool_run
+    for row, drawn in zip(rows, draws):
+        turns = [sum(turn["origin"] == "model" for turn in sample["turns"]) for sample in drawn]
+        assert row["rollout/turns_mean"] == pytest.approx(sum(turns) / len(turns))
+        assert row["rollout/turns_max"] == max(turns) == 3  # Echo is never done: rollout.max_turns ends it
+        assert all(n == 3 for n, sample in zip(turns, drawn) if sample["env"] == "echo")
+        python = [sample for sample in drawn if sample["env"] == "python"]
+        assert row["rollout/tool_calls"] == sum(_calls_code(turn) for sample in python for turn in sample["turns"])
+        for sample in python:  # an observation follows a call, unless the call was the last turn
+            for turn, after in zip(sample["turns"], sample["turns"][1:]):
+                assert (after["origin"] == "env") == _calls_code(turn)
+                assert after["origin"] == "model" or after["text"].startswith("\n<output>\n")
+        broken = [sample for sample in drawn if sample["env"] == "broken"]
+        assert row["rollout/env_errors"] == len(broken) > 0
+        assert all(s["env_error"] == "step: RuntimeError: broken on purpose" and s["score"] == 0 for s in broken)
+        # The verifier reads the model's own text (digit share, weight 1); Echo adds 0.5 × Σ its
+        # per-turn rewards (each model turn's digit share); tool outputs count for nothing.
+        echo_rewards = []
+        for sample in drawn:
+            assert sample["response"] == _model_text(sample)
+            model_turns = [turn["text"] for turn in sample["turns"] if turn["origin"] == "model"]
+            env_reward = sum(map(digit_share, model_turns)) if sample["env"] == "echo" else 0.0
+            echo_rewards += [env_reward] if sample["env"] == "echo" else []
+            expected = 0.0 if sample["env"] == "broken" else digit_share(_model_text(sample)) + 0.5 * env_reward
+            assert sample["score"] == pytest.approx(expected, abs=1e-6)
+        assert row["reward/env/echo/mean"] == pytest.approx(sum(echo_rewards) / len(echo_rewards), abs=1e-6)
+        env_tokens = sum(len(turn["ids"]) for sample in drawn for turn in sample["turns"] if turn["origin"] == "env")
+        assert row["rollout/env_token_frac"] == pytest.approx(env_tokens / sum(s["length"] for s in drawn))
+    assert sum(row["rollout/tool_calls"] for row in rows) > 0  # the premise: the python tool ran
+    assert all(row["rollout/draws"] == 2 for row in rows)  # Broken's groups (all 0) were dropped, more drawn
+
+
+@pytest.mark.slow
+def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
+    """The trained ids are each turn's ids joined, the loss mask 0 exactly on the environments'
+    tokens, and the trainer's log-probs of the model's tokens equal the engine's (1e-3, fp32).
+    Re-tokenising the joined text would merge a turn's "</code>" with its observation's
+    "\n<output>" into one token: it differs."""
+    from orz.data.tokenizers import load_tokenizer
+
+    rows, draws, trained = tool_run
+    tokenizer, boundaries = load_tokenizer(tool_model), 0
+    close = tokenizer.convert_tokens_to_ids("</code>")
+    for row, drawn, batch in zip(rows, draws, trained):
+        kept = [sample for sample in drawn if sample["kept"]]
+        assert len(kept) == len(batch) == 20
+        for sample, record in zip(kept, batch):
+            ids = [i for turn in sample["turns"] for i in turn["ids"]]
+            mask = [float(turn["origin"] == "model") for turn in sample["turns"] for _ in turn["ids"]]
+            assert record["response_ids"] == ids and record["response_mask"] == mask
+            engine, trainer = torch.tensor(record["rollout_logprobs"]), torch.tensor(record["old_logprobs"])
+            assert len(engine) == sum(mask) and (engine - trainer).abs().max() < 1e-3
+            turns = sample["turns"]
+            if any(turn["ids"][-1] == close and after["origin"] == "env" for turn, after in zip(turns, turns[1:])):
+                boundaries += 1  # (a turn may also end with the merged token itself: its text is cut at "</code>")
+                assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids
+        assert row["mismatch/logp_abs_diff_max"] < 1e-3 and row["actor/grad_norm"] > 0
+    assert boundaries > 0  # the premise: a model turn closed a block and its output followed it
