@@ -231,3 +231,71 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
                 assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids
         assert row["mismatch/logp_abs_diff_max"] < 1e-3 and row["actor/grad_norm"] > 0
     assert boundaries > 0  # the premise: a model turn closed a block and its output followed it
+
+
+# ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
+# the batch, an environment past env_timeout_s, an engine killed mid-conversation.
+class _Timed:
+    """Three turns, an observation after each; each step of a "slow" row takes 2 s, of a "hang"
+    row 4 s (past env_timeout_s=3); the first step of a "kill" row kills the engine."""
+
+    log: list = []  # (row prompt, turn, time)
+    fleet, killed = None, False
+
+    def reset(self, row):
+        self.prompt, self.turns = row["prompt"], 0
+
+    def step(self, turn_text):
+        import time
+
+        import ray
+
+        self.turns += 1
+        if self.prompt == "slow":
+            time.sleep(2.0)
+        if self.prompt == "hang":
+            time.sleep(4.0)
+        if self.prompt == "kill" and not _Timed.killed:  # once: the first kill row's first step
+            _Timed.killed = True
+            ray.kill(_Timed.fleet.engines[0], no_restart=True)
+        _Timed.log.append((self.prompt, self.turns, time.monotonic()))
+        return {"observation": " 12", "done": self.turns == 3}
+
+
+@pytest.mark.slow
+def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray_cluster, tool_model):
+    import time
+
+    from orz.data.tokenizers import load_tokenizer
+    from orz.rollout.engine import SamplingConfig
+    from orz.rollout.fleet import EngineFleet, FleetConfig
+    from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, multiturn_metrics
+
+    fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1))
+    _Timed.fleet = fleet
+    try:
+        tokenizer = load_tokenizer(tool_model)
+        limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=3.0)
+        rollout = MultiTurnRollout(fleet, tokenizer, {"timed": _Timed}, limits)
+        sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
+
+        def run(names):
+            prompts = [(tokenizer.encode(f"{i}+{i}="), {"prompt": name}, "timed") for i, name in enumerate(names)]
+            return {names[group[0].index]: (time.monotonic(), group) for group in rollout.stream(prompts, sampling)}
+
+        ended = run(["fast", "slow", "hang"])
+        slow_first_step = min(t for prompt, turn, t in _Timed.log if prompt == "slow")
+        assert ended["fast"][0] < slow_first_step  # the fast samples' 3 turns ended while a slow step was running
+        assert all(c.model_turns == 3 and not c.env_error for name in ("fast", "slow") for c in ended[name][1])
+        assert all(c.env_error.startswith("timeout") and c.model_turns == 1 for c in ended["hang"][1])
+        metrics = multiturn_metrics([c for _, group in ended.values() for c in group])
+        assert metrics["rollout/env_errors"] == metrics["rollout/env_timeouts"] == 2
+        ended |= run(["kill"])  # the engine dies at the first step: restarted, the conversations go on
+        assert fleet.metrics["rollout/engine_restarts"] == 1
+        assert all(c.model_turns == 3 and not c.env_error for c in ended["kill"][1])
+        for _, group in ended.values():
+            for c in group:
+                assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask)
+                assert [i for turn in c.turns for i in turn.ids] == c.response_ids
+    finally:
+        fleet.shutdown()
