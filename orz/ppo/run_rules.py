@@ -151,9 +151,8 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
     if a.kl_target is not None and a.kl_coef <= 0:
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
-    multi_turn = bool(r.env or r.envs)
-    if multi_turn:
-        problems += multi_turn_problems(cfg)
+    multi_turn = bool(r.env)  # or rows naming an environment: check_data adds multi_turn_problems then
+    problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if r.envs else []
     context = context_length(cfg, multi_turn)
     if arch is not None and context > arch.max_position_embeddings:
         sizes = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len else
@@ -193,9 +192,8 @@ def context_length(cfg: ExperimentConfig, multi_turn: bool) -> int:
     return d.prompt_max_tokens + r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_observation_tokens
 
 
-def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
-    """With an environment: known names, importable classes, consistent limits, and what is not
-    built for several turns (the overlong penalty, partial rollout) refused."""
+def env_problems(cfg: ExperimentConfig) -> list[str]:
+    """The environments as defined: known names, importable classes, consistent tool limits."""
     r, problems = cfg.rollout, []
     if PYTHON in r.envs:
         problems.append(f"rollout.envs.{PYTHON}: '{PYTHON}' is the built-in tool environment; pick another name")
@@ -214,6 +212,13 @@ def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
     if not r.tool_open or not r.tool_close or r.tool_open == r.tool_close:
         problems.append(f"rollout.tool_open={r.tool_open!r} and rollout.tool_close={r.tool_close!r} must be two "
                         "different non-empty delimiters (tool_close ends a turn)")
+    return problems
+
+
+def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
+    """A multi-turn run: its environments (env_problems), a context that holds a prompt and a turn,
+    and what is not built for several turns (the overlong penalty, partial rollout) refused."""
+    r, problems = cfg.rollout, env_problems(cfg)
     if r.max_model_len and r.max_model_len < cfg.data.prompt_max_tokens + r.max_new_tokens:
         problems.append(f"rollout.max_model_len={r.max_model_len} cannot hold data.prompt_max_tokens="
                         f"{cfg.data.prompt_max_tokens} + one turn of rollout.max_new_tokens={r.max_new_tokens}; "

@@ -75,7 +75,7 @@ from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.multiturn import (
-    Conversation, MultiTurnRollout, TurnLimits, env_scores, make_envs, multiturn_metrics, turn_stops, uses_envs,
+    Conversation, MultiTurnRollout, TurnLimits, env_scores, envs_used, make_envs, multiturn_metrics, turn_stops,
 )
 from orz.stopping import StopSignals, Stopped
 
@@ -116,7 +116,7 @@ def check_data(cfg: ExperimentConfig) -> RunData:
         if unknown_env is not None:
             raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "
                                      f"known: {sorted(envs)} (add it to rollout.envs)")
-        problems = run_rules.multi_turn_problems(staged) if uses_envs(staged.rollout, rows) else []
+        problems = run_rules.multi_turn_problems(staged) if envs_used(staged.rollout, rows) else []
         if problems:
             raise ConfigError("\n".join(problems))
         scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
@@ -217,7 +217,7 @@ class RayPPOTrainer:
         role_args = {"actor": {}, "ref": {"train": False},
                      "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"critic": True, "train": False, "model_path": rm.path}}
-        longest = max(run_rules.context_length(staged, uses_envs(staged.rollout, self.data.train(staged.data)))
+        longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))
                       for _, staged in stage_configs(cfg))
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
                                             batch_invariant=cfg.trainer.batch_invariant)
@@ -262,9 +262,9 @@ class RayPPOTrainer:
             self.reward.close()
         self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
         # Multi-turn when an environment is configured or named by a row; else today's single-turn path.
-        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code),
-                                          TurnLimits.of(cfg), turn_stops(cfg.rollout)) \
-            if uses_envs(cfg.rollout, self.loader.rows) else None
+        used = envs_used(cfg.rollout, self.loader.rows)
+        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used),
+                                          TurnLimits.of(cfg), turn_stops(cfg.rollout)) if used else None
         self._setup_eval()
         roles = run_rules.roles(cfg)
         for name, group in self._named_groups():

@@ -2,7 +2,7 @@
 environment's observations until the environment says done, `max_turns` model turns, or
 `max_model_len` tokens (a truncation).
 
-    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(cfg.rollout, cfg.reward.code), TurnLimits.of(cfg))
+    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(cfg.rollout, cfg.reward.code, used), TurnLimits.of(cfg))
     for group in rollout.stream([(prompt_ids, row.record(), env_name), ...], sampling):
         ...   # each prompt's n Conversations, as soon as all n have ended
 
@@ -90,31 +90,28 @@ class TurnLimits:
                    r.env_timeout_s)
 
 
-def make_envs(rollout: RolloutConfig, code: CodeScoringConfig) -> dict[str, Callable[[], Environment]]:
-    """name -> a function making one sample's environment: rollout.envs' classes, and `python`,
-    whose sandbox (the code reward's limits, made on first use) every sample shares."""
-    factories = {name: load_env_class(name, spec) for name, spec in rollout.envs.items()}
-    sandbox = []
-
-    def python_tool() -> Environment:
+def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str]) -> dict[str, Callable[[], Environment]]:
+    """name -> a function making one sample's environment, for the names in `used`: rollout.envs'
+    classes, and `python`, whose sandbox (the code reward's limits) every sample shares. A weak
+    sandbox is refused here, before any rollout, unless reward.code.allow_weak_sandbox."""
+    factories = {name: load_env_class(name, spec) for name, spec in rollout.envs.items() if name in used}
+    if PYTHON in used:
         from orz.reward.sandbox import Sandbox, SandboxLimits
         from orz.rollout.python_tool import PythonTool
 
-        if not sandbox:
-            sandbox.append(Sandbox(SandboxLimits(cpu_s=code.cpu_s, memory_mb=code.memory_mb)))
-            if sandbox[0].weak and not code.allow_weak_sandbox:
-                raise RuntimeError(f"the python environment refused: the sandbox has neither a uid of its own nor "
-                                   f"namespaces here ({'; '.join(sandbox[0].weak)}); run as root, allow user "
-                                   "namespaces, or set reward.code.allow_weak_sandbox=true")
-        return PythonTool(sandbox[0], rollout.tool_open, rollout.tool_close, rollout.tool_timeout_s,
-                          rollout.max_observation_tokens)
-
-    return factories | {PYTHON: python_tool}
+        sandbox = Sandbox(SandboxLimits(cpu_s=code.cpu_s, memory_mb=code.memory_mb))
+        if sandbox.weak and not code.allow_weak_sandbox:
+            raise RuntimeError(f"the python environment refused: the sandbox has neither a uid of its own nor "
+                               f"namespaces here ({'; '.join(sandbox.weak)}); run as root, allow user namespaces, "
+                               "or set reward.code.allow_weak_sandbox=true")
+        factories[PYTHON] = lambda: PythonTool(sandbox, rollout.tool_open, rollout.tool_close, rollout.tool_timeout_s,
+                                               rollout.max_observation_tokens)
+    return factories
 
 
-def uses_envs(rollout: RolloutConfig, rows) -> bool:
-    """Whether a stage's rollout is multi-turn: rollout.env is set or one of its rows names an environment."""
-    return bool(rollout.env) or any(row.env for row in rows)
+def envs_used(rollout: RolloutConfig, rows) -> set[str]:
+    """The environments a stage's rows use (a row's own, else rollout.env); empty: single turn."""
+    return {row.env or rollout.env for row in rows} - {""}
 
 
 def turn_stops(rollout: RolloutConfig) -> dict[str, list[str]]:
@@ -177,11 +174,11 @@ class _Run:
                 self._call_env(key, "reset", self.rows[key])
             else:
                 self._ask_model(key)
-        while any(self.left.values()) or self.ready:
+        while True:
             yield from self.ready
             self.ready.clear()
             if not any(self.left.values()):
-                break
+                return
             self._time_out_envs()
             try:
                 kind, who, value = self.events.get(timeout=self._wait_s())
