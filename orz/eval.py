@@ -2,13 +2,15 @@
 
     python -m orz.eval --model ckpt/hf --data aime24=data/aime2024.json --data math500=data/math500.json \\
         --n 32 --temperature 0.6 --top-p 0.95 --max-tokens 8192 [--template think_answer|chat] \\
-        [--out DIR] [--engines N] [--seed S]
+        [--out DIR] [--engines N] [--seed S] [--env python | --env NAME=package.module:Class] [--max-turns T]
 
 --model is an HF directory or a Megatron checkpoint written by orz (it holds orz_megatron.json; it
 is converted to a temporary HF directory under --out, with the tokenizer from --tokenizer).
 Benchmark files are read locally (see orz/evaluation/benchmarks.py for their formats); every
 file is checked before any engine starts. Writes DIR/report.json (settings and every figure),
-DIR/samples.jsonl (one line per sample) and DIR/table.md, and prints the table.
+DIR/samples.jsonl (one line per sample) and DIR/table.md, and prints the table. With --env, rows
+are evaluated multi-turn, as trained (docs/multiturn.md): with the python tool, or a user
+environment by import path, for every row that names none of its own; --max-tokens bounds each turn.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from orz.config import ExperimentConfig, RolloutConfig
 from orz.data.datasets import DatasetFormatError
 from orz.models.arch import ModelConfigError
 from orz.models.checkpoint import MEGATRON_META
@@ -38,10 +41,12 @@ class CliConfig:
     gpu_memory_utilization: float | None  # GPU only; None: vLLM's default
     ray_address: str | None  # None: start a local Ray cluster
     progress: bool
+    rollout: RolloutConfig | None = None  # its environments (multi-turn evaluation); None: single turn
 
 
 def parse_args(argv: list[str] | None = None):
     from orz.evaluation.runner import EvalConfig
+    from orz.ppo import run_rules
     from orz.reward.router import RouterConfig
 
     defaults = EvalConfig()
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--gpu-memory-utilization", type=float, help="GPU only (default: vLLM's)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--env", metavar="python|NAME=package.module:Class",
+                   help="evaluate multi-turn with this environment (rows naming their own keep it)")
+    p.add_argument("--max-turns", type=int, default=RolloutConfig.max_turns, help="model turns per sample with --env")
     args = p.parse_args(argv)
     data = {}
     for item in args.data:
@@ -78,9 +86,18 @@ def parse_args(argv: list[str] | None = None):
             p.error(f"--data {item!r}: expected NAME=PATH with distinct names")
         data[name] = path
     out = args.out or f"runs/eval/{Path(args.model).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
-                    args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress)
     custom = dict(item.partition("=")[::2] for item in args.custom)
+    rollout = None
+    if args.env:
+        name, _, spec = args.env.partition("=")
+        rollout = RolloutConfig(env=name, envs={name: spec} if spec else {}, max_turns=args.max_turns,
+                                max_new_tokens=args.max_tokens)
+        problems = run_rules.range_problems(ExperimentConfig(rollout=rollout)) + \
+            run_rules.env_problems(ExperimentConfig(rollout=rollout))
+        if problems:
+            p.error("--env/--max-turns: " + "; ".join(problems))
+    cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
+                    args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress, rollout)
     try:
         cfg = EvalConfig(reward=RouterConfig(custom=custom), n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_new_tokens=args.max_tokens, stop=None if args.stop is None else tuple(args.stop),
@@ -144,7 +161,9 @@ def run(cli: CliConfig, cfg) -> int:
             fleet_cfg = FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,
                                     engine_args=engine_args, kv_cache_gib=cli.kv_cache_gib)
             fleet = EngineFleet(model_dir, fleet_cfg, seed=cfg.seed)
-            with Evaluator(fleet, tokenizer, template, benchmarks, cfg, progress=cli.progress) as evaluator:
+            turns = None if cli.rollout is None else _multi_turn(cli, fleet, tokenizer, benchmarks, model_dir)
+            with Evaluator(fleet, tokenizer, template, benchmarks, cfg, progress=cli.progress, turns=turns,
+                           env=cli.rollout.env if cli.rollout else "") as evaluator:
                 report = evaluator.run()
         finally:
             if fleet is not None:
@@ -158,6 +177,20 @@ def run(cli: CliConfig, cfg) -> int:
     print(report.table())
     print(f"\nreport: {paths['report']}\nsamples: {paths['samples']}")
     return 0
+
+
+def _multi_turn(cli: CliConfig, fleet, tokenizer, benchmarks, model_dir: str):
+    """The multi-turn rollout of --env over `fleet`: turns within the engines' context (--max-model-len,
+    else the model's), the code reward's sandbox for the python tool."""
+    from orz.config import CodeScoringConfig
+    from orz.models.arch import read_hf_config
+    from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, make_envs, turn_stops
+
+    r = cli.rollout
+    context = cli.max_model_len or read_hf_config(model_dir)["max_position_embeddings"]
+    used = {r.env, *(row.env for b in benchmarks for row in b.problems)} - {""}
+    limits = TurnLimits(r.max_turns, r.max_new_tokens, context, r.max_observation_tokens, r.env_timeout_s)
+    return MultiTurnRollout(fleet, tokenizer, make_envs(r, CodeScoringConfig(), used), limits, turn_stops(r))
 
 
 if __name__ == "__main__":

@@ -299,3 +299,31 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
                 assert [i for turn in c.turns for i in turn.ids] == c.response_ids
     finally:
         fleet.shutdown()
+
+
+@pytest.mark.slow
+def test_orz_eval_runs_rows_with_their_environment(ray_cluster, tool_model, tmp_path):
+    """`orz eval --env echo=turn_envs:Echo`: the row without an environment of its own takes Echo
+    (three turns: it is never done), the python rows keep the python tool; the verdict and the
+    response are the model's own turns."""
+    from orz.eval import main
+
+    rows = _rows(tmp_path / "bench.jsonl", ["python", "", "python"])
+    out = tmp_path / "eval"
+    assert main(["--model", tool_model, "--data", f"bench={rows}", "--env", "echo=turn_envs:Echo", "--n", "8",
+                 "--max-tokens", "24", "--max-turns", "3", "--max-model-len", "512", "--kv-cache-gib", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 24
+    calls = 0
+    for record in records:
+        turns = record["turns"]
+        assert record["response"] == _model_text(record)
+        if record["row"] == 2:
+            assert [turn["origin"] for turn in turns] == ["model", "env", "model", "env", "model"]
+            assert all(turn["text"] == " <unk><unk><unk>" for turn in turns if turn["origin"] == "env")  # " ok:"
+            continue
+        for turn, after in zip(turns, turns[1:]):
+            assert (after["origin"] == "env") == _calls_code(turn)
+            calls += after["origin"] == "env"
+    assert calls > 0  # the premise: the python tool ran

@@ -31,6 +31,7 @@ from orz.evaluation.benchmarks import Benchmark, cluster_math_answers
 from orz.reward.pool import KillablePool
 from orz.reward.router import RewardRouter, RouterConfig
 from orz.rollout.engine import Sample, SamplingConfig
+from orz.rollout.multiturn import Conversation, MultiTurnRollout
 
 
 class Generator(Protocol):
@@ -154,11 +155,15 @@ class Evaluator:
     runs (call `close()`)."""
 
     def __init__(self, fleet: Generator, tokenizer: Any, template: Any, benchmarks: Sequence[Benchmark],
-                 cfg: EvalConfig = EvalConfig(), progress: bool = True):
+                 cfg: EvalConfig = EvalConfig(), progress: bool = True, turns: MultiTurnRollout | None = None,
+                 env: str = ""):
+        """turns: a multi-turn rollout over the same fleet, for rows with an environment (a row's
+        own, else `env`), evaluated the way they were trained; None: single turn."""
         names = [b.name for b in benchmarks]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"need at least one benchmark and distinct names; got {names}")
         self.fleet, self.template, self.benchmarks, self.cfg = fleet, template, list(benchmarks), cfg
+        self.turns, self.env = turns, env
         self.progress = progress
         self.prompts = {b.name: [template.prompt(p.prompt) for p in b.problems] for b in benchmarks}
         self.prompt_ids = {
@@ -238,7 +243,13 @@ class Evaluator:
     def _generate(self, bench: Benchmark, first: int, count: int, min_version: int | None) -> list[Sample]:
         prompts = self.prompt_ids[bench.name][first : first + count]
         sampling = replace(self.sampling, seed=self.cfg.seed + first)  # problem i: seed + i
-        samples = self.fleet.generate(prompts, sampling, min_version=min_version)
+        if self.turns is None:
+            samples = self.fleet.generate(prompts, sampling, min_version=min_version)
+        else:
+            rows = bench.problems[first : first + count]
+            groups = self.turns.stream([(ids, row.record(), row.env or self.env) for ids, row in zip(prompts, rows)],
+                                       sampling, min_version)
+            samples = [sample for group in sorted(groups, key=lambda group: group[0].index) for sample in group]
         got = [s.index for s in samples]
         if got != [i for i in range(len(prompts)) for _ in range(self.cfg.n)]:
             raise RuntimeError(f"{bench.name}: the fleet returned samples for prompts {got[:12]}..., expected "
@@ -255,6 +266,7 @@ class Evaluator:
             "correct": judged.verdicts[k], "cluster": None if judged.clusters is None else judged.clusters[k],
             "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids),
             "weight_version": sample.weight_version,
+            **({"turns": [vars(turn) for turn in sample.turns]} if isinstance(sample, Conversation) else {}),
         }
 
     # ---- judges: one per kind, over one chunk (whole problems, n samples each) ---------------
