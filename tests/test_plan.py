@@ -3,6 +3,8 @@
     .venv/bin/python -m pytest -q tests/test_plan.py
 """
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +33,7 @@ CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserve
 
 def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, tokens: int = 16384) -> float:
     """The Qwen2.5-7B actor's GiB per GPU without recomputation, on its heaviest pipeline stage, by
-    the formulas of the docstrings of orz.plan.train_memory, layer_params, stage_params,
+    the formulas of the docstrings of orz.plan.memory.train_memory, layer_params, stage_params,
     layer_activation_bytes and logits_bytes, from the numbers of the model's config.json (untied,
     q/k/v biases), plus the cluster's 2 GiB reserved per process. Written out here, not called."""
     V, h, f, L, a, g, d = 152064, 3584, 18944, 28, 28, 4, 128  # V is a multiple of tp: no padding
@@ -425,3 +427,16 @@ def test_memory_never_grows_with_more_parallelism_or_savings(tp, pp, dp, recompu
 
 def test_gpu_presets_are_complete():
     assert set(GPUS) == {"A100", "H100", "H800", "H200"}
+
+
+def test_the_arithmetic_imports_no_torch():
+    """A Slurm login node may have no torch: with torch unimportable, the package imports and a
+    preset's plan is computed and checked. Importing torch anywhere on that path fails the test."""
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from orz.plan import MODELS, Cluster, Placement, Rollout, TrainParallel, Workload, check, plan\n"
+              "p = plan(MODELS['Qwen2.5-7B'], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=80), "
+              "Placement(actor=TrainParallel(tp=4, dp=2), rollout=Rollout(num_engines=8)), Workload())\n"
+              "print(p.timing.iteration_s > 0, check(p) == [] or check(p))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True"), out.stdout
