@@ -190,3 +190,28 @@ def test_one_sided_bands_and_sequence_is_pass_and_batch_invariance_passes_where_
     run_rules.check(load_config(None, ["algorithm.mismatch_mask=[0.5, null]", "algorithm.mismatch_reject_geo=[null, 1.01]",
                                        "algorithm.is_level=sequence", "algorithm.is_correction=true"]), on_gpu=False)
     run_rules.check(load_config(None, ["trainer.batch_invariant=true"]), on_gpu=True)
+
+
+def test_trainer_planner_and_slurm_check_give_one_placement_verdict():
+    """Placement is decided once (orz.ppo.placement): colocated roles whose sizes do not match the
+    engines' GPUs get the same line from the trainer's refusal, the planner and the Slurm check."""
+    from orz import launch_slurm, plan
+
+    cfg = load_config(None, ["model.path=Qwen2.5-7B", "algorithm.advantage=grpo", "trainer.colocate=true",
+                             "rollout.transport=object_store",
+                             "rollout.num_engines=8", "actor.tp=2", "actor.dp=2"])
+    line = ("trainer.colocate=true: actor's TP·PP·DP = 2·1·2 = 4 must equal the engines' 8 GPUs "
+            "(rollout.num_engines × engine_tp): colocated roles share every GPU")
+    with pytest.raises(ConfigError) as trainer:
+        run_rules.check(cfg)
+    with pytest.raises(ConfigError) as planner:
+        plan.plan_recipe(cfg, plan.load_cluster(None, nodes=1, gpus_per_node=8, gpu_mem_gib=80))
+    assert str(trainer.value) == line
+    assert str(planner.value) == f"the trainer refuses it: {line}"
+    assert launch_slurm.preflight(cfg, nodes=1, gpus_per_node=8) == [line]
+    # The same sizes on the cluster: one GPU short of the engines' 8 is a cluster problem for both.
+    short = load_config(None, ["model.path=Qwen2.5-7B", "algorithm.advantage=grpo", "rollout.num_engines=8"])
+    [slurm] = launch_slurm.preflight(short, nodes=1, gpus_per_node=8)
+    with pytest.raises(ConfigError) as planner:
+        plan.plan_recipe(short, plan.load_cluster(None, nodes=1, gpus_per_node=8, gpu_mem_gib=80))
+    assert slurm == str(planner.value) and slurm.startswith("GPUs needed: actor 1 (1·1·1 workers) + rollout 8")

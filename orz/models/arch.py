@@ -80,10 +80,11 @@ class ModelArch:
         return self.num_layers * layer + embed + h
 
     def check_parallel(self, tp: int, pp: int) -> None:
-        """Refuses a TP/PP that does not divide heads, KV groups or layers."""
+        """Refuses a TP/PP that does not divide heads, KV groups, the MLP's width or layers."""
         for what, size, parts, knob in (
             ("num_attention_heads", self.num_heads, tp, "tp"),
             ("num_key_value_heads", self.num_kv_heads, tp, "tp"),
+            ("intermediate_size", self.intermediate_size, tp, "tp"),
             ("num_hidden_layers", self.num_layers, pp, "pp"),
         ):
             if parts < 1 or size % parts:

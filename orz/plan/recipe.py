@@ -9,6 +9,7 @@ from orz.config import ConfigError, ExperimentConfig, from_dict, stage_configs
 from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
 from orz.models.presets import MODELS
 from orz.plan.estimate import Plan, plan
+from orz.ppo.placement import roles
 from orz.plan.inputs import (Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel, Workload,
                              _require_positive)
 
@@ -71,11 +72,9 @@ def load_cluster(path: str | Path | None, **changes) -> ClusterFile:
 
 
 def placement_of(cfg: ExperimentConfig) -> Placement:
-    """The recipe's roles, decided by the trainer's own rule (orz.ppo.run_rules.roles), and their
+    """The recipe's roles, decided by the trainer's own rule (orz.ppo.placement.roles), and their
     sizes. A role split by rows (micro_batch_size) holds that many of the longest samples."""
-    from orz.ppo import run_rules  # imports torch: kept out of the arithmetic above
-
-    roles = run_rules.roles(cfg)
+    started = roles(cfg)
     longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
 
     def tokens(role) -> int:
@@ -85,9 +84,9 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
         return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, micro_batch_tokens=tokens(role),
                              recompute=cfg.model.recompute, use_distributed_optimizer=role.use_distributed_optimizer)
 
-    r, ref = cfg.rollout, roles.get("ref")
+    r, ref = cfg.rollout, started.get("ref")
     return Placement(
-        actor=trained(roles["actor"]), critic=trained(roles["critic"]) if "critic" in roles else None,
+        actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
         ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, micro_batch_tokens=tokens(ref)) if ref else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),

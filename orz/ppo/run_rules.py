@@ -1,6 +1,5 @@
 """What a run's config implies and forbids, decided once for the trainer and the Slurm check.
 
-    roles(cfg)                  # {"actor": RoleConfig, ...}: the Megatron roles the run starts
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
@@ -17,9 +16,10 @@ from fnmatch import fnmatch
 
 import torch
 
-from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
+from orz.ppo.placement import Layout, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 
@@ -39,19 +39,6 @@ STAGE_KEYS = (
 # across stages, and kl_coef > 0 decides whether a reference model exists.
 _RUN_ONLY = ("algorithm.kl_coef", "algorithm.kl_target", "algorithm.kl_horizon", "algorithm.entropy_target",
              "algorithm.entropy_step", "algorithm.entropy_max_coef")
-
-
-def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
-    """The actor always; the critic when the estimator needs one; the reference when there is a KL
-    term (its log-probs enter the reward, the score or the loss: never built for nothing)."""
-    out = {"actor": cfg.actor}
-    if estimator(cfg.algorithm).needs_critic:
-        out["critic"] = cfg.critic
-    if cfg.algorithm.kl_coef > 0:
-        out["ref"] = cfg.ref
-    if cfg.reward.model.path:
-        out["reward_model"] = cfg.reward.model
-    return out
 
 
 def estimator(algo: AlgorithmConfig):
@@ -155,17 +142,10 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                         f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
                         f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        if arch is not None:
-            try:
-                arch.check_parallel(role.tp, role.pp)
-            except ModelConfigError as err:
-                problems.append(f"{name}.{err} of the model; use a size that divides it")
+        problems += role_problems(name, role.tp, role.pp, role.micro_batch_tokens, arch, context)
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
-        if 0 < role.micro_batch_tokens < context:
-            problems.append(f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample "
-                            f"({context} tokens: data.prompt_max_tokens + rollout.max_new_tokens); raise it")
         if role.threads < 1 or role.threads_alone < 0:
             problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
@@ -193,25 +173,17 @@ def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def colocation_problems(cfg: ExperimentConfig) -> list[str]:
-    """Colocated roles take turns on the same GPUs: one bundle per GPU, holding one worker of each
-    role and one single-GPU engine."""
+    """Colocated roles take turns on the same GPUs (their sizes: placement.Layout), so nothing overlaps."""
     t, r = cfg.trainer, cfg.rollout
     if not t.colocate:
         return []
-    problems = []
+    problems = Layout.of(cfg).colocation_problems()
     if t.max_staleness > 0:
         problems.append(f"trainer.colocate=true takes turns on the same GPUs, so trainer.max_staleness={t.max_staleness} "
                         "cannot overlap rollout with training: set max_staleness=0 or colocate=false")
-    if r.engine_tp != 1:
-        problems.append(f"trainer.colocate=true places one engine per GPU: rollout.engine_tp={r.engine_tp} must be 1")
     if r.transport != "object_store":
         problems.append(f"trainer.colocate=true needs rollout.transport=object_store (got {r.transport!r}): NCCL cannot "
                         "join two ranks on one GPU, and the CUDA IPC path is not built")
-    gpus = r.num_engines * r.engine_tp
-    for name, role in roles(cfg).items():
-        if role.tp * role.pp * role.dp != gpus:
-            problems.append(f"trainer.colocate=true: {name}'s TP·PP·DP = {role.tp}·{role.pp}·{role.dp} must equal the "
-                            f"engines' {gpus} GPUs (rollout.num_engines × engine_tp): colocated roles share every GPU")
     return problems
 
 

@@ -49,7 +49,7 @@ from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
-from orz.ppo import run_rules
+from orz.ppo import placement, run_rules
 from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
@@ -185,7 +185,7 @@ class RayPPOTrainer:
         kwargs.setdefault("model_path", cfg.model.path)
         trained = kwargs.get("train", True)
         return RoleSpec(
-            name=name, cfg=run_rules.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            name=name, cfg=placement.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             deterministic=cfg.trainer.batch_invariant,
             vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
             total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
@@ -197,10 +197,10 @@ class RayPPOTrainer:
         GPU from what is free, which it must not measure while a worker beside it allocates."""
         cfg = self.run_cfg
         console.print(f"[bold]orz:[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
-        roles, r = run_rules.roles(cfg), cfg.rollout
+        roles, r, layout = placement.roles(cfg), cfg.rollout, placement.Layout.of(cfg)
         # Colocated: one bundle per GPU for a worker of every role and an engine (run_rules checks the sizes).
-        self.bundles = Bundles.create(r.num_engines, sum(role.cpus_per_worker for role in roles.values()) + r.cpus_per_engine,
-                                      gpu_share=1 / (len(roles) + 1)) if cfg.trainer.colocate else None
+        self.bundles = Bundles.create(layout.num_engines, sum(role.cpus_per_worker for role in roles.values())
+                                      + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         rm = cfg.reward.model
         role_args = {"actor": {}, "ref": {"train": False},
                      "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
@@ -249,7 +249,7 @@ class RayPPOTrainer:
             self.reward.close()
         self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows)
         self._setup_eval()
-        roles = run_rules.roles(cfg)
+        roles = placement.roles(cfg)
         for name, group in self._named_groups():
             group.configure(roles[name])
         if self.run_cfg.stages:
@@ -390,7 +390,7 @@ class RayPPOTrainer:
 
     def _share_cores(self, engines_generate: bool) -> None:
         """Each Megatron role's torch threads: `threads` beside generating engines, else `threads_alone`."""
-        roles = run_rules.roles(self.stage_cfg)
+        roles = placement.roles(self.stage_cfg)
         for name, group in self._named_groups():
             role = roles[name]
             if role.threads_alone:
