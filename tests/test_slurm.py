@@ -403,7 +403,7 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     # Ray's files (sockets: a short path) away from /tmp/ray, where `ray start` would leave its
     # address for every later ray.init() on this machine.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="orz-ray-")
-    from orz.rollout.fleet import free_address
+    from orz.rollout.weight_sync import free_address
 
     out, (_, port) = tmp_path / "run", free_address()
     overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]

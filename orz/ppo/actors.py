@@ -121,7 +121,7 @@ class MegatronWorker(FaultSite):
             torch.set_num_threads(self._threads)
 
     def address(self) -> tuple[str, int]:
-        from orz.rollout.fleet import free_address
+        from orz.rollout.weight_sync import free_address
 
         return free_address()
 

@@ -73,26 +73,10 @@ from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.fleet import EngineFleet, FleetConfig
+from orz.rollout.weight_sync import GroupSource
 from orz.stopping import StopSignals, Stopped
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
-
-
-class ActorWeightSource:
-    """The actor group as the fleet's WeightSource: its rank 0 broadcasts (or puts) the weights
-    that all of its ranks gather from their TP/PP shards."""
-
-    def __init__(self, actor: WorkerGroup):
-        self.actor = actor
-
-    def address(self):
-        return self.actor.address()
-
-    def send(self, spec, bucket_bytes, with_digests):
-        return self.actor.send_weights(spec, bucket_bytes, with_digests)
-
-    def put(self, bucket_bytes, with_digests):
-        return self.actor.put_weights(bucket_bytes, with_digests)
 
 
 def check_data(cfg: ExperimentConfig) -> RunData:
@@ -222,7 +206,7 @@ class RayPPOTrainer:
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
-        self.weights = ActorWeightSource(self.actor)
+        self.weights = GroupSource(self.actor)
 
     def _setup_controllers(self):
         a = self.run_cfg.algorithm  # controller settings are run-wide (run_rules._RUN_ONLY)

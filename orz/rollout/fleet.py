@@ -7,9 +7,9 @@
         ...
     fleet.interrupt()   # partial rollout: interruptible streams pause, and after the next sync finish
 
-Weights come from a WeightSource: something that can join a process group as its rank 0 and
-broadcast (the trainer's actor rank 0, or an in-process source in tests and benchmarks), or put
-the same buckets into the Ray object store. The fleet remembers the last source and version, so
+Weights come from a WeightSource (orz.rollout.weight_sync: the actor's GroupSource, or a
+TensorSource in tests and benchmarks): something that can join a process group as its rank 0 and
+broadcast, or put the same buckets into the Ray object store. The fleet remembers the last source and version, so
 an engine that dies or hangs is restarted, re-synced to the current version, and its
 unfinished requests are issued again.
 """
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import ray
 import torch
@@ -30,14 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from orz.bundles import Bundles
 from orz.config import RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
-from orz.models.local_world import free_port
-from orz.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    BroadcastSender,
-    GroupSpec,
-    new_staging,
-    to_object_store_buckets,
-)
+from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, GroupSpec, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -74,42 +67,8 @@ class FleetConfig:
                    sleep_mode=sleep_mode, batch_invariant=batch_invariant)
 
 
-class WeightSource(Protocol):
-    def address(self) -> tuple[str, int]:
-        """(ip, free port) where the source will host the group's rendezvous."""
-
-    def send(self, spec: GroupSpec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
-        """Joins the group as rank 0, broadcasts all weights, returns their digests (if asked)."""
-
-    def put(self, bucket_bytes: int, with_digests: bool) -> tuple[list, dict[str, str]]:
-        """Puts all weights into the object store: (bucket refs, digests)."""
-
-
 class WeightSyncError(RuntimeError):
     pass
-
-
-def free_address() -> tuple[str, int]:
-    """(this node's IP, a port free on every interface): where a weight source hosts its group."""
-    return ray.util.get_node_ip_address(), free_port("")
-
-
-class TensorSource:
-    """A WeightSource over tensors in this process (tests, benchmarks, a single-process trainer)."""
-
-    def __init__(self, named: dict[str, torch.Tensor]):
-        self.named = named
-        self.staging = new_staging()
-        self.sender = BroadcastSender()
-
-    def address(self):
-        return free_address()
-
-    def send(self, spec, bucket_bytes, with_digests):
-        return self.sender.send(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
-
-    def put(self, bucket_bytes, with_digests):
-        return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
 
 
 def _timed_out(err: Exception) -> bool:
