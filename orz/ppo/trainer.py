@@ -42,10 +42,10 @@ from orz.bundles import Bundles
 from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import DatasetFormatError, Row, RunData
 from orz.data.sampler import PromptLoader
-from orz.data.templates import make_template, reward_model_inputs
+from orz.data.templates import encode_prompt, make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
-from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.evaluation.runner import EvalConfig, Evaluator
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
