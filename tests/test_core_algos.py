@@ -152,8 +152,9 @@ def test_reinforce_pp_by_hand():
     rewards = torch.tensor([[0.0, 1.0], [2.0, -50.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     scale = 1 / math.sqrt(7 / 12 + 1e-8)
-    close(ca.compute_reinforce_pp_advantages(rewards, mask, gamma=0.5), [[-2 / 3 * scale, -1 / 6 * scale],
-                                                                        [5 / 6 * scale, 0.0]])
+    advantages, returns = ca.compute_reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    close(advantages, [[-2 / 3 * scale, -1 / 6 * scale], [5 / 6 * scale, 0.0]])
+    close(returns, [[0.5, 1.0], [2.0, 0.0]])
 
 
 @st.composite
@@ -480,7 +481,7 @@ def every_masked_function(mask, a, b, c):
     """Each public per-token function on (mask, a, b, c), as a flat dict of output tensors."""
     outputs = {}
     outputs["gae_advantages"], outputs["gae_returns"] = ca.compute_gae(a, b, mask, 0.9, 0.8)
-    outputs["reinforce_pp"] = ca.compute_reinforce_pp_advantages(a, mask, 0.9)
+    outputs["reinforce_pp"], outputs["reinforce_pp_returns"] = ca.compute_reinforce_pp_advantages(a, mask, 0.9)
     outputs["whiten"] = ca.whiten(a, mask)
     outputs["reward"] = ca.reward_on_last_token(torch.arange(len(mask), device=mask.device).float(), mask, a, 0.3)
     for kind in ("k1", "k2", "k3", "k3+"):

@@ -1,4 +1,4 @@
-"""Ray worker groups around Megatron models: the actor, the critic and the reference.
+"""Ray worker groups around Megatron models: the actor, the critic, the reference and the reward model.
 
 Each role is a group of tp·pp·dp Ray actors (MegatronWorker) that together form one
 torch.distributed world with Megatron's TP/PP/DP groups (gloo on CPU, NCCL on GPU). The trainer
@@ -6,7 +6,8 @@ talks to a role through its WorkerGroup: every worker receives the same Experien
 Ray's store), takes its data-parallel share, and the last pipeline stage's TP-rank-0 worker of
 each DP replica reports results, which the group puts back in row order.
 
-Methods ending in `_async` return Ray refs; the others return results.
+Methods ending in `_async` return at once: a Pending* that gathers the result in row order, or,
+for save_async and load_async, the workers' Ray refs; the others wait for their result.
 """
 from __future__ import annotations
 
@@ -557,7 +558,7 @@ class WorkerGroup:
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
-    # ---- the role's calls: `*_async` return a Pending, the others wait for their result ----
+    # ---- the role's calls: `*_async` return at once (a Pending*, or refs), the others wait ----
     def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:
         """(B, T) log π of the response tokens, in row order, once `.get()`."""
         return PendingRows(self._call("logprobs", experience, temperature))
