@@ -1,6 +1,6 @@
 """Published models as ModelArch presets (from their config.json files), for the planner: what
 orz.models.arch would read from each model's directory."""
-from orz.models.arch import Llama3Rope, ModelArch
+from orz.models.arch import Llama3Rope, ModelArch, MoeArch
 
 
 def _qwen2(**numbers) -> ModelArch:
@@ -15,7 +15,7 @@ def _qwen3(**numbers) -> ModelArch:
 
 
 # From the published config.json files; `ModelArch.num_params` gives 7.62B, 32.76B, 1.54B, 0.49B, 8.03B,
-# 8.19B, 32.76B.
+# 8.19B, 32.76B, 30.53B.
 MODELS = {
     "Qwen2.5-0.5B": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                            num_heads=14, num_kv_heads=2, tie_word_embeddings=True, head_dim=64,
@@ -35,4 +35,10 @@ MODELS = {
                                                       original_max_position_embeddings=8192)),
     "Qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32),
     "Qwen3-32B": _qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64),
+    # 128 experts of width 768, 8 routed per token, in every one of its 48 layers (decoder_sparse_step 1,
+    # no mlp_only_layers): 30.53B parameters, 3.35B active per token with the embedding.
+    "Qwen3-30B-A3B": _qwen3(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_layers=48,
+                            num_heads=32, num_kv_heads=4,
+                            moe=MoeArch(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True,
+                                        layers=tuple(range(48)))),
 }

@@ -25,11 +25,12 @@ class Plan:
 def placement_problems(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> list[str]:
     """Everything that stops the placement from running at all, whatever the memory, as the trainer
     and the Slurm check decide it (orz.ppo.placement); each names the recipe's key."""
-    sizes = {name: Sizes(par.tp, par.pp, par.dp) for name, par in placement.megatron_roles().items()}
+    roles = placement.megatron_roles()
+    sizes = {name: Sizes(par.tp, par.pp, par.dp, par.ep, par.etp) for name, par in roles.items()}
     rollout = placement.rollout
     layout = Layout(sizes, rollout.num_engines, rollout.engine_tp, placement.colocate)
-    problems = [problem for name, par in placement.megatron_roles().items()
-                for problem in role_problems(name, par.tp, par.pp, par.micro_batch_tokens, arch, workload.max_seq_tokens)]
+    problems = [problem for name, par in roles.items()
+                for problem in role_problems(name, sizes[name], par.micro_batch_tokens, arch, workload.max_seq_tokens)]
     tp = rollout.engine_tp
     if arch.num_heads % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
         problems.append(f"rollout.engine_tp={tp} must divide num_attention_heads={arch.num_heads} and divide "

@@ -18,15 +18,16 @@ class PlanError(ConfigError):
 class GPU:
     tflops: float  # dense bf16 peak, TFLOP/s (datasheet, without sparsity)
     hbm_tb_s: float  # peak HBM bandwidth, TB/s
+    nvlink_gb_s: float  # NVLink bandwidth per GPU and direction, GB/s (half the datasheet's bidirectional figure)
 
 
 # Memory is the cluster's gpu_mem_gib, as nvidia-smi reports it: A100 80 GB 80.0 GiB, H100/H800 79.6 GiB
 # (81559 MiB), H200 140.4 GiB (143771 MiB).
 GPUS = {
-    "A100": GPU(tflops=312, hbm_tb_s=2.039),  # SXM 80 GB
-    "H100": GPU(tflops=989, hbm_tb_s=3.35),  # SXM
-    "H800": GPU(tflops=989, hbm_tb_s=3.35),  # an H100 with slower NVLink
-    "H200": GPU(tflops=989, hbm_tb_s=4.8),
+    "A100": GPU(tflops=312, hbm_tb_s=2.039, nvlink_gb_s=300),  # SXM 80 GB
+    "H100": GPU(tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450),  # SXM
+    "H800": GPU(tflops=989, hbm_tb_s=3.35, nvlink_gb_s=200),  # an H100 with slower NVLink
+    "H200": GPU(tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450),
 }
 
 
@@ -39,14 +40,16 @@ class Cluster:
     reserved_gib: float = 2.0  # per process on a GPU: CUDA context, NCCL buffers, allocator slack
     train_mfu: float = 0.40  # achieved fraction of peak FLOP/s in training, forward passes and prefill
     hbm_efficiency: float = 0.70  # achieved fraction of peak HBM bandwidth in vLLM decode
+    link_efficiency: float = 0.50  # achieved fraction of NVLink bandwidth in the experts' all-to-all
 
     def __post_init__(self):
         if self.gpu not in GPUS:
             raise PlanError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
         _require_positive(self, "nodes", "gpus_per_node", "gpu_mem_gib")
-        if not (0 < self.train_mfu <= 1 and 0 < self.hbm_efficiency <= 1 and self.reserved_gib >= 0):
-            raise PlanError(f"need 0 < train_mfu, hbm_efficiency <= 1 and reserved_gib >= 0, got "
-                              f"{self.train_mfu}, {self.hbm_efficiency}, {self.reserved_gib}")
+        efficiencies = (self.train_mfu, self.hbm_efficiency, self.link_efficiency)
+        if not (all(0 < e <= 1 for e in efficiencies) and self.reserved_gib >= 0):
+            raise PlanError(f"need 0 < train_mfu, hbm_efficiency, link_efficiency <= 1 and reserved_gib >= 0, got "
+                            f"{', '.join(map(str, efficiencies))}, {self.reserved_gib}")
 
     @property
     def gpus(self) -> int:
@@ -62,16 +65,24 @@ class ModelParallel:
     dp: int = 1  # data parallel replicas
     micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
+    ep: int = 1  # expert parallel: each GPU holds experts / ep of every sparse layer (carved out of tp·dp)
+    etp: int = 1  # expert tensor parallel: splits each expert's width
 
     def __post_init__(self):
-        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens")
+        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp")
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard, over which its gradients are reduced: tp·dp / (ep·etp)."""
+        return max(self.tp * self.dp // (self.ep * self.etp), 1)
+
     def label(self) -> str:
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else "") if self.ep * self.etp > 1 else ""
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}{experts}"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ setup all ask this module; none re-derives it.
     layout.gpu_demand()                 # {"actor": 8, "critic": 8, "rollout": 16}: GPUs each asks Ray for
     layout.colocation_problems()        # colocated sizes that do not line up, naming the keys
     layout.cluster_problems(nodes, gpus_per_node)   # what no cluster of that shape can hold
-    role_problems(name, tp, pp, micro_batch_tokens, arch, longest)   # what the model cannot split
+    role_problems(name, sizes, micro_batch_tokens, arch, longest)    # what the model cannot split
 
 Its arithmetic imports no torch (the planner runs it on login nodes without one).
 """
@@ -41,11 +41,14 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
 
 @dataclass(frozen=True)
 class Sizes:
-    """A Megatron role's parallel sizes: tp·pp·dp workers, one GPU each."""
+    """A Megatron role's parallel sizes: tp·pp·dp workers, one GPU each; its experts' groups
+    (ep·etp GPUs) are carved out of the tp·dp ranks of each pipeline stage, as in Megatron."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
+    etp: int = 1
 
     @property
     def workers(self) -> int:
@@ -117,14 +120,18 @@ class Layout:
         return problems
 
 
-def role_problems(name: str, tp: int, pp: int, micro_batch_tokens: int, arch: ModelArch | None,
+def role_problems(name: str, sizes: Sizes, micro_batch_tokens: int, arch: ModelArch | None,
                   longest: int) -> list[str]:
-    """What stops a role from splitting the model (TP and PP sizes that do not divide it) or from
-    holding the longest sample (prompt + response tokens) in one micro-batch (0: split by rows)."""
+    """What stops a role from splitting the model (TP, PP, EP or ETP sizes that do not divide it,
+    experts' groups that do not fit in tp·dp) or from holding the longest sample (prompt + response
+    tokens) in one micro-batch (0: split by rows)."""
     problems = []
+    if (sizes.tp * sizes.dp) % (sizes.ep * sizes.etp):
+        problems.append(f"{name}.ep={sizes.ep} × {name}.etp={sizes.etp} must divide {name}.tp × {name}.dp = "
+                        f"{sizes.tp * sizes.dp}: the experts' groups are carved out of the role's ranks")
     if arch is not None:
         try:
-            arch.check_parallel(tp, pp)
+            arch.check_parallel(sizes.tp, sizes.pp, sizes.ep, sizes.etp)
         except ModelConfigError as err:
             problems.append(f"{name}.{err} of the model; use a size that divides it")
     if 0 < micro_batch_tokens < longest:

@@ -19,7 +19,7 @@ import torch
 from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
-from orz.ppo.placement import Layout, role_problems, roles
+from orz.ppo.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 
@@ -142,7 +142,7 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                         f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
                         f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        problems += role_problems(name, role.tp, role.pp, role.micro_batch_tokens, arch, context)
+        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp), role.micro_batch_tokens, arch, context)
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
