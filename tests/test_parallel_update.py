@@ -9,6 +9,8 @@ bit-identical weights: the Adam moments (sharded over DP with ZeRO-1) and, in bf
 master weights are restored exactly.
 """
 import os
+import shutil
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -347,28 +349,20 @@ def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model
     assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]
 
 
-def _first_step_saved_as_before(rank, world, role, model, ckpt):
-    """Step 1 saved as orz did before optimizer state went by name: without the distributed
-    optimizer, Megatron's whole `state_dict` in optim.pt, no shards, the scheduler's state dict."""
-    w = _worker(rank, world, role, "float32", model)
-    _step(w, world, _minibatches()[0])
-    w.save(ckpt)
-    shard = w._shard_dir(ckpt)
-    state = torch.load(shard / "optim.pt", weights_only=False)
-    del state["distributed"]
-    state["scheduler"] = {"num_steps": state.pop("scheduler_steps")}
-    state["optimizer"] = w.engine.optimizer.state_dict()
-    torch.save(state, shard / "optim.pt")
-    for path in shard.glob("optim_dp_*.pt"):
-        path.unlink()
+# Written by orz at commit f06bde6, the last before optimizer state went by name (35f023b), with that
+# commit's own code: step 1 of the dp1 layout above on the same tiny model, saved by its
+# MegatronWorker.save (tests/fixtures/checkpoint_f06bde6/make.py, run with the commit checked out).
+# Without the distributed optimizer it kept Megatron's whole optimizer state_dict in optim.pt.
+EARLIER_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_f06bde6"
 
 
 def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_another(model, reference, tmp_path):
-    ckpt = str(tmp_path / "ck")
-    run_world(_first_step_saved_as_before, *LAYOUTS["dp1"], model, ckpt)
-    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, ckpt)[0]
+    ckpt = shutil.copytree(EARLIER_CHECKPOINT, tmp_path / "ck", ignore=shutil.ignore_patterns("*.py"))
+    state = torch.load(ckpt / "mp_rank_00_000" / "optim.pt", weights_only=False)
+    assert "distributed" not in state and "optimizer" in state  # the premise: the earlier format
+    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, str(ckpt))[0]
     assert metrics == reference["metrics"][1]
     assert all(torch.equal(weights[n], w) for n, w in reference["weights"].items())
     with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
                                            r"state in Megatron's own format.*resume at the saved TP and PP"):
-        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, ckpt)
+        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, str(ckpt))
