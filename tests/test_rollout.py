@@ -25,7 +25,7 @@ def test_the_fleet_and_its_sampling_are_built_from_the_rollout_section():
                             transport="object_store", check="held", request_timeout_s=9.0, sync_timeout_s=7.0,
                             temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=99, stop=["</answer>"], n_samples=4)
     fleet = FleetConfig.from_config(rollout, max_model_len=640, sleep_mode=True, log_dir="logs")
-    assert (fleet.num_engines, fleet.tensor_parallel_size, fleet.cpus_per_engine, fleet.kv_cache_gib) == (3, 2, 0.5, 4)
+    assert (fleet.num_engines, fleet.engine_tp, fleet.cpus_per_engine, fleet.kv_cache_gib) == (3, 2, 0.5, 4)
     assert (fleet.transport, fleet.check, fleet.request_timeout_s, fleet.sync_timeout_s) == ("object_store", "held", 9.0, 7.0)
     assert (fleet.sleep_mode, fleet.log_dir) == (True, "logs")
     assert fleet.engine_args["max_model_len"] == 640 and fleet.engine_args["max_num_seqs"] == 16

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class FleetConfig:
     num_engines: int = 1
-    tensor_parallel_size: int = 1  # GPUs per engine (vLLM's own TP); 1 on CPU
+    engine_tp: int = 1  # GPUs per engine (vLLM's tensor_parallel_size); 1 on CPU
     cpus_per_engine: float = 1.0
     engine_args: dict = field(default_factory=dict)  # passed to vllm.LLM (max_model_len, gpu_memory_utilization, ...)
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
@@ -61,7 +61,7 @@ class FleetConfig:
         engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
-        return cls(num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
+        return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
                    sleep_mode=sleep_mode, batch_invariant=batch_invariant)
@@ -103,7 +103,7 @@ class EngineFleet:
         # (pending until a sync moves weight_version past it: a call submitted meanwhile pauses too).
         self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, -1
         self._synced = threading.Condition()  # notified whenever weight_version moves
-        tp = self.cfg.tensor_parallel_size  # vLLM's own workers take an engine's GPUs when TP > 1
+        tp = self.cfg.engine_tp  # vLLM's own workers take an engine's GPUs when TP > 1
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
         self._own_bundles = shared is None
         self.engines = [self._start(i) for i in range(self.cfg.num_engines)]
@@ -120,8 +120,8 @@ class EngineFleet:
         if self.cfg.batch_invariant:  # untested here: run_rules refuses it without a GPU
             env["VLLM_BATCH_INVARIANT"] = "1"
         engine_args = dict(self.cfg.engine_args)
-        if self.cfg.tensor_parallel_size > 1:  # untested here: no GPU
-            engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
+        if self.cfg.engine_tp > 1:  # untested here: no GPU
+            engine_args.update(tensor_parallel_size=self.cfg.engine_tp, distributed_executor_backend="ray")
         if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
             engine_args["enable_sleep_mode"] = True
         cls = ray.remote(concurrency_groups={"control": 1})(VLLMEngine)  # interrupt, beside a generation
@@ -190,7 +190,7 @@ class EngineFleet:
             return self._group
         self._close_group()
         ip, port = source.address()
-        tp = self.cfg.tensor_parallel_size
+        tp = self.cfg.engine_tp
         self.metrics["rollout/weight_groups"] += 1
         spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(ids) * tp,
                          f"orz-weights-{self.metrics['rollout/weight_groups']}", self.cfg.sync_timeout_s)
