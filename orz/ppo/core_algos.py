@@ -37,7 +37,7 @@ __all__ = [
     "compute_gae", "compute_grpo_advantages", "compute_orz_grpo_advantages", "compute_rloo_advantages",
     "compute_reinforce_pp_advantages", "whiten", "AdvantageInputs", "AdvantageEstimator",
     "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
-    "aggregate", "aggregate_denominator", "policy_loss", "gspo_policy_loss", "cispo_policy_loss",
+    "aggregate", "aggregate_denominator", "ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss",
     "truncated_is_weights", "sequence_is_weights", "IS_LEVELS", "masked_mean", "check_band", "mismatch_keep_mask",
     "mismatch_metrics", "actor_loss", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
@@ -612,7 +612,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, norm_len: int | None = None
 
 
 @POLICY_LOSSES.register("ppo")
-def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+def ppo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", is_weights: Tensor | None = None, *,
                 norm_len: int | None = None, denominator: Tensor | float | None = None,
