@@ -20,7 +20,7 @@ import torch.distributed as dist
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.actors import ActorStep, MegatronWorker, RoleSpec, combine_metrics
+from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.replay_buffer import MiniBatch, experience_from_rollouts
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
@@ -62,7 +62,7 @@ def _worker(rank, world, role, dtype, model):
 
 def _step(w, world, mb):
     """One optimizer step on `mb`; the metrics merged over the world's reporting ranks."""
-    out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
+    out = w.train_actor([mb], ActorSettings(ALGO, 1.0, 0.0, 0.0))
     parts = [None] * world
     dist.all_gather_object(parts, out and out.metrics)
     return combine_metrics([p for p in parts if p])
@@ -294,7 +294,7 @@ def _update_with_and_without_old(rank, world, role, model):
         return w
 
     def train(w, minibatches):
-        out = w.train_actor(minibatches, ActorStep(ALGO, 0.7, 0.0, 0.0))
+        out = w.train_actor(minibatches, ActorSettings(ALGO, 0.7, 0.0, 0.0))
         parts = [None] * world
         dist.all_gather_object(parts, out)
         read_old = torch.zeros(16, max(mb.experience.response_mask.shape[1] for mb in minibatches))

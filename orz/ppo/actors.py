@@ -282,7 +282,7 @@ class MegatronWorker(FaultSite):
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
-    def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> ActorUpdate | None:
+    def train_actor(self, minibatches: list[MiniBatch], step: ActorSettings) -> ActorUpdate | None:
         """Without old_logprobs, π_old is this actor's weights before the update: the first
         mini-batch reads it from its own forward (detached; the weights have not moved yet), the
         others from one no-grad pass before the first step. One pass fewer than a separate one.
@@ -483,7 +483,7 @@ def _sizes(layout: dict) -> str:
 
 
 @dataclass(frozen=True)
-class ActorStep:
+class ActorSettings:
     """What an actor update needs beside its mini-batches."""
 
     algo: AlgorithmConfig  # the stage's algorithm settings, defaults decided (run_rules.algorithm)
@@ -571,7 +571,7 @@ class WorkerGroup:
         """(B, T) a reward model's score on each row's last response token, once `.get()`."""
         return PendingRows(self._call("scores", experience))
 
-    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingUpdate:
+    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorSettings) -> PendingUpdate:
         """One optimizer step per mini-batch; the merged `actor/*` metrics and the π_old the
         actor read (rows in the mini-batches' source Experience) once `.get(like)`."""
         return PendingUpdate(self._call("train_actor", minibatches, step))

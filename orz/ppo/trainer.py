@@ -50,7 +50,7 @@ from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
 from orz.ppo import placement, run_rules
-from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
+from orz.ppo.actors import ActorSettings, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
@@ -580,7 +580,7 @@ class RayPPOTrainer:
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        step = ActorStep(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
+        step = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
         metrics, read_old = self.actor.train_actor_async(minibatches, step).get(like=experience.response_mask)
         if read_old is not None:
             experience = replace(experience, old_logprobs=read_old)
