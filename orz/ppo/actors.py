@@ -50,6 +50,7 @@ class RoleSpec:
     recompute: bool = False
     deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
+    moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
@@ -136,7 +137,7 @@ class MegatronWorker(FaultSite):
         from orz.models.parallel import init_model_parallel
 
         cfg = self.spec.cfg
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed)
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         optim = None
@@ -146,7 +147,8 @@ class MegatronWorker(FaultSite):
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
         self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
-                                  self.spec.vocab_divisible_by, self.spec.deterministic)
+                                  self.spec.vocab_divisible_by, self.spec.deterministic,
+                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
@@ -159,7 +161,8 @@ class MegatronWorker(FaultSite):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         old = self.spec.cfg
-        if (cfg.tp, cfg.pp, cfg.dp, cfg.use_distributed_optimizer) != (old.tp, old.pp, old.dp, old.use_distributed_optimizer):
+        layout = ("tp", "pp", "dp", "ep", "etp", "use_distributed_optimizer")
+        if any(getattr(cfg, key) != getattr(old, key) for key in layout):
             raise ValueError(f"{self.spec.name}: a stage cannot change the parallel layout")
         self.spec = replace(self.spec, cfg=cfg)
         if not self.spec.train:

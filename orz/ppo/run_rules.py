@@ -91,7 +91,7 @@ def check(cfg: ExperimentConfig, arch=None, on_gpu: bool | None = None) -> None:
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     for label, staged in stage_configs(cfg):
-        problems += [label + p for p in _run_problems(staged, arch)]
+        problems += [label + p for p in _run_problems(staged, arch, on_gpu)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
 
@@ -112,7 +112,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
     return problems
 
 
-def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
+def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     problems = range_problems(cfg)
     estimator(a)
@@ -156,10 +156,12 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                         f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
         if arch is not None:
+            experts = (role.ep, role.etp) if arch.moe else (1, 1)  # EP on a dense model: _expert_problems
             try:
-                arch.check_parallel(role.tp, role.pp)
+                arch.check_parallel(role.tp, role.pp, *experts)
             except ModelConfigError as err:
                 problems.append(f"{name}.{err} of the model; use a size that divides it")
+            problems += _expert_problems(name, role, arch, on_gpu)
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
@@ -170,6 +172,22 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
             problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
     return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def _expert_problems(name: str, role: RoleConfig, arch, on_gpu: bool) -> list[str]:
+    """The experts' groups must fit in each stage's tp·dp ranks; a MoE trained at TP > 1 needs
+    Megatron's sequence parallelism, whose norms exist only in TE or Apex (GPU)."""
+    problems = []
+    if arch.moe is None and (role.ep, role.etp) != (1, 1):
+        problems.append(f"{name}.ep={role.ep}, {name}.etp={role.etp}: expert parallelism needs a mixture-of-experts "
+                        f"model, and this {arch.family} model is dense; set both to 1")
+    if (role.tp * role.dp) % (role.ep * role.etp):
+        problems.append(f"{name}.ep={role.ep} × {name}.etp={role.etp} must divide {name}.tp × {name}.dp = "
+                        f"{role.tp * role.dp}: the experts' groups are carved out of those ranks")
+    if arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
+        problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
+                        f"parallelism, which needs TE or Apex norms (GPU); on CPU use {name}.tp=1 and {name}.ep")
+    return problems
 
 
 def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
@@ -251,6 +269,7 @@ def _reward_model_problems(reward) -> list[str]:
 # threads are checked with the roles that run (_run_problems): other roles start no worker.
 _RANGES = (
     ("model.vocab_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("model.moe_aux_loss_coef", lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.engine_tp", lambda v: v >= 1, ">= 1"),
     ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
@@ -307,6 +326,8 @@ _ROLE_RANGES = (
     ("tp", lambda v: v >= 1, ">= 1"),
     ("pp", lambda v: v >= 1, ">= 1"),
     ("dp", lambda v: v >= 1, ">= 1"),
+    ("ep", lambda v: v >= 1, ">= 1"),
+    ("etp", lambda v: v >= 1, ">= 1"),
     ("cpus_per_worker", lambda v: v > 0, "> 0"),
     ("lr", lambda v: v > 0, "> 0"),
     ("min_lr", lambda v: v >= 0, ">= 0"),
