@@ -265,6 +265,8 @@ class MegatronWorker(FaultSite):
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
+                if "moe_aux_loss" in out:  # model.moe_aux_loss_coef > 0
+                    step[f"{self.spec.name}/moe_aux_loss"] = out["moe_aux_loss"]
                 # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
