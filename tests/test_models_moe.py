@@ -81,3 +81,74 @@ def test_moe_logits_match_transformers_and_export_is_exact(tp, pp, ep, name, che
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
     assert all(r["exported"] == {} for r in results[1:])
+
+
+AUX_COEF = 0.01
+
+
+def _train_steps(rank, world, tokens, path):
+    """On a world of 2 (DP=2, each rank its half of `tokens`): one NLL step at EP=1 and at EP=2
+    from the same weights, then one step of the load-balancing loss alone (both ranks on all
+    of `tokens`) at EP=2."""
+    from megatron.core import parallel_state as ps
+
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.logprobs import logprobs_and_entropy
+    from orz.models.parallel import init_model_parallel
+
+    ckpt = HFCheckpoint(path)
+    optim = OptimConfig(lr=1e-3, clip_grad=100.0, adam_eps=1e-6)  # eps: see test_models' train step
+    total_tokens = tokens[:, 1:].numel()
+
+    def nll(logits, batch):
+        logprobs, _ = logprobs_and_entropy(
+            logits[:, :-1], batch.input_ids[:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
+        )
+        loss = -logprobs.sum() / total_tokens
+        return loss, {"loss": loss.detach()}
+
+    result = {}
+    mine = tokens.chunk(world)[rank]
+    for ep in (1, 2):
+        init_model_parallel(1, 1, ep=ep)
+        engine = ModelEngine(ckpt.arch, optim=optim)
+        engine.load_hf(ckpt)
+        out = engine.train_step([ModelInputs(t) for t in mine.split(1)], nll)
+        assert "moe_aux_loss" not in out  # off by default
+        result[ep] = {"loss": sum(m["loss"] for m in out["metrics"]).item(), "grad_norm": out["grad_norm"],
+                      "weights": dict(engine.hf_tensors())}
+    engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
+    engine.load_hf(ckpt)
+    out = engine.train_step([ModelInputs(tokens)], lambda logits, batch: (0.0 * logits.sum(), {}))
+    result["aux"] = {"moe_aux_loss": out["moe_aux_loss"], "grad_norm": out["grad_norm"]}
+    return result
+
+
+def test_moe_train_step_ep2_matches_ep1_and_aux_loss_matches_transformers(checkpoints):
+    """EP moves experts, not math: loss, gradient norm and updated weights agree at DP=2 with EP=1
+    and EP=2. The load-balancing loss and its gradient are transformers' (per sparse layer
+    E·Σ_e f_e·P̄_e, f_e the share of top-k picks), divided by top-k as Megatron defines it."""
+    from transformers import AutoModelForCausalLM
+
+    tokens, ckpts = checkpoints
+    path = ckpts["norm_topk"][0]
+    tokens = torch.cat([tokens, tokens.flip(0)])[:4]
+    ranks = run_world(_train_steps, 2, tokens, path)
+    one, two = ranks[0][1], ranks[0][2]
+    assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"])
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
+    for name, w in one["weights"].items():
+        assert (w - two["weights"][name]).abs().max() < 1e-5, name
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    moe = read_arch(path).moe
+    router_logits = hf(tokens, output_router_logits=True).router_logits  # one (B·S, E) per sparse layer
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    per_layer = torch.stack([load_balancing_loss_func((g,), moe.num_experts, moe.top_k) for g in router_logits])
+    (AUX_COEF * per_layer.sum() / moe.top_k).backward()
+    ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
+    aux = ranks[0]["aux"]
+    assert abs(aux["moe_aux_loss"] - per_layer.mean().item() / moe.top_k) < 1e-6
+    assert ref_norm > 0 and abs(aux["grad_norm"] - ref_norm) <= 1e-4 * ref_norm

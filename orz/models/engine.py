@@ -19,6 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
@@ -277,13 +278,44 @@ class ModelEngine:
         return out[0] if out and self.layout.tp_rank == 0 else None
 
     def train_step(self, microbatches: list[ModelInputs], loss_fn: LossFn) -> dict:
-        """One optimizer step over a mini-batch given as micro-batches (gradient accumulation)."""
+        """One optimizer step over a mini-batch given as micro-batches (gradient accumulation).
+        With a MoE's load-balancing loss on, also returns `moe_aux_loss` (see _start_aux_loss)."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.model.train()
+        aux_on = self.arch.moe is not None and self.config.moe_aux_loss_coeff > 0
+        if aux_on:
+            self._start_aux_loss(microbatches)
         metrics = self.run(microbatches, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        return {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        out = {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        if aux_on:
+            out["moe_aux_loss"] = self._aux_loss(len(microbatches))
+        return out
+
+    def _start_aux_loss(self, microbatches: list[ModelInputs]) -> None:
+        """The router adds c·n_m·aux_m to micro-batch m's objective (c: moe_aux_loss_coef, n_m its
+        B·S token positions, aux_m = (E/k)·Σ_e f_e·P̄_e its Switch loss, f_e the share of top-k picks:
+        transformers' value / k); scaled by 1/N, N = Σ n_m over the mini-batch on every DP rank, the
+        objective gains c·Σ_m n_m·aux_m / N per sparse layer, a token-weighted mean: Megatron's own
+        per-token scaling, whose division by N our finalisation skips."""
+        tokens = torch.tensor(float(sum(mb.input_ids.numel() for mb in microbatches)))
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        scale = 1.0 / tokens.item()
+        self.config.moe_grad_scale_func = lambda: scale
+        get_moe_metrics_tracker().clear()
+
+    def _aux_loss(self, num_microbatches: int) -> float:
+        """The load-balancing loss (without its coefficient), averaged over sparse layers,
+        micro-batches and DP replicas."""
+        tracker = get_moe_metrics_tracker()
+        entry = tracker.metrics.get("load_balancing_loss")  # none on a stage without sparse layers
+        values = entry.values.clone() if entry else torch.zeros(self.arch.num_layers)  # (L,) summed over micro-batches
+        tracker.clear()
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())  # each stage holds its layers
+        mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        return mean.item() / ps.get_data_parallel_world_size()
 
 
 def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor):

@@ -81,13 +81,14 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
         return role.micro_batch_tokens or role.micro_batch_size * longest
 
     def trained(role) -> TrainParallel:
-        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, micro_batch_tokens=tokens(role),
+        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, micro_batch_tokens=tokens(role),
                              recompute=cfg.model.recompute, use_distributed_optimizer=role.use_distributed_optimizer)
 
     r, ref = cfg.rollout, started.get("ref")
     return Placement(
         actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
-        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, micro_batch_tokens=tokens(ref)) if ref else None,
+        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, micro_batch_tokens=tokens(ref))
+        if ref else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
         colocate=cfg.trainer.colocate,

@@ -51,6 +51,7 @@ class RoleSpec:
     recompute: bool = False
     deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
+    moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
@@ -137,7 +138,7 @@ class MegatronWorker(FaultSite):
         from orz.models.parallel import init_model_parallel
 
         cfg = self.spec.cfg
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed)
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         optim = None
@@ -147,7 +148,8 @@ class MegatronWorker(FaultSite):
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
         self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
-                                  self.spec.vocab_divisible_by, self.spec.deterministic)
+                                  self.spec.vocab_divisible_by, self.spec.deterministic,
+                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
@@ -160,7 +162,8 @@ class MegatronWorker(FaultSite):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         old = self.spec.cfg
-        if (cfg.tp, cfg.pp, cfg.dp, cfg.use_distributed_optimizer) != (old.tp, old.pp, old.dp, old.use_distributed_optimizer):
+        layout = ("tp", "pp", "dp", "ep", "etp", "use_distributed_optimizer")
+        if any(getattr(cfg, key) != getattr(old, key) for key in layout):
             raise ValueError(f"{self.spec.name}: a stage cannot change the parallel layout")
         self.spec = replace(self.spec, cfg=cfg)
         if not self.spec.train:
@@ -263,6 +266,8 @@ class MegatronWorker(FaultSite):
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
+                if "moe_aux_loss" in out:  # model.moe_aux_loss_coef > 0
+                    step[f"{self.spec.name}/moe_aux_loss"] = out["moe_aux_loss"]
                 # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]

@@ -65,7 +65,7 @@ class Layout:
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> Layout:
         r = cfg.rollout
-        return cls({name: Sizes(role.tp, role.pp, role.dp) for name, role in roles(cfg).items()},
+        return cls({name: Sizes(role.tp, role.pp, role.dp, role.ep, role.etp) for name, role in roles(cfg).items()},
                    r.num_engines, r.engine_tp, cfg.trainer.colocate)
 
     @property
@@ -125,13 +125,16 @@ def role_problems(name: str, sizes: Sizes, micro_batch_tokens: int, arch: ModelA
     """What stops a role from splitting the model (TP, PP, EP or ETP sizes that do not divide it,
     experts' groups that do not fit in tp·dp) or from holding the longest sample (prompt + response
     tokens) in one micro-batch (0: split by rows)."""
-    problems = []
-    if (sizes.tp * sizes.dp) % (sizes.ep * sizes.etp):
+    problems, experts = [], (sizes.ep, sizes.etp)
+    if min(experts) >= 1 and (sizes.tp * sizes.dp) % (sizes.ep * sizes.etp):  # below 1: a range problem
         problems.append(f"{name}.ep={sizes.ep} × {name}.etp={sizes.etp} must divide {name}.tp × {name}.dp = "
-                        f"{sizes.tp * sizes.dp}: the experts' groups are carved out of the role's ranks")
+                        f"{sizes.tp * sizes.dp}: the experts' groups are carved out of those ranks")
     if arch is not None:
+        if arch.moe is None and experts != (1, 1):
+            problems.append(f"{name}.ep={sizes.ep}, {name}.etp={sizes.etp}: expert parallelism needs a "
+                            f"mixture-of-experts model, and this {arch.family} model is dense; set both to 1")
         try:
-            arch.check_parallel(sizes.tp, sizes.pp, sizes.ep, sizes.etp)
+            arch.check_parallel(sizes.tp, sizes.pp, *(experts if arch.moe else (1, 1)))
         except ModelConfigError as err:
             problems.append(f"{name}.{err} of the model; use a size that divides it")
     if 0 < micro_batch_tokens < longest:

@@ -78,7 +78,7 @@ def check(cfg: ExperimentConfig, arch=None, on_gpu: bool | None = None) -> None:
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     for label, staged in stage_configs(cfg):
-        problems += [label + p for p in _run_problems(staged, arch)]
+        problems += [label + p for p in _run_problems(staged, arch, on_gpu)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
 
@@ -99,7 +99,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
     return problems
 
 
-def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
+def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     problems = range_problems(cfg)
     estimator(a)
@@ -142,7 +142,11 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
                         f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''} = {context} "
                         f"tokens exceed the model's max_position_embeddings={arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp), role.micro_batch_tokens, arch, context)
+        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp, role.ep, role.etp), role.micro_batch_tokens,
+                                  arch, context)
+        if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
+            problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
+                            f"parallelism, which needs TE or Apex norms (GPU); on CPU use {name}.tp=1 and {name}.ep")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
@@ -223,6 +227,7 @@ def _reward_model_problems(reward) -> list[str]:
 # threads are checked with the roles that run (_run_problems): other roles start no worker.
 _RANGES = (
     ("model.vocab_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("model.moe_aux_loss_coef", lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.engine_tp", lambda v: v >= 1, ">= 1"),
     ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
@@ -279,6 +284,8 @@ _ROLE_RANGES = (
     ("tp", lambda v: v >= 1, ">= 1"),
     ("pp", lambda v: v >= 1, ">= 1"),
     ("dp", lambda v: v >= 1, ">= 1"),
+    ("ep", lambda v: v >= 1, ">= 1"),
+    ("etp", lambda v: v >= 1, ">= 1"),
     ("cpus_per_worker", lambda v: v > 0, "> 0"),
     ("lr", lambda v: v > 0, "> 0"),
     ("min_lr", lambda v: v >= 0, ">= 0"),
