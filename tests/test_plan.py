@@ -246,7 +246,7 @@ def _planned_recipes() -> dict[str, list[str]]:
 def test_every_large_recipe_names_its_cluster():
     large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
     assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo",
-                                                "qwen3_8b_grpo"}
+                                                "qwen3_8b_grpo", "qwen3_30b_a3b_grpo"}
     # ... and each has its Make target beside the others (`make qwen3-8b-grpo NODES=4 ...`)
     targets = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("SLURM_RECIPES"))
     assert set(targets.split(":=")[1].split()) == {name.replace("_", "-") for name in large}
