@@ -35,7 +35,8 @@ from common import emit, machine, parse_args  # noqa: E402
 
 from orz.data.datasets import load_rows  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
-from orz.reward.math import MathReward, MathRewardConfig, extract_answer, is_equivalent  # noqa: E402
+from orz.data.answers import extract_answer  # noqa: E402
+from orz.reward.math import MathReward, MathRewardConfig, is_equivalent  # noqa: E402
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 PATHOLOGICAL = [

@@ -48,7 +48,8 @@ from common import (  # noqa: E402
 )
 
 from orz.rollout.weight_sync import broadcast, destroy, init_custom_process_group  # noqa: E402
-from orz.rollout.fleet import EngineFleet, FleetConfig, TensorSource, free_address  # noqa: E402
+from orz.rollout.fleet import EngineFleet, FleetConfig  # noqa: E402
+from orz.rollout.weight_sync import TensorSource, free_address  # noqa: E402
 from orz.rollout.weight_sync import _pack, buckets, digest  # noqa: E402
 
 

@@ -33,6 +33,10 @@ class ModelConfig:
     dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU; or float32 | bfloat16
     recompute: bool = False  # full activation recomputation: less memory, ~33% more compute
     vocab_divisible_by: int = 1  # pad the vocabulary to a multiple of this × TP (128 on GPU is fast)
+    # MoE: weight of the router's load-balancing loss in the actor's objective (Megatron's aux_loss,
+    # Switch-style E·Σ_e f_e·P_e). 0 for RL fine-tuning: a pre-trained router is already balanced and
+    # the loss would pull the policy away from the reward; the HF config's router_aux_loss_coef is not read.
+    moe_aux_loss_coef: float = 0.0
 
 
 @dataclass
@@ -42,6 +46,11 @@ class RoleConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1  # replicas; the role has tp·pp·dp workers
+    # MoE only: experts spread over ep ranks and each expert's SwiGLU split over etp ranks. As in
+    # Megatron, these groups are carved out of each stage's tp·dp ranks (ep·etp must divide tp·dp):
+    # the role still has tp·pp·dp workers.
+    ep: int = 1
+    etp: int = 1
     cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is `threads`
     threads: int = 1  # torch threads per worker on CPU while the engines generate beside it
     # ... and while they do not (a synchronous run's passes; an asynchronous update once the next

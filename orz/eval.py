@@ -35,7 +35,7 @@ class CliConfig:
     template: str
     out: str
     engines: int
-    tensor_parallel_size: int
+    engine_tp: int
     max_model_len: int | None  # None: the model's own
     kv_cache_gib: int  # CPU only: vLLM's KV cache size
     gpu_memory_utilization: float | None  # GPU only; None: vLLM's default
@@ -158,7 +158,7 @@ def run(cli: CliConfig, cfg) -> int:
                      configure_logging=False)
         fleet = None
         try:
-            fleet_cfg = FleetConfig(num_engines=cli.engines, tensor_parallel_size=cli.tensor_parallel_size,
+            fleet_cfg = FleetConfig(num_engines=cli.engines, engine_tp=cli.engine_tp,
                                     engine_args=engine_args, kv_cache_gib=cli.kv_cache_gib)
             fleet = EngineFleet(model_dir, fleet_cfg, seed=cfg.seed)
             turns = None if cli.rollout is None else _multi_turn(cli, fleet, tokenizer, benchmarks, model_dir)
@@ -171,7 +171,7 @@ def run(cli: CliConfig, cfg) -> int:
             if started_ray:
                 ray.shutdown()
     report.settings.update(model=str(cli.model), tokenizer=cli.tokenizer or str(cli.model), engines=cli.engines,
-                           tensor_parallel_size=cli.tensor_parallel_size, engine_args=engine_args,
+                           engine_tp=cli.engine_tp, engine_args=engine_args,
                            total_wall_s=time.perf_counter() - start)  # engine start-up included
     paths = report.save(cli.out)
     print(report.table())

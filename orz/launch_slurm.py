@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from orz.config import (ConfigError, ExperimentConfig, RoleConfig, apply_overrides, load_config, load_recipe,
+from orz.config import (ConfigError, ExperimentConfig, apply_overrides, load_config, load_recipe,
                         stage_configs)
 
 NODE_RESOURCE = "slurm_node:"  # + Slurm node name: a custom Ray resource naming each node
@@ -189,12 +189,12 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
 # ---------------------------------------------------------------- checks before any GPU work
 
 
-def _roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
-    """The Megatron roles the trainer starts: orz.ppo.run_rules.roles, which imports torch."""
-    from orz.ppo import run_rules
+def _layout(cfg: ExperimentConfig):
+    """Where the trainer would put the run's processes (orz.ppo.placement, which imports torch)."""
+    from orz.ppo.placement import Layout
 
     try:
-        return run_rules.roles(cfg)
+        return Layout.of(cfg)
     except ConfigError as err:  # an unknown estimator; the message lists the valid ones
         raise LaunchError(str(err)) from None
 
@@ -210,41 +210,18 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
     return []
 
 
-def gpu_demand(cfg: ExperimentConfig) -> dict[str, float]:
-    """GPUs each role asks Ray for: one per worker (TP·PP·DP), and engines × engine_tp for the vLLM
-    fleet (whole GPUs, one bundle per engine). Colocated (trainer.colocate), the roles share the
-    engines' GPUs and ask for none of their own."""
-    roles, own = _roles(cfg), 0 if cfg.trainer.colocate else 1
-    demand = {name: float(role.tp * role.pp * role.dp * own) for name, role in roles.items()}
-    demand["rollout"] = float(cfg.rollout.num_engines * cfg.rollout.engine_tp)
-    return demand
+def gpu_demand(cfg: ExperimentConfig) -> dict[str, int]:
+    """GPUs each role asks Ray for (orz.ppo.placement.Layout.gpu_demand)."""
+    return _layout(cfg).gpu_demand()
 
 
 def recipe_problems(cfg: ExperimentConfig, nodes: int, gpus_per_node: int) -> list[str]:
-    """Why the recipe's parallel sizes cannot be placed on nodes × gpus_per_node GPUs; [] when they can.
-
-    Ray would otherwise wait forever for placement groups it cannot satisfy: more GPUs than the
-    cluster has, or an engine bundle (engine_tp GPUs, one node) larger than a node.
-    """
+    """Why the recipe's processes cannot be placed on nodes × gpus_per_node GPUs, at any stage; []
+    when they can (Ray would otherwise wait forever for placement groups it cannot satisfy)."""
     if gpus_per_node == 0:
         return []  # a CPU partition: roles reserve CPUs, which Ray shares out
-    problems, total = [], nodes * gpus_per_node
-    for label, stage in stage_configs(cfg):
-        demand, roles, r = gpu_demand(stage), _roles(stage), stage.rollout
-        if sum(demand.values()) > total + 1e-9:
-            parts = [f"{name} {demand[name]:g} ({role.tp}·{role.pp}·{role.dp} workers)" for name, role in roles.items()]
-            parts.append(f"rollout {demand['rollout']:g} ({r.num_engines} engines × TP{r.engine_tp})")
-            problems.append(f"{label}the recipe needs {' + '.join(parts)} = {sum(demand.values()):g} GPUs > {total} "
-                            f"GPUs in this job ({nodes} nodes × {gpus_per_node}); add nodes, shrink DP or engines, "
-                            "or colocate the roles with the engines (trainer.colocate=true)")
-        if r.engine_tp > gpus_per_node:
-            problems.append(f"{label}rollout.engine_tp={r.engine_tp} > {gpus_per_node} GPUs per node: "
-                            "an engine's GPUs must be on one node")
-        for name, role in roles.items():
-            if gpus_per_node % role.tp:
-                problems.append(f"{label}{name}.tp={role.tp} does not divide {gpus_per_node} GPUs per node "
-                                "(a TP group must stay inside one node)")
-    return problems
+    return [label + problem for label, stage in stage_configs(cfg)
+            for problem in _layout(stage).cluster_problems(nodes, gpus_per_node)]
 
 
 def plan_problems(cluster: str | Path, cfg: ExperimentConfig, nodes: int, gpus_per_node: int) -> list[str]:

@@ -90,12 +90,12 @@ def test_unknown_keys_suggest_the_closest_valid_one():
 
 
 def test_run_rules_roles_whitening_and_schedule_length():
-    from orz.ppo import run_rules
+    from orz.ppo import placement, run_rules
 
     ppo = load_config(None, ["algorithm.advantage=gae"])
     grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
-    assert list(run_rules.roles(ppo)) == ["actor", "critic"]
-    assert list(run_rules.roles(grpo_kl)) == ["actor", "ref"]
+    assert list(placement.roles(ppo)) == ["actor", "critic"]
+    assert list(placement.roles(grpo_kl)) == ["actor", "ref"]
     assert run_rules.algorithm(ppo).whiten_advantages and not run_rules.algorithm(grpo_kl).whiten_advantages
     forced = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.whiten_advantages=true"])
     assert run_rules.algorithm(forced).whiten_advantages  # an explicit setting wins

@@ -1,5 +1,6 @@
 """HF <-> Megatron conversion: bit-exact round trips, the CLI, and clear errors on bad input."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -166,3 +167,50 @@ def test_reshard_gives_what_the_target_layout_reads_from_hf(tmp_path, family, ti
             assert got.keys() == expected.keys()
             for name, tensor in expected.items():
                 assert torch.equal(got[name], tensor), (t, p, name)
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[2])
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_tiny_hf(tmp_path_factory.mktemp("moe"), family="qwen3_moe", vocab_size=101, head_dim=32, moe=MOE)
+
+
+def test_moe_round_trip_tp2_pp2_ep2_etp2_is_bit_exact(tmp_path, qwen3_moe):
+    hf2mcore(str(qwen3_moe), str(tmp_path / "mcore"), tp=2, pp=2, ep=2, etp=2)
+    experts = sorted(p.parent.name for p in (tmp_path / "mcore").glob("expert_rank_*/model.safetensors"))
+    assert experts == [f"expert_rank_{e:03d}_{t:02d}_{p:03d}" for e in range(2) for t in range(2) for p in range(2)]
+    stage1 = load_file(tmp_path / "mcore/expert_rank_001_01_001/model.safetensors")  # layers 2 (dense), 3
+    assert sorted(stage1) == [f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc{j}.weight"
+                              for i in range(2) for j in (1, 2)]
+    assert stage1["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (32, 64)  # [gate; up] / etp
+    mcore2hf(str(tmp_path / "mcore"), str(tmp_path / "back"), like=str(qwen3_moe))
+    original, back = load_file(qwen3_moe / "model.safetensors"), load_file(tmp_path / "back/model.safetensors")
+    assert original.keys() == back.keys()
+    for key in original:
+        assert torch.equal(original[key], back[key]), key
+
+
+@pytest.mark.parametrize(
+    "edit,ep,message",
+    [
+        (lambda d: None, 3, r"ep=3 does not divide num_experts=4"),
+        (_set("shared_expert_intermediate_size", 64), 1,
+         r"config.json: field 'shared_expert_intermediate_size'=64: a shared expert is not supported"),
+        (_set("moe_intermediate_size", None), 1, r"config.json: missing field 'moe_intermediate_size'"),
+        (_set("mlp_only_layers", [7]), 1, r"config.json: field 'mlp_only_layers'=\[7\] must list layer indices"),
+        (_set("num_experts_per_tok", 5), 1, r"'num_experts_per_tok'=5.*1 <= top_k <= experts"),
+    ],
+)
+def test_moe_bad_input_names_file_and_field(tmp_path, qwen3_moe, edit, ep, message, capsys):
+    bad = _bad(tmp_path, qwen3_moe, edit)
+    code = main(["hf2mcore", "--hf", str(bad), "--out", str(tmp_path / "out"), "--ep", str(ep)])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_expert_parallel_on_a_dense_model_is_refused(tmp_path, llama, capsys):
+    code = main(["hf2mcore", "--hf", str(llama), "--out", str(tmp_path / "out"), "--ep", "2"])
+    assert code == 2 and "ep=2, etp=1: expert parallelism needs a mixture-of-experts model" in capsys.readouterr().err

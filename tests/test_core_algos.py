@@ -152,8 +152,9 @@ def test_reinforce_pp_by_hand():
     rewards = torch.tensor([[0.0, 1.0], [2.0, -50.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     scale = 1 / math.sqrt(7 / 12 + 1e-8)
-    close(ca.compute_reinforce_pp_advantages(rewards, mask, gamma=0.5), [[-2 / 3 * scale, -1 / 6 * scale],
-                                                                        [5 / 6 * scale, 0.0]])
+    advantages, returns = ca.compute_reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    close(advantages, [[-2 / 3 * scale, -1 / 6 * scale], [5 / 6 * scale, 0.0]])
+    close(returns, [[0.5, 1.0], [2.0, 0.0]])
 
 
 @st.composite
@@ -219,7 +220,7 @@ def test_registries_refuse_a_second_registration():
     with pytest.raises(ValueError, match="already registered"):
         ca.register_advantage_estimator("gae")(lambda inputs: None)
     with pytest.raises(ValueError, match="already registered"):
-        ca.POLICY_LOSSES.add("ppo", ca.policy_loss)
+        ca.POLICY_LOSSES.add("ppo", ca.ppo_policy_loss)
     registry = ca.Registry("widget")
     registry.add("a", 1)
     assert registry.get("a") == 1 and "a" in registry and registry.names() == ("a",)
@@ -376,7 +377,7 @@ def test_policy_loss_by_hand():
     logprob = ratios_as_logprobs(ratios)
     advantages = torch.tensor([[1.0, 1.0, -2.0, -2.0, 5.0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])
-    loss, metrics = ca.policy_loss(torch.zeros(1, 5), logprob, advantages, mask)
+    loss, metrics = ca.ppo_policy_loss(torch.zeros(1, 5), logprob, advantages, mask)
     close(loss, 0.525)
     close(metrics["actor/pg_loss"], 0.525)
     close(metrics["actor/clip_frac"], 0.5)
@@ -394,7 +395,7 @@ def test_policy_loss_clip_higher_dual_clip_and_is_weights_by_hand():
     # is_weights [0.5, 1, 2]: (−1.28·0.5 + 4·1 + 6·2)/3 = (−0.64 + 4 + 12)/3
     logprob = ratios_as_logprobs([[1.5, 2.0, 4.0]])
     advantages = torch.tensor([[1.0, -2.0, -2.0]])
-    loss, metrics = ca.policy_loss(torch.zeros(1, 3), logprob, advantages, torch.ones(1, 3), clip_low=0.2,
+    loss, metrics = ca.ppo_policy_loss(torch.zeros(1, 3), logprob, advantages, torch.ones(1, 3), clip_low=0.2,
                                    clip_high=0.28, dual_clip=3.0, is_weights=torch.tensor([[0.5, 1.0, 2.0]]))
     close(loss, (-0.64 + 4 + 12) / 3)
     close(metrics["actor/dual_clip_frac"], 1 / 3)
@@ -413,7 +414,7 @@ def test_truncated_is_weights_by_hand():
 def test_policy_loss_clipping_bounds_and_zero_gradient_outside_the_trust_region(log_ratio, advantage, low, high, c):
     logprob = torch.tensor([[log_ratio]], requires_grad=True)
     advantages = torch.tensor([[advantage]])
-    loss, _ = ca.policy_loss(torch.zeros(1, 1), logprob, advantages, torch.ones(1, 1), low, high, dual_clip=c)
+    loss, _ = ca.ppo_policy_loss(torch.zeros(1, 1), logprob, advantages, torch.ones(1, 1), low, high, dual_clip=c)
     gradient, = torch.autograd.grad(loss, logprob)
     loss, ratio = float(loss.detach()), math.exp(log_ratio)
     if advantage > 0:
@@ -480,14 +481,14 @@ def every_masked_function(mask, a, b, c):
     """Each public per-token function on (mask, a, b, c), as a flat dict of output tensors."""
     outputs = {}
     outputs["gae_advantages"], outputs["gae_returns"] = ca.compute_gae(a, b, mask, 0.9, 0.8)
-    outputs["reinforce_pp"] = ca.compute_reinforce_pp_advantages(a, mask, 0.9)
+    outputs["reinforce_pp"], outputs["reinforce_pp_returns"] = ca.compute_reinforce_pp_advantages(a, mask, 0.9)
     outputs["whiten"] = ca.whiten(a, mask)
     outputs["reward"] = ca.reward_on_last_token(torch.arange(len(mask), device=mask.device).float(), mask, a, 0.3)
     for kind in ("k1", "k2", "k3", "k3+"):
         outputs[kind] = ca.kl_penalty(a, b, kind, mask)
     for mode in AGG_MODES:
         outputs[mode] = ca.aggregate(a, mask, mode)
-    loss, metrics = ca.policy_loss(b, a, c, mask, dual_clip=3.0, is_weights=torch.sigmoid(b.float()))
+    loss, metrics = ca.ppo_policy_loss(b, a, c, mask, dual_clip=3.0, is_weights=torch.sigmoid(b.float()))
     outputs |= {"policy": loss, **metrics}
     loss, metrics = ca.value_loss(a, b, c, mask)
     outputs |= {"value": loss, **metrics}
@@ -639,11 +640,11 @@ def test_adaptive_kl_moves_beta_towards_the_target(kl, target, n_steps):
     (lambda: ca.kl_penalty(torch.zeros(1, 2), torch.zeros(2, 1), "k1"), "ref_logprob"),
     (lambda: ca.aggregate(torch.zeros(1, 2), torch.ones(1, 2), "mean"), "seq-mean-token-mean"),
     (lambda: ca.aggregate(torch.zeros(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm", norm_len=0), "norm_len"),
-    (lambda: ca.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2)), "advantages"),
-    (lambda: ca.policy_loss(torch.tensor([[math.inf, 0]]), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)),
+    (lambda: ca.ppo_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2)), "advantages"),
+    (lambda: ca.ppo_policy_loss(torch.tensor([[math.inf, 0]]), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)),
      "old_logprob"),
-    (lambda: ca.policy_loss(*[torch.zeros(1, 2)] * 3, torch.ones(1, 2), dual_clip=0.5), "dual_clip"),
-    (lambda: ca.policy_loss(*[torch.zeros(1, 2)] * 3, torch.ones(1, 2), is_weights=-torch.ones(1, 2)), "is_weights"),
+    (lambda: ca.ppo_policy_loss(*[torch.zeros(1, 2)] * 3, torch.ones(1, 2), dual_clip=0.5), "dual_clip"),
+    (lambda: ca.ppo_policy_loss(*[torch.zeros(1, 2)] * 3, torch.ones(1, 2), is_weights=-torch.ones(1, 2)), "is_weights"),
     (lambda: ca.value_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(2), torch.ones(1, 2)), "returns"),
     (lambda: ca.compute_grpo_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long)), "group_index"),
     (lambda: ca.compute_grpo_advantages(torch.zeros(3), torch.zeros(3)), "group_index"),

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from orz.data.synthetic import arithmetic_rows, countdown_rows, countdown_verify
-from orz.reward.math import extract_answer
+from orz.data.answers import extract_answer
 
 
 def test_same_seed_same_rows_other_seed_other_rows():

@@ -3,7 +3,7 @@ import pytest
 
 from orz.data.templates import ChatTemplate, ThinkAnswerTemplate, make_template, reward_model_inputs
 from orz.data.tokenizers import char_tokenizer
-from orz.reward.math import extract_answer
+from orz.data.answers import extract_answer
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -165,7 +165,7 @@ def test_report_files_table_and_flat_metrics(scripted, tmp_path):
 def test_prompts_carry_one_bos_with_either_template():
     from tokenizers import processors
 
-    from orz.evaluation.runner import encode_prompt
+    from orz.data.templates import encode_prompt
 
     tokenizer = char_tokenizer(["What is 1 + 2?\nPut the final answer in \\boxed{}. UserAssistant:"])
     bos = tokenizer.bos_token_id

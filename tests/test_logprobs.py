@@ -2,7 +2,7 @@
 import torch
 from orz.models.local_world import run_world
 
-from orz.models.logprobs import entropy_from_logits, logprobs_and_entropy
+from orz.models.logprobs import logprobs_and_entropy
 
 B, S, V, PADDED = 3, 5, 11, 12  # V=11 padded to 12 for TP=2 (one padding column)
 
@@ -28,7 +28,6 @@ def test_single_rank_matches_log_softmax():
     ref_logp, ref_entropy = _reference(logits, tokens)
     assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
-    assert torch.allclose(entropy_from_logits(logits).double(), ref_entropy, atol=1e-5)
 
 
 def test_temperature_and_padding_columns():

@@ -9,6 +9,8 @@ bit-identical weights: the Adam moments (sharded over DP with ZeRO-1) and, in bf
 master weights are restored exactly.
 """
 import os
+import shutil
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.actors import ActorStep, MegatronWorker, RoleSpec, combine_metrics
+from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.replay_buffer import MiniBatch, experience_from_rollouts
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
@@ -60,7 +62,7 @@ def _worker(rank, world, role, dtype, model):
 
 def _step(w, world, mb):
     """One optimizer step on `mb`; the metrics merged over the world's reporting ranks."""
-    out = w.train_actor([mb], ActorStep(ALGO, 1.0, 0.0, 0.0))
+    out = w.train_actor([mb], ActorSettings(ALGO, 1.0, 0.0, 0.0))
     parts = [None] * world
     dist.all_gather_object(parts, out and out.metrics)
     return combine_metrics([p for p in parts if p])
@@ -292,7 +294,7 @@ def _update_with_and_without_old(rank, world, role, model):
         return w
 
     def train(w, minibatches):
-        out = w.train_actor(minibatches, ActorStep(ALGO, 0.7, 0.0, 0.0))
+        out = w.train_actor(minibatches, ActorSettings(ALGO, 0.7, 0.0, 0.0))
         parts = [None] * world
         dist.all_gather_object(parts, out)
         read_old = torch.zeros(16, max(mb.experience.response_mask.shape[1] for mb in minibatches))
@@ -347,28 +349,20 @@ def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model
     assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]
 
 
-def _first_step_saved_as_before(rank, world, role, model, ckpt):
-    """Step 1 saved as orz did before optimizer state went by name: without the distributed
-    optimizer, Megatron's whole `state_dict` in optim.pt, no shards, the scheduler's state dict."""
-    w = _worker(rank, world, role, "float32", model)
-    _step(w, world, _minibatches()[0])
-    w.save(ckpt)
-    shard = w._shard_dir(ckpt)
-    state = torch.load(shard / "optim.pt", weights_only=False)
-    del state["distributed"]
-    state["scheduler"] = {"num_steps": state.pop("scheduler_steps")}
-    state["optimizer"] = w.engine.optimizer.state_dict()
-    torch.save(state, shard / "optim.pt")
-    for path in shard.glob("optim_dp_*.pt"):
-        path.unlink()
+# Written by orz at commit f06bde6, the last before optimizer state went by name (35f023b), with that
+# commit's own code: step 1 of the dp1 layout above on the same tiny model, saved by its
+# MegatronWorker.save (tests/fixtures/checkpoint_f06bde6/make.py, run with the commit checked out).
+# Without the distributed optimizer it kept Megatron's whole optimizer state_dict in optim.pt.
+EARLIER_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_f06bde6"
 
 
 def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_another(model, reference, tmp_path):
-    ckpt = str(tmp_path / "ck")
-    run_world(_first_step_saved_as_before, *LAYOUTS["dp1"], model, ckpt)
-    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, ckpt)[0]
+    ckpt = shutil.copytree(EARLIER_CHECKPOINT, tmp_path / "ck", ignore=shutil.ignore_patterns("*.py"))
+    state = torch.load(ckpt / "mp_rank_00_000" / "optim.pt", weights_only=False)
+    assert "distributed" not in state and "optimizer" in state  # the premise: the earlier format
+    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, str(ckpt))[0]
     assert metrics == reference["metrics"][1]
     assert all(torch.equal(weights[n], w) for n, w in reference["weights"].items())
     with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
                                            r"state in Megatron's own format.*resume at the saved TP and PP"):
-        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, ckpt)
+        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, str(ckpt))

@@ -3,6 +3,9 @@
     .venv/bin/python -m pytest -q tests/test_plan.py
 """
 import json
+import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orz.models.arch import ModelArch, ModelConfigError
+from orz.models.arch import ModelArch, ModelConfigError, MoeArch
 from orz.plan import (GIB, GPUS, MODELS, Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel,
                       Workload, check, main, plan, stage_params)
 
@@ -31,7 +34,7 @@ CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1.0, gpu="H100", reserve
 
 def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, tokens: int = 16384) -> float:
     """The Qwen2.5-7B actor's GiB per GPU without recomputation, on its heaviest pipeline stage, by
-    the formulas of the docstrings of orz.plan.train_memory, layer_params, stage_params,
+    the formulas of the docstrings of orz.plan.memory.train_memory, layer_params, stage_params,
     layer_activation_bytes and logits_bytes, from the numbers of the model's config.json (untied,
     q/k/v biases), plus the cluster's 2 GiB reserved per process. Written out here, not called."""
     V, h, f, L, a, g, d = 152064, 3584, 18944, 28, 28, 4, 128  # V is a multiple of tp: no padding
@@ -76,7 +79,7 @@ def tiny_plan(**changes):
 
 def test_presets_match_published_parameter_counts():
     published_b = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76,
-                   "Llama-3.1-8B": 8.03, "Qwen3-8B": 8.19, "Qwen3-32B": 32.76}
+                   "Llama-3.1-8B": 8.03, "Qwen3-8B": 8.19, "Qwen3-32B": 32.76, "Qwen3-30B-A3B": 30.53}
     assert {name: round(arch.num_params / 1e9, 2) for name, arch in MODELS.items()} == published_b
 
 
@@ -99,6 +102,12 @@ _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_
                                num_attention_heads=32, max_window_layers=36)),
     ("Qwen3-32B", _QWEN3 | dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                                 num_attention_heads=64, max_window_layers=64)),
+    ("Qwen3-30B-A3B", _QWEN3 | dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                                    intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                                    num_key_value_heads=4, max_window_layers=48, moe_intermediate_size=768,
+                                    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                                    router_aux_loss_coef=0.001)),
 ])
 def test_presets_equal_what_the_trainer_reads_from_the_published_config(tmp_path, name, config):
     """The trainer reads a model with `read_arch` (run_rules.check) and refuses what it cannot build:
@@ -160,9 +169,10 @@ def test_rollout_memory_by_hand():
     rollout = tiny_plan().row("rollout")
     assert (rollout.weights, rollout.kv_cache) == (754816, 262144)
     assert rollout.limit == int(0.5 * GIB)
-    # 2 engines of TP4 > g = 2: KV heads are replicated, one per GPU: 2·4·1·16·2 = 256 bytes per token;
-    # concurrency min(8, 32/2) = 8
-    wide = tiny_plan(rollout=Rollout(num_engines=2, engine_tp=4, max_num_seqs=8)).row("rollout")
+    # 1 engine of TP4 > g = 2 (beside a TP2 DP2 actor: colocated engines have TP1): KV heads are
+    # replicated, one per GPU: 2·4·1·16·2 = 256 bytes per token; concurrency min(8, 32/1) = 8
+    wide = tiny_plan(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=2, dp=2, micro_batch_tokens=128),
+                     rollout=Rollout(num_engines=1, engine_tp=4, max_num_seqs=8)).row("rollout")
     assert wide.kv_cache == 8 * 128 * 256
 
 
@@ -235,7 +245,11 @@ def _planned_recipes() -> dict[str, list[str]]:
 
 def test_every_large_recipe_names_its_cluster():
     large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
-    assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo"}
+    assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo",
+                                                "qwen3_8b_grpo", "qwen3_30b_a3b_grpo"}
+    # ... and each has its Make target beside the others (`make qwen3-8b-grpo NODES=4 ...`)
+    targets = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("SLURM_RECIPES"))
+    assert set(targets.split(":=")[1].split()) == {name.replace("_", "-") for name in large}
 
 
 @pytest.mark.parametrize("recipe", sorted(_planned_recipes()))
@@ -346,7 +360,7 @@ def test_gpu_memory_utilization_beyond_what_colocated_roles_leave():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(actor=TrainParallel(tp=2, pp=1, dp=2, micro_batch_tokens=128)), "actor: TP·PP·DP = 2·1·2 = 4 ≠ 8 GPUs"),
+    (dict(actor=TrainParallel(tp=2, pp=1, dp=2, micro_batch_tokens=128)), "actor's TP·PP·DP = 2·1·2 = 4 must equal the engines' 8 GPUs"),
     (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=3, dp=1, micro_batch_tokens=128)),
      "actor.tp=3 does not divide num_attention_heads=4"),
     (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=1, pp=3, dp=1, micro_batch_tokens=128)),
@@ -355,10 +369,10 @@ def test_gpu_memory_utilization_beyond_what_colocated_roles_leave():
     (dict(rollout=Rollout(num_engines=3)), "num_engines·engine_tp = 3·1 = 3 ≠ 8 GPUs"),
     (dict(rollout=Rollout(num_engines=1, engine_tp=8)), "rollout.engine_tp=8 must divide num_attention_heads=4"),
     (dict(colocate=False, critic=None, ref=None, actor=TrainParallel(tp=2, dp=2, micro_batch_tokens=128),
-          rollout=Rollout(num_engines=8)), "GPUs needed: actor 4 + rollout 8 = 12 > 8 GPUs"),
+          rollout=Rollout(num_engines=8)), "GPUs needed: actor 4 (2·1·2 workers) + rollout 8 (8 engines × TP1) = 12 > 8 GPUs"),
 ])
 def test_placements_that_cannot_run(changes, message):
-    with pytest.raises(PlanError, match=message.replace("·", ".").replace("+", r"\+")):
+    with pytest.raises(PlanError, match=re.escape(message)):
         tiny_plan(**changes)
 
 
@@ -425,3 +439,86 @@ def test_memory_never_grows_with_more_parallelism_or_savings(tp, pp, dp, recompu
 
 def test_gpu_presets_are_complete():
     assert set(GPUS) == {"A100", "H100", "H800", "H200"}
+
+
+def test_the_arithmetic_imports_no_torch():
+    """A Slurm login node may have no torch: with torch unimportable, the package imports and a
+    preset's plan is computed and checked. Importing torch anywhere on that path fails the test."""
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from orz.plan import MODELS, Cluster, Placement, Rollout, TrainParallel, Workload, check, plan\n"
+              "p = plan(MODELS['Qwen2.5-7B'], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=80), "
+              "Placement(actor=TrainParallel(tp=4, dp=2), rollout=Rollout(num_engines=8)), Workload())\n"
+              "print(p.timing.iteration_s > 0, check(p) == [] or check(p))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True"), out.stdout
+
+
+# A tiny Qwen3-MoE: layer 0 dense (mlp_only_layers=[0]), layers 1-3 sparse with 8 experts of width
+# 32, 2 routed per token. Pieces by hand (h=64, d=16, a=4, g=2, V=1000):
+#   attention h·d·(2a+2g) = 12288; norms 2h = 128; q/k norms 2d = 32; router E·h = 512
+#   one expert 3·h·f_e = 6144, all eight 49152; dense MLP 3·h·f = 49152
+TINY_MOE = ModelArch(family="qwen3_moe", vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=256,
+                     moe=MoeArch(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, layers=(1, 2, 3)))
+
+
+def test_moe_parameters_by_hand():
+    from orz.plan.memory import layer_params, matmul_params
+
+    assert layer_params(TINY_MOE, 2, layer=0, ep=2) == (12288 + 49152) // 2 + 128 + 32  # dense: EP changes nothing
+    assert layer_params(TINY_MOE, 2, layer=1, ep=2) == 12288 // 2 + 128 + 32 + 512 + 49152 // 2  # 31392
+    assert layer_params(TINY_MOE, 1, layer=1, ep=4, etp=2) == 12288 + 160 + 512 + 49152 // 8
+    # TP2 PP2 EP2: stage 1 = layers 0, 1 + embedding 1000·64/2; stage 2 = layers 2, 3 + norm + LM head
+    assert stage_params(TINY_MOE, 2, 2, "lm", 1, ep=2) == [30880 + 31392 + 32000, 2 * 31392 + 64 + 32000]
+    assert stage_params(TINY_MOE, 1, 1, "lm", 1) == [TINY_MOE.num_params]
+    # active per token: 4 attentions + the dense MLP + 3 × (router + 2 experts) + LM head V·h
+    assert matmul_params(TINY_MOE, "lm") == 4 * 12288 + 49152 + 3 * (512 + 2 * 6144) + 1000 * 64
+
+
+def test_moe_memory_by_hand():
+    # TP1 PP1 DP4 EP2, distributed optimizer: P = 61600 (layer 0) + 3 × 37536 (sparse: 12288 + 160 +
+    # 512 + 49152/2) + embedding 64000 + norm 64 + head 64000 = 302272, of which experts 3 × 24576 = 73728.
+    # Optimizer: 12·(P − P_e)/DP + 12·P_e/EDP with EDP = tp·dp/(ep·etp) = 2.
+    # Activations, T = 128, layer 0: 128·(8·64 + 384 + 6·256) = 311296; a sparse layer:
+    # 128·(8·64 + 384 + 8·8 + 2·(2·64 + 6·32)) = 204800; all four kept: 311296 + 3·204800 + logits 128·1000·14.
+    actor = TrainParallel(tp=1, dp=4, ep=2, micro_batch_tokens=128, use_distributed_optimizer=True)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1, reserved_gib=0)
+    p = plan(TINY_MOE, cluster, Placement(actor=actor, rollout=Rollout(num_engines=4)), WORK)
+    row = p.row("actor")
+    assert (row.weights, row.grads) == (2 * 302272, 4 * 302272)
+    assert row.optimizer == 12 * (302272 - 73728) // 4 + 12 * 73728 // 2
+    assert row.activations == 311296 + 3 * 204800 + 128 * 1000 * 14
+    # vLLM (TP1) holds every expert: one GPU's weights are num_params with V padded to 1024
+    assert p.row("rollout").weights == 2 * (TINY_MOE.num_params + 2 * 24 * 64)
+
+
+def test_moe_time_by_hand():
+    from orz.plan.timing import all_to_all_s, rollout_time
+
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=80, gpu="H100", link_efficiency=0.5)
+    par = TrainParallel(tp=1, dp=4, ep=2)
+    # per forward pass: tokens/dp · 3 sparse layers · k=2 · 2 bytes · h=64 · (ep−1)/ep · 2 (there and back)
+    tokens = 1e6
+    per_pass = tokens / 4 * 3 * 2 * 2 * 64 * 0.5 * 2
+    assert all_to_all_s(TINY_MOE, cluster, par, tokens, 3) == pytest.approx(3 * per_pass / (450e9 * 0.5))
+    assert all_to_all_s(TINY_MOE, cluster, replace(par, ep=1), tokens, 3) == 0
+    # decode at c sequences reads the experts its tokens route to: 1 − (1 − 2/8)^c of each layer's
+    one = Workload(prompts_per_iteration=1, n_samples=1, prompt_max_tokens=32, max_new_tokens=96,
+                   mean_prompt_tokens=16, mean_response_tokens=48)
+    _, c, step = rollout_time(TINY_MOE, cluster, Rollout(num_engines=1), one)
+    weights = 2 * (TINY_MOE.num_params + 2 * 24 * 64 - 3 * 49152 * (1 - (1 - (1 - 2 / 8) ** c)))
+    kv = c * (16 + 24) * 2 * 4 * 2 * 16 * 2
+    assert c == 1 and step == pytest.approx((weights + kv) / (3.35e12 * 0.7))
+
+
+def test_expert_parallel_that_cannot_run():
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=80)
+    with pytest.raises(PlanError, match=re.escape("actor.ep=8 × actor.etp=1 must divide actor.tp × actor.dp = 4")):
+        plan(TINY_MOE, cluster, Placement(actor=TrainParallel(tp=1, dp=4, ep=8), rollout=Rollout(num_engines=4)), WORK)
+    with pytest.raises(PlanError, match=re.escape("actor.ep=3 does not divide num_experts=8")):
+        plan(TINY_MOE, cluster, Placement(actor=TrainParallel(tp=1, dp=3, ep=3), rollout=Rollout(num_engines=4)),
+             WORK)
+    with pytest.raises(PlanError, match=re.escape("expert parallelism needs a mixture-of-experts model")):
+        plan(TINY, cluster, Placement(actor=TrainParallel(tp=2, dp=2, ep=2), rollout=Rollout(num_engines=4)), WORK)

@@ -141,7 +141,7 @@ def actor_loss(micro, features, theta, mode, denominator=None, norm_len=None):
     feature = features[experience.info["row"]][:, :width]  # (b, T') this micro-batch's rows, trimmed
     logprob = experience.old_logprobs + theta * feature
     kwargs = dict(agg=mode, denominator=denominator, norm_len=norm_len)
-    pg, _ = ca.policy_loss(experience.old_logprobs, logprob, experience.advantages, experience.response_mask,
+    pg, _ = ca.ppo_policy_loss(experience.old_logprobs, logprob, experience.advantages, experience.response_mask,
                            clip_high=0.28, **kwargs)
     vf, _ = ca.value_loss(theta * feature, experience.values, experience.advantages, experience.response_mask,
                           **kwargs)

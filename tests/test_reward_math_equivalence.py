@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from orz.reward.math import extract_answer, is_equivalent
+from orz.data.answers import extract_answer
+from orz.reward.math import is_equivalent
 
 # (prediction, ground truth, equivalent?)
 EQUIVALENCE = [

@@ -13,7 +13,8 @@ from orz.config import RolloutConfig
 from orz.models.local_world import run_world
 from orz.models.checkpoint import HFCheckpoint
 from orz.rollout.engine import SamplingConfig, StaleWeightsError
-from orz.rollout.fleet import EngineFleet, FleetConfig, TensorSource, WeightSyncError
+from orz.rollout.fleet import EngineFleet, FleetConfig, WeightSyncError
+from orz.rollout.weight_sync import TensorSource
 
 PROMPTS = [[1, 4, 5, 16, 6, 7, 18], [1, 6, 6, 16, 9], [1, 12, 17, 8], [1, 9, 9, 9, 16, 4, 4, 18]]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
@@ -24,7 +25,7 @@ def test_the_fleet_and_its_sampling_are_built_from_the_rollout_section():
                             transport="object_store", check="held", request_timeout_s=9.0, sync_timeout_s=7.0,
                             temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=99, stop=["</answer>"], n_samples=4)
     fleet = FleetConfig.from_config(rollout, max_model_len=640, sleep_mode=True, log_dir="logs")
-    assert (fleet.num_engines, fleet.tensor_parallel_size, fleet.cpus_per_engine, fleet.kv_cache_gib) == (3, 2, 0.5, 4)
+    assert (fleet.num_engines, fleet.engine_tp, fleet.cpus_per_engine, fleet.kv_cache_gib) == (3, 2, 0.5, 4)
     assert (fleet.transport, fleet.check, fleet.request_timeout_s, fleet.sync_timeout_s) == ("object_store", "held", 9.0, 7.0)
     assert (fleet.sleep_mode, fleet.log_dir) == (True, "logs")
     assert fleet.engine_args["max_model_len"] == 640 and fleet.engine_args["max_num_seqs"] == 16

@@ -22,6 +22,7 @@ ROLES = ("actor", "critic", "ref", "reward.model")
 # read from run_rules), with the overrides that make it the only problem of the config.
 OUT_OF_RANGE = {
     "model.vocab_divisible_by": 0,
+    "model.moe_aux_loss_coef": -0.01,
     "rollout.num_engines": 0,
     "rollout.engine_tp": 0,
     "rollout.cpus_per_engine": 0,
@@ -80,7 +81,7 @@ OUT_OF_RANGE = {
     "trainer.ray_num_cpus": -1,
     "trainer.max_staleness": -1,
     **{f"{role}.{key}": value for role in ROLES for key, value in {
-        "tp": 0, "pp": 0, "dp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
+        "tp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
         "weight_decay": -0.01, "clip_grad": 0, "adam_betas": [0.9, 1.0], "steps_per_iteration": 0,
         "micro_batch_tokens": -1,
     }.items()},
@@ -194,3 +195,52 @@ def test_one_sided_bands_and_sequence_is_pass_and_batch_invariance_passes_where_
     run_rules.check(load_config(None, ["algorithm.mismatch_mask=[0.5, null]", "algorithm.mismatch_reject_geo=[null, 1.01]",
                                        "algorithm.is_level=sequence", "algorithm.is_correction=true"]), on_gpu=False)
     run_rules.check(load_config(None, ["trainer.batch_invariant=true"]), on_gpu=True)
+
+
+def test_trainer_planner_and_slurm_check_give_one_placement_verdict():
+    """Placement is decided once (orz.ppo.placement): colocated roles whose sizes do not match the
+    engines' GPUs get the same line from the trainer's refusal, the planner and the Slurm check."""
+    from orz import launch_slurm, plan
+
+    cfg = load_config(None, ["model.path=Qwen2.5-7B", "algorithm.advantage=grpo", "trainer.colocate=true",
+                             "rollout.transport=object_store",
+                             "rollout.num_engines=8", "actor.tp=2", "actor.dp=2"])
+    line = ("trainer.colocate=true: actor's TP·PP·DP = 2·1·2 = 4 must equal the engines' 8 GPUs "
+            "(rollout.num_engines × engine_tp): colocated roles share every GPU")
+    with pytest.raises(ConfigError) as trainer:
+        run_rules.check(cfg)
+    with pytest.raises(ConfigError) as planner:
+        plan.plan_recipe(cfg, plan.load_cluster(None, nodes=1, gpus_per_node=8, gpu_mem_gib=80))
+    assert str(trainer.value) == line
+    assert str(planner.value) == f"the trainer refuses it: {line}"
+    assert launch_slurm.preflight(cfg, nodes=1, gpus_per_node=8) == [line]
+    # The same sizes on the cluster: one GPU short of the engines' 8 is a cluster problem for both.
+    short = load_config(None, ["model.path=Qwen2.5-7B", "algorithm.advantage=grpo", "rollout.num_engines=8"])
+    [slurm] = launch_slurm.preflight(short, nodes=1, gpus_per_node=8)
+    with pytest.raises(ConfigError) as planner:
+        plan.plan_recipe(short, plan.load_cluster(None, nodes=1, gpus_per_node=8, gpu_mem_gib=80))
+    assert slurm == str(planner.value) and slurm.startswith("GPUs needed: actor 1 (1·1·1 workers) + rollout 8")
+
+
+MOE_ARCH = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("moe", ["actor.ep=3", "actor.dp=3"], r"^actor.ep=3 does not divide num_experts=4 of the model"),
+    ("moe", ["actor.ep=2"], r"^actor.ep=2 × actor.etp=1 must divide actor.tp × actor.dp = 1: the experts' groups"),
+    ("moe", ["critic.ep=2", "critic.etp=2", "critic.dp=2"], r"^critic.ep=2 × critic.etp=2 must divide critic.tp × "),
+    ("moe", ["actor.tp=2"], r"^actor.tp=2: Megatron trains a mixture of experts at TP > 1 only with sequence"),
+    ("dense", ["actor.ep=2", "actor.dp=2"], r"^actor.ep=2, actor.etp=1: expert parallelism needs a mixture-of-experts "
+                                            r"model, and this qwen3 model is dense"),
+])
+def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(family, overrides, message):
+    from orz.models.arch import arch_from_dict
+
+    config = MOE_ARCH if family == "moe" else {k: v for k, v in MOE_ARCH.items() if "expert" not in k} | {
+        "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ConfigError, match=message):
+        run_rules.check(load_config(None, overrides), arch_from_dict(config), on_gpu=False)
+    run_rules.check(load_config(None, ["actor.ep=2", "actor.dp=2", "critic.ep=4", "critic.dp=4"]),
+                    arch_from_dict(MOE_ARCH), on_gpu=False)

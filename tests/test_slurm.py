@@ -199,16 +199,16 @@ def test_the_plan_uses_the_jobs_nodes_not_the_files(in_repo, model, capsys):
     rc, _, err = run_main(["check", "--nodes", "2", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
                            *user_overrides(model)], capsys)
     assert rc == 1
-    assert (f"{shipped} on 2 nodes × 8 GPUs cannot run: GPUs needed: actor 8 + critic 8 + rollout 16 = 32 > 16 "
-            "GPUs in the cluster (2 nodes × 8)") in err
+    assert (f"{shipped} on 2 nodes × 8 GPUs cannot run: GPUs needed: actor 8 (2·1·4 workers) + critic 8 (2·1·4 "
+            "workers) + rollout 16 (16 engines × TP1) = 32 > 16 GPUs (2 nodes × 8)") in err
 
 
 def test_recipe_sizes_against_the_allocation(in_repo):
     cfg = load_recipe(RECIPE)
     grpo = replace(cfg, algorithm=replace(cfg.algorithm, advantage="grpo"))
     [problem] = preflight(cfg, nodes=2, gpus_per_node=8)
-    assert problem.startswith("the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + rollout 16 "
-                              "(16 engines × TP1) = 32 GPUs > 16 GPUs in this job (2 nodes × 8)")
+    assert problem.startswith("GPUs needed: actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + rollout 16 "
+                              "(16 engines × TP1) = 32 > 16 GPUs (2 nodes × 8)")
     assert preflight(grpo, nodes=3, gpus_per_node=8) == []  # GRPO: no critic
     # Colocated roles share the engines' GPUs: 16 actor and 16 critic workers beside 16 engines.
     shared = RoleConfig(tp=2, dp=8)
@@ -216,17 +216,17 @@ def test_recipe_sizes_against_the_allocation(in_repo):
                         rollout=replace(cfg.rollout, transport="object_store"))
     assert preflight(colocated, nodes=2, gpus_per_node=8) == []
     assert preflight(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.01)), 4, 8)[0].startswith(
-        "the recipe needs actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + ref 1")
+        "GPUs needed: actor 8 (2·1·4 workers) + critic 8 (2·1·4 workers) + ref 1")
     problems = preflight(replace(grpo, rollout=replace(cfg.rollout, num_engines=2, engine_tp=8), actor=RoleConfig(tp=3)),
                          nodes=8, gpus_per_node=4)
-    assert problems == ["rollout.engine_tp=8 > 4 GPUs per node: an engine's GPUs must be on one node",
+    assert problems == ["rollout.engine_tp=8 does not divide 4 GPUs per node (an engine's GPUs must be on one node)",
                         "actor.tp=3 does not divide 4 GPUs per node (a TP group must stay inside one node)"]
     staged = replace(cfg, stages=[StageConfig(iterations=1),
                                   StageConfig(iterations=1, overrides={"rollout.num_engines": 32})])
     # A stage cannot resize the fleet (the trainer's own rule, run_rules), and it would not fit either.
     config, fit = preflight(staged, nodes=4, gpus_per_node=8)
     assert config.startswith("stages[1].overrides: 'rollout.num_engines' cannot change between stages")
-    assert fit.startswith("stage 1: the recipe needs") and "= 48 GPUs > 32" in fit
+    assert fit.startswith("stage 1: GPUs needed") and "= 48 > 32 GPUs" in fit
 
 
 def test_resolve_run_paths_and_refusals(in_repo, model):
@@ -361,7 +361,7 @@ def test_sbatch_refuses_before_any_srun(tmp_path, model):
     job = subprocess.run(["bash", str(SBATCH), "fake_recipe.py", f"model.path={model}", "rollout.num_engines=32"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert job.returncode == 1
-    assert "= 48 GPUs > 32 GPUs in this job (4 nodes × 8)" in job.stderr
+    assert "= 48 > 32 GPUs (4 nodes × 8)" in job.stderr
     assert not (log / "srun.log").exists()
 
 
@@ -403,7 +403,7 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     # Ray's files (sockets: a short path) away from /tmp/ray, where `ray start` would leave its
     # address for every later ray.init() on this machine.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="orz-ray-")
-    from orz.rollout.fleet import free_address
+    from orz.rollout.weight_sync import free_address
 
     out, (_, port) = tmp_path / "run", free_address()
     overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]
@@ -427,7 +427,7 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
 
 
 def test_the_slurm_check_counts_the_roles_the_trainer_starts(in_repo):
-    """The check asks for GPUs for exactly run_rules.roles: no critic for GRPO, a reference with KL,
+    """The check asks for GPUs for exactly placement.roles: no critic for GRPO, a reference with KL,
     the reward model when one is set."""
     from orz.config import RewardModelConfig
 

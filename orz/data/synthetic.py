@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
 
+from orz.data.answers import extract_answer
 from orz.data.templates import RESPONSE_FORMATS
 
 SPLITS = ("train", "test")
@@ -180,8 +181,6 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, lis
 
 def countdown_reward(response: str, row: dict) -> float:
     """1 when the response's answer (<answer> tag or \\boxed) is a valid countdown expression."""
-    from orz.reward.math import extract_answer  # the reward package reads data, not the reverse
-
     expression = extract_answer(response)
     info = row["extra_info"]
     return float(expression is not None and countdown_verify(expression, info["numbers"], info["target"]))

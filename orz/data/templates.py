@@ -67,6 +67,13 @@ class ChatTemplate:
         return boxed_response(reasoning, answer)
 
 
+def encode_prompt(tokenizer: Any, template: Any, question: str) -> list[int]:
+    """Token ids of the templated question. A chat template writes its own special tokens (BOS
+    included), so they are not added twice; a plain template gets what the tokenizer adds."""
+    text = template.prompt(question)
+    return tokenizer(text, add_special_tokens=not isinstance(template, ChatTemplate))["input_ids"]
+
+
 def make_template(name: str, tokenizer: Any = None, instruction: str = "") -> ThinkAnswerTemplate | ChatTemplate:
     """The template called `name`: "think_answer" or "chat" (which needs the tokenizer), with
     `instruction` in place of its default one when given (data.instruction)."""

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from orz.data.templates import ANSWER_CLOSE, ChatTemplate, ThinkAnswerTemplate
+from orz.data.templates import ANSWER_CLOSE, ThinkAnswerTemplate, encode_prompt
 from orz.evaluation import metrics
 from orz.data.datasets import Row
 from orz.evaluation.benchmarks import Benchmark, cluster_math_answers
@@ -82,13 +82,6 @@ class EvalConfig:
 def default_stop(template: Any) -> tuple[str, ...]:
     """ORZ's template ends its answer with a tag; a chat template ends with the EOS token."""
     return (ANSWER_CLOSE,) if isinstance(template, ThinkAnswerTemplate) else ()
-
-
-def encode_prompt(tokenizer: Any, template: Any, question: str) -> list[int]:
-    """Token ids of the templated question. A chat template writes its own special tokens (BOS
-    included), so they are not added twice; a plain template gets what the tokenizer adds."""
-    text = template.prompt(question)
-    return tokenizer(text, add_special_tokens=not isinstance(template, ChatTemplate))["input_ids"]
 
 
 @dataclass

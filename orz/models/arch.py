@@ -1,5 +1,5 @@
 """What a model is, read from an HF `config.json`: the dense Llama (3.x RoPE scaling included),
-Qwen2 and Qwen3 families.
+Qwen2 and Qwen3 families, and the Qwen3-MoE mixture of experts.
 
 Only what Megatron needs to build the same network is kept; anything the builder cannot
 reproduce exactly (another architecture, rope scaling, sliding windows, ...) is refused
@@ -18,7 +18,8 @@ class ModelConfigError(ValueError):
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             # reward models: the same trunk, a scalar `score` head (read by critic-like roles)
             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
-            "Qwen3ForSequenceClassification": "qwen3"}
+            "Qwen3ForSequenceClassification": "qwen3",
+            "Qwen3MoeForCausalLM": "qwen3_moe"}  # Qwen3's attention, a routed-expert MLP
 ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
 
 
@@ -44,8 +45,23 @@ class Llama3Rope:
 
 
 @dataclass(frozen=True)
+class MoeArch:
+    """Qwen3-MoE's routed MLP: y = Σ_{e ∈ top-k(p)} w_e · SwiGLU_e(x), p = softmax(W_router x) over
+    all experts, w_e = p_e / Σ_{top-k} p (norm_topk_prob) or p_e. No shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's SwiGLU width (moe_intermediate_size)
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # indices of the sparse layers; the others keep a dense MLP
+
+    def layer_params(self, hidden: int) -> int:
+        return self.num_experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
+
+
+@dataclass(frozen=True)
 class ModelArch:
-    family: str  # "llama" | "qwen2" | "qwen3"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
     vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
     hidden_size: int
     intermediate_size: int  # SwiGLU width
@@ -58,6 +74,7 @@ class ModelArch:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope_scaling: Llama3Rope | None = None  # None: plain RoPE
+    moe: "MoeArch | None" = None  # None: every layer's MLP is dense
 
     @property
     def qkv_bias(self) -> bool:
@@ -66,7 +83,7 @@ class ModelArch:
     @property
     def qk_norm(self) -> bool:
         """RMSNorm over each head's q and k (weights of size head_dim) before RoPE: Megatron's qk_layernorm."""
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
 
     @property
     def num_params(self) -> int:
@@ -75,16 +92,28 @@ class ModelArch:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * f + 2 * h + (2 * d if self.qk_norm else 0)
+        layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        mlps = sum(self.moe.layer_params(h) if self.is_moe_layer(i) else 3 * h * f for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * layer + mlps + embed + h
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Refuses a TP/PP that does not divide heads, KV groups or layers."""
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
+
+    def check_parallel(self, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
+        """Refuses a TP/PP/EP/ETP that does not divide heads, KV groups, the MLP's width, layers,
+        experts or an expert's width, and EP or ETP on a dense model."""
+        if self.moe is None and (ep, etp) != (1, 1):
+            raise ModelConfigError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model; "
+                                   f"this {self.family} model is dense (use ep=1 etp=1)")
+        moe = self.moe or MoeArch(num_experts=1, top_k=1, intermediate_size=1, norm_topk_prob=True, layers=())
         for what, size, parts, knob in (
             ("num_attention_heads", self.num_heads, tp, "tp"),
             ("num_key_value_heads", self.num_kv_heads, tp, "tp"),
+            ("intermediate_size", self.intermediate_size, tp, "tp"),
             ("num_hidden_layers", self.num_layers, pp, "pp"),
+            ("num_experts", moe.num_experts, ep, "ep"),
+            ("moe_intermediate_size", moe.intermediate_size, etp, "etp"),
         ):
             if parts < 1 or size % parts:
                 raise ModelConfigError(f"{knob}={parts} does not divide {what}={size}")
@@ -165,6 +194,7 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
         rope_scaling=_rope_scaling(rope, path, rope_key),
+        moe=_moe(cfg, path) if family == "qwen3_moe" else None,
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         if getattr(arch, key) < 1:
@@ -175,6 +205,31 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
             f"num_key_value_heads={arch.num_kv_heads}"
         )
     return arch
+
+
+def _moe(cfg: dict, path) -> MoeArch:
+    """Qwen3-MoE's expert fields. Layer i (from 0) is sparse when i is not in `mlp_only_layers`
+    and (i + 1) % decoder_sparse_step == 0 (transformers' rule). A shared expert (Qwen2-MoE's)
+    would add an always-on MLP that the builder does not make: refused."""
+    shared = cfg.get("shared_expert_intermediate_size") or cfg.get("moe_shared_expert_intermediate_size")
+    if shared:
+        raise ModelConfigError(f"{path}: field 'shared_expert_intermediate_size'={shared}: a shared expert is not supported")
+    # transformers 5 writes `num_local_experts`; Qwen's published config.json files `num_experts`
+    experts_key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    num_experts = _field(cfg, experts_key, path)
+    top_k = _field(cfg, "num_experts_per_tok", path)
+    step = _field(cfg, "decoder_sparse_step", path, default=1)
+    dense_only = cfg.get("mlp_only_layers") or []
+    num_layers = _field(cfg, "num_hidden_layers", path)
+    if not isinstance(dense_only, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense_only):
+        raise ModelConfigError(f"{path}: field 'mlp_only_layers'={dense_only!r} must list layer indices "
+                               f"in [0, {num_layers})")
+    if step < 1 or not 1 <= top_k <= num_experts:
+        raise ModelConfigError(f"{path}: fields 'decoder_sparse_step'={step}, 'num_experts_per_tok'={top_k}, "
+                               f"'{experts_key}'={num_experts}: need step >= 1 and 1 <= top_k <= experts")
+    layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    return MoeArch(num_experts=num_experts, top_k=top_k, intermediate_size=_field(cfg, "moe_intermediate_size", path),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layers=layers)
 
 
 def _rope_scaling(rope: dict, path, key: str) -> Llama3Rope | None:

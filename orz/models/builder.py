@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from orz.models.arch import ModelArch
@@ -33,12 +34,15 @@ def transformer_config(
     pp: int = 1,
     dtype: torch.dtype | None = None,
     recompute: bool = False,
+    ep: int = 1,
+    etp: int = 1,
+    moe_aux_loss_coef: float = 0.0,
 ) -> TransformerConfig:
     """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
 
     dtype defaults to bfloat16 on GPU and float32 on CPU.
     """
-    arch.check_parallel(tp, pp)
+    arch.check_parallel(tp, pp, ep, etp)
     on_gpu = torch.cuda.is_available()
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     return TransformerConfig(
@@ -73,16 +77,59 @@ def transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        **(_moe_config(arch, moe_aux_loss_coef) if arch.moe else {}),
     )
 
 
-def layer_spec(arch: ModelArch) -> ModuleSpec:
-    """TE's layers where TE runs; else Megatron's local layers with torch's fused attention."""
-    if use_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)  # untested here: no GPU
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
+    """Megatron's MoE fields for Qwen3-MoE's router and experts.
+
+    Routing: norm_topk_prob (w = top-k of p, renormalised) is Megatron's softmax over the top-k
+    logits (`moe_router_pre_softmax=False`); without it, w = top-k of softmax over all experts
+    (`pre_softmax=True`). Dispatch: `allgather` — every rank of the expert group gathers all
+    tokens and keeps those routed to its experts, with all-gathers and reduce-scatters only,
+    which gloo carries; `alltoall` needs uneven all-to-alls (and `flex` DeepEP/HybridEP kernels),
+    which are GPU paths (untested here). The router's loads are counted in fp32 as HF does.
+    """
+    moe = arch.moe
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.intermediate_size,
+        moe_layer_freq=[int(arch.is_moe_layer(i)) for i in range(arch.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,  # SequentialMLP: one SwiGLU per local expert (TE's grouped GEMM: GPU only)
+        # HF's Switch-style aux loss E·Σ_e f_e·P_e is Megatron's "aux_loss"; 0 turns it off (RL default)
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
+        moe_aux_loss_coeff=aux_loss_coef,
+    )
+
+
+def layer_spec(arch: ModelArch, moe: bool = False) -> ModuleSpec:
+    """TE's layers where TE runs; else Megatron's local layers with torch's fused attention.
+    `moe`: the MLP is a router and experts (TE: grouped GEMM; local: SequentialMLP)."""
+    experts = arch.moe.num_experts if moe else None
+    if use_transformer_engine():  # untested here: no GPU
+        return get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=moe, qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(experts, normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
+
+
+def block_spec(arch: ModelArch, cfg: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """One layer spec for a dense model; for a MoE, this stage's layers, each dense or sparse."""
+    if arch.moe is None:
+        return layer_spec(arch)
+    specs = {sparse: layer_spec(arch, sparse) for sparse in (False, True)}
+    per_stage = arch.num_layers // cfg.pipeline_model_parallel_size
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    layers = [specs[arch.is_moe_layer(i)] for i in range(first, first + per_stage)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
 
 
 def _stage_flags() -> dict:
@@ -96,7 +143,7 @@ def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: 
     scaling = arch.rope_scaling
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=block_spec(arch, cfg),
         vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,

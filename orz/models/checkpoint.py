@@ -1,5 +1,6 @@
 """Weights on disk: HF directories (config.json + safetensors, sharded or not) and Megatron
-directories (one safetensors file per TP x PP rank). Every write is atomic: a directory is
+directories (one safetensors file per TP x PP rank, and for a MoE one per EP x ETP x PP rank of
+the experts). Every write is atomic: a directory is
 written beside its destination and renamed into place, so a crash never leaves a half
 checkpoint that loads as complete.
 """
@@ -131,8 +132,14 @@ def rank_file(layout: Layout) -> str:
     return f"{rank_dir(layout.tp_rank, layout.pp_rank)}/model.safetensors"
 
 
+def expert_file(layout: Layout) -> str:
+    """The experts of one EP × ETP rank of one stage (experts follow their own grid, not TP's)."""
+    return f"expert_rank_{layout.ep_rank:03d}_{layout.etp_rank:02d}_{layout.pp_rank:03d}/model.safetensors"
+
+
 def megatron_meta(arch_config: dict, layout: Layout) -> dict:
-    return {"hf_config": arch_config, "tp": layout.tp, "pp": layout.pp, "padded_vocab": layout.padded_vocab}
+    return {"hf_config": arch_config, "tp": layout.tp, "pp": layout.pp, "padded_vocab": layout.padded_vocab,
+            "ep": layout.ep, "etp": layout.etp}
 
 
 def read_megatron_meta(model_dir: str | Path) -> tuple[dict, ModelArch, Layout]:
@@ -141,16 +148,19 @@ def read_megatron_meta(model_dir: str | Path) -> tuple[dict, ModelArch, Layout]:
         raise ModelConfigError(f"{path}: missing (not a Megatron checkpoint written by orz)")
     try:
         meta = json.loads(path.read_text())
-        layout = Layout(tp=int(meta["tp"]), pp=int(meta["pp"]), padded_vocab=meta.get("padded_vocab"))
+        layout = Layout(tp=int(meta["tp"]), pp=int(meta["pp"]), padded_vocab=meta.get("padded_vocab"),
+                        ep=int(meta.get("ep", 1)), etp=int(meta.get("etp", 1)))
         config = meta["hf_config"]
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ModelConfigError(f"{path}: malformed ({err!r})") from None
     return config, arch_from_dict(config, path), layout
 
 
-def load_rank_state(model_dir: str | Path, layout: Layout) -> dict[str, torch.Tensor]:
-    path = Path(model_dir) / rank_file(layout)
+def load_rank_state(model_dir: str | Path, layout: Layout, experts: bool = False) -> dict[str, torch.Tensor]:
+    """One rank's file: its TP shard, or (`experts`) its EP × ETP rank's experts."""
+    path = Path(model_dir) / (expert_file(layout) if experts else rank_file(layout))
     if not path.is_file():
-        raise ModelConfigError(f"{path}: missing shard for tp_rank={layout.tp_rank} pp_rank={layout.pp_rank}")
+        raise ModelConfigError(f"{path}: missing shard for tp_rank={layout.tp_rank} pp_rank={layout.pp_rank}"
+                               + (f" ep_rank={layout.ep_rank} etp_rank={layout.etp_rank}" if experts else ""))
     with safe_open(path, "pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}

@@ -1,4 +1,5 @@
-"""HF (Llama/Qwen2/Qwen3) <-> Megatron-core parameters, for any TP and PP. Pure tensor code.
+"""HF (Llama/Qwen2/Qwen3/Qwen3-MoE) <-> Megatron-core parameters, for any TP, PP, EP and ETP.
+Pure tensor code.
 
 Megatron's layout differs from HF's in three places:
 - q, k, v are one `linear_qkv` whose rows are grouped per KV group: [q heads of group g; k_g; v_g];
@@ -8,6 +9,9 @@ Megatron's layout differs from HF's in three places:
 - Embedding and LM head rows are padded to the padded vocabulary and split by rows.
 Row-parallel layers (`linear_proj`, `linear_fc2`) split columns; norms are replicated.
 Layer i of the model is local layer i - pp_rank * layers_per_stage on its pipeline stage.
+A MoE layer's router (`mlp.gate`) is replicated; its experts are spread over EP ranks, rank r
+holding experts r·E/EP + i as `local_experts.i`, each a SwiGLU split over the ETP ranks like a
+dense one (fc1 as [gate_r; up_r], fc2 by columns).
 """
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
@@ -32,8 +36,16 @@ _LAYER = {
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
+}
+_DENSE_MLP = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+}
+_ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "replicated")}  # (E, H)
+# one expert: Megatron name within `mlp.experts.local_experts.{i}` -> HF names within `mlp.experts.{e}`
+_EXPERT = {
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "expert_fc1"),
+    "linear_fc2.weight": (("down_proj.weight",), "expert_row"),
 }
 # Transformer Engine fuses the two norms into the following linear layers.
 _TE_RENAMES = {
@@ -59,6 +71,10 @@ class Layout:
     padded_vocab: int | None = None  # None: the real vocabulary (TP must divide it)
     te: bool = False  # Transformer Engine layer names
     critic: bool = False  # no LM head: the value head is not an HF tensor
+    ep: int = 1  # expert parallel: experts spread over ep ranks
+    etp: int = 1  # expert tensor parallel: each expert's SwiGLU split over etp ranks
+    ep_rank: int = 0
+    etp_rank: int = 0
 
     def layer_offset(self, arch: ModelArch) -> int:
         return self.pp_rank * (arch.num_layers // self.pp)
@@ -78,7 +94,12 @@ class ParamRule:
 
     megatron: str
     hf: tuple[str, ...]
-    split: str  # replicated | row | qkv | fc1 | vocab
+    split: str  # replicated | row | qkv | fc1 | vocab | expert_fc1 | expert_row
+
+    @property
+    def expert(self) -> bool:
+        """Split over the expert (EP × ETP) ranks rather than over TP."""
+        return self.split.startswith("expert_")
 
 
 def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
@@ -89,10 +110,12 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
     per_stage = arch.num_layers // layout.pp
     for local in range(per_stage):
         layer = local + layout.layer_offset(arch)
-        for name, (hf_names, split) in _LAYER.items():
+        sparse = arch.is_moe_layer(layer)
+        for name, (hf_names, split) in (_LAYER | (_ROUTER if sparse else _DENSE_MLP)).items():
             if not _in_family(name, arch):
                 continue
-            megatron = _TE_RENAMES.get(name, name) if layout.te else name
+            # TE fuses the pre-MLP norm into a dense fc1 only; a MoE layer keeps its own norm
+            megatron = _TE_RENAMES.get(name, name) if layout.te and not (sparse and name.startswith("pre_mlp")) else name
             rules.append(
                 ParamRule(
                     f"decoder.layers.{local}.{megatron}",
@@ -100,6 +123,8 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
                     split,
                 )
             )
+        if sparse:
+            rules += _expert_rules(arch, layout, local, layer)
     if layout.last_stage:
         rules.append(ParamRule(FINAL_NORM, (HF_NORM,), "replicated"))
         # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding
@@ -110,6 +135,20 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
                 ParamRule(OUTPUT, (HF_EMBEDDING if arch.tie_word_embeddings else HF_LM_HEAD,), "vocab")
             )
     return rules
+
+
+def _expert_rules(arch: ModelArch, layout: Layout, local: int, layer: int) -> list[ParamRule]:
+    """The experts `layout.ep_rank` holds in a sparse layer (SequentialMLP's names)."""
+    per_rank = arch.moe.num_experts // layout.ep
+    return [
+        ParamRule(
+            f"decoder.layers.{local}.mlp.experts.local_experts.{i}.{name}",
+            tuple(f"model.layers.{layer}.mlp.experts.{layout.ep_rank * per_rank + i}.{h}" for h in hf_names),
+            split,
+        )
+        for i in range(per_rank)
+        for name, (hf_names, split) in _EXPERT.items()
+    ]
 
 
 def _in_family(name: str, arch: ModelArch) -> bool:
@@ -140,18 +179,19 @@ def _qkv_split(arch: ModelArch, full) -> list[torch.Tensor]:
 
 
 def to_megatron(rule: ParamRule, hf: list[torch.Tensor], arch: ModelArch, layout: Layout) -> torch.Tensor:
-    """This TP rank's shard of `rule.megatron`, from its HF tensors."""
-    tp, r = layout.tp, layout.tp_rank
-    if rule.split == "replicated":
+    """This TP (or, for an expert, ETP) rank's shard of `rule.megatron`, from its HF tensors."""
+    tp, r = (layout.etp, layout.etp_rank) if rule.expert else (layout.tp, layout.tp_rank)
+    split = rule.split.removeprefix("expert_")
+    if split == "replicated":
         return hf[0].clone()
-    if rule.split == "row":
+    if split == "row":
         return hf[0].chunk(tp, dim=1)[r].clone()
-    if rule.split == "qkv":
+    if split == "qkv":
         return _qkv_full(arch, *hf).chunk(tp, dim=0)[r].clone()
-    if rule.split == "fc1":
+    if split == "fc1":
         gate, up = (t.chunk(tp, dim=0)[r] for t in hf)
         return torch.cat([gate, up], dim=0)
-    if rule.split == "vocab":
+    if split == "vocab":
         padded = layout.padded_vocab or arch.vocab_size
         if padded % tp or padded < arch.vocab_size:
             raise ValueError(f"padded vocabulary {padded} must be >= {arch.vocab_size} and divisible by tp={tp}")
@@ -162,17 +202,18 @@ def to_megatron(rule: ParamRule, hf: list[torch.Tensor], arch: ModelArch, layout
 
 
 def to_hf(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
-    """The HF tensors of `rule`, from the shards of all TP ranks in rank order."""
-    if rule.split == "replicated":
+    """The HF tensors of `rule`, from the shards of all TP (expert: ETP) ranks in rank order."""
+    split = rule.split.removeprefix("expert_")
+    if split == "replicated":
         return [shards[0]]
-    if rule.split == "row":
+    if split == "row":
         return [torch.cat(shards, dim=1)]
-    if rule.split == "qkv":
+    if split == "qkv":
         return _qkv_split(arch, torch.cat(shards, dim=0))
-    if rule.split == "fc1":
+    if split == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
-    if rule.split == "vocab":
+    if split == "vocab":
         return [torch.cat(shards, dim=0)[: arch.vocab_size]]
     raise AssertionError(rule.split)
 
@@ -187,21 +228,38 @@ def hf_to_megatron(
     }
 
 
+def stage_rules(arch: ModelArch, stage: Layout) -> list[tuple[int, ParamRule]]:
+    """Every parameter of `stage` once, with the EP rank holding it: TP-split and replicated ones
+    as EP rank 0 sees them, then each EP rank's experts."""
+    rules = []
+    for ep_rank in range(stage.ep):
+        rules += [(ep_rank, r) for r in param_rules(arch, replace(stage, ep_rank=ep_rank)) if r.expert or ep_rank == 0]
+    return rules
+
+
 def megatron_to_hf(
-    shards: Callable[[int, int], dict[str, torch.Tensor]], arch: ModelArch, layout: Layout
+    shards: Callable[[int, int], dict[str, torch.Tensor]],
+    arch: ModelArch,
+    layout: Layout,
+    expert_shards: Callable[[int, int, int], dict[str, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs from every rank's state dict; `shards(tp_rank, pp_rank)`.
+    """HF (name, tensor) pairs from every rank's state dict; `shards(tp_rank, pp_rank)`, and for a
+    MoE `expert_shards(ep_rank, etp_rank, pp_rank)` (the experts' own grid).
 
     A tied LM head is emitted once (from the embedding). Yields per parameter, so a caller
     can stream it (weight sync) or collect it (export).
     """
     for pp_rank in range(layout.pp):
-        stage = Layout(layout.tp, layout.pp, 0, pp_rank, layout.padded_vocab, layout.te, layout.critic)
+        stage = replace(layout, tp_rank=0, pp_rank=pp_rank, ep_rank=0, etp_rank=0)
         states = [shards(t, pp_rank) for t in range(layout.tp)]
-        for rule in param_rules(arch, stage):
+        for ep_rank, rule in stage_rules(arch, stage):
             if rule.megatron == OUTPUT and arch.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
-            yield from zip(rule.hf, to_hf(rule, [s[rule.megatron] for s in states], arch))
+            if rule.expert:
+                parts = [expert_shards(ep_rank, t, pp_rank)[rule.megatron] for t in range(layout.etp)]
+            else:
+                parts = [s[rule.megatron] for s in states]
+            yield from zip(rule.hf, to_hf(rule, parts, arch))
 
 
 def reshard(
@@ -238,6 +296,10 @@ def reshard(
 def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     """The shape of an HF tensor of `arch`, by name."""
     h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    if ".mlp.experts." in name:
+        f = arch.moe.intermediate_size
+    if name.endswith("mlp.gate.weight"):
+        return (arch.moe.num_experts, h)
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
     shapes = {
         "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),

@@ -19,11 +19,22 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
-from orz.models.convert import HF_SCORE, OUTPUT, VALUE_HEAD, Layout, hf_shape, hf_to_megatron, param_rules, to_hf
+from orz.models.convert import (
+    HF_SCORE,
+    OUTPUT,
+    VALUE_HEAD,
+    Layout,
+    ParamRule,
+    hf_shape,
+    hf_to_megatron,
+    param_rules,
+    to_hf,
+)
 from orz.models.inputs import ModelInputs
 
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
@@ -51,6 +62,10 @@ def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
         padded_vocab=padded_vocab,
         te=use_transformer_engine(),
         critic=critic,
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
     )
 
 
@@ -66,11 +81,13 @@ class ModelEngine:
         recompute: bool = False,
         make_vocab_size_divisible_by: int = 1,
         deterministic: bool = False,
+        moe_aux_loss_coef: float = 0.0,
     ):
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
         self.arch = arch
-        self.config = transformer_config(arch, tp, pp, dtype, recompute)
+        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef)
         self.config.calculate_per_token_loss = True
         self.config.deterministic_mode = deterministic  # GPU kernels that do not depend on the batch (untested here)
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
@@ -145,39 +162,63 @@ class ModelEngine:
         self.module.load_state_dict(state, strict=False)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """All HF tensors of the model, gathered over TP and PP, yielded on the role's first rank.
+        """All HF tensors of the model, gathered over TP, EP, ETP and PP, yielded on the role's
+        first rank.
 
         A collective: every rank of the role must exhaust the generator (the others yield
-        nothing). Streams parameter by parameter, so the full model is never held twice.
+        nothing). Streams parameter by parameter, so the full model is never held twice. DP
+        replicas hold the same dense weights and sit out their gathers; the experts are spread
+        over ranks of several DP replicas (EP is carved out of TP × DP), so every rank of a stage
+        joins their gathers.
         """
-        if ps.get_data_parallel_rank() != 0:
-            return  # DP replicas hold the same weights
-        tp, pp = self.layout.tp, self.layout.pp
-        tp_rank, my_stage = self.layout.tp_rank, self.layout.pp_rank
-        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        tp_group = ps.get_tensor_model_parallel_group()
+        dense_source = ps.get_data_parallel_rank() == 0
         own = self.local_state()
-        for stage in range(pp):
-            for rule in param_rules(self.arch, replace(self.layout, tp_rank=0, pp_rank=stage)):
+        for stage in range(self.layout.pp):
+            stage_layout = replace(self.layout, tp_rank=0, pp_rank=stage, ep_rank=0, etp_rank=0)
+            experts_of = [{r.megatron: r for r in param_rules(self.arch, replace(stage_layout, ep_rank=e)) if r.expert}
+                          for e in range(self.layout.ep)]
+            for rule in param_rules(self.arch, stage_layout):
                 if rule.megatron == OUTPUT and self.arch.tie_word_embeddings:
                     continue  # the last stage's copy of the tied embedding
-                hf = None
-                if my_stage == stage:
-                    local = own[rule.megatron].contiguous()
-                    shards = [local]
-                    if tp > 1:
-                        shards = [torch.empty_like(local) for _ in range(tp)]
-                        dist.all_gather(shards, local, group=tp_group)
-                    hf = to_hf(rule, shards, self.arch)
-                if stage > 0 and tp_rank == 0:
-                    if my_stage == stage:
-                        for tensor in hf:
-                            dist.send(tensor.contiguous(), group_dst=0, group=pp_group)
-                    elif my_stage == 0:
-                        hf = [torch.empty(hf_shape(n, self.arch), dtype=self.config.params_dtype) for n in rule.hf]
-                        for tensor in hf:
-                            dist.recv(tensor, group_src=stage, group=pp_group)
-                if my_stage == 0 and tp_rank == 0:
-                    yield from zip(rule.hf, hf)
+                here = self.layout.pp_rank == stage
+                if rule.expert:
+                    shards = self._gather(own[rule.megatron], ps.get_expert_tensor_and_model_parallel_group()) if here else None
+                    etp = self.layout.etp
+                    for e, experts in enumerate(experts_of):  # EP rank e's shards: group ranks e·etp + etp_rank
+                        ep_rule = experts[rule.megatron]
+                        hf = to_hf(ep_rule, shards[e * etp:(e + 1) * etp], self.arch) if here else None
+                        yield from self._to_first_rank(ep_rule, hf, stage, dense_source)
+                elif dense_source:
+                    hf = to_hf(rule, self._gather(own[rule.megatron], tp_group), self.arch) if here else None
+                    yield from self._to_first_rank(rule, hf, stage, dense_source)
+
+    @staticmethod
+    def _gather(local: torch.Tensor, group) -> list[torch.Tensor]:
+        """Every member's `local`, in group rank order."""
+        local = local.contiguous()
+        if dist.get_world_size(group) == 1:
+            return [local]
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, local, group=group)
+        return shards
+
+    def _to_first_rank(self, rule: ParamRule, hf: list[torch.Tensor] | None, stage: int,
+                       dense_source: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Moves `rule`'s HF tensors from `stage`'s first rank to the role's first rank (stage 0)
+        and yields them there."""
+        first = dense_source and self.layout.tp_rank == 0
+        if stage > 0 and first:
+            pp_group = ps.get_pipeline_model_parallel_group()
+            if self.layout.pp_rank == stage:
+                for tensor in hf:
+                    dist.send(tensor.contiguous(), group_dst=0, group=pp_group)
+            elif self.layout.pp_rank == 0:
+                hf = [torch.empty(hf_shape(n, self.arch), dtype=self.config.params_dtype) for n in rule.hf]
+                for tensor in hf:
+                    dist.recv(tensor, group_src=stage, group=pp_group)
+        if first and self.layout.pp_rank == 0:
+            yield from zip(rule.hf, hf)
 
     # ---- GPU memory between phases (untested here: no GPU) ----------------------------------
     def offload(self) -> None:
@@ -232,17 +273,49 @@ class ModelEngine:
             dist.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
             return torch.cat(shards, dim=-1)[..., : self.arch.vocab_size]
 
+        self.model.eval()
         out = self.run([ModelInputs(input_ids)], collect=gather)
         return out[0] if out and self.layout.tp_rank == 0 else None
 
     def train_step(self, microbatches: list[ModelInputs], loss_fn: LossFn) -> dict:
-        """One optimizer step over a mini-batch given as micro-batches (gradient accumulation)."""
+        """One optimizer step over a mini-batch given as micro-batches (gradient accumulation).
+        With a MoE's load-balancing loss on, also returns `moe_aux_loss` (see _start_aux_loss)."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.model.train()
+        aux_on = self.arch.moe is not None and self.config.moe_aux_loss_coeff > 0
+        if aux_on:
+            self._start_aux_loss(microbatches)
         metrics = self.run(microbatches, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        return {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        out = {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        if aux_on:
+            out["moe_aux_loss"] = self._aux_loss(len(microbatches))
+        return out
+
+    def _start_aux_loss(self, microbatches: list[ModelInputs]) -> None:
+        """The router adds c·n_m·aux_m to micro-batch m's objective (c: moe_aux_loss_coef, n_m its
+        B·S token positions, aux_m = (E/k)·Σ_e f_e·P̄_e its Switch loss, f_e the share of top-k picks:
+        transformers' value / k); scaled by 1/N, N = Σ n_m over the mini-batch on every DP rank, the
+        objective gains c·Σ_m n_m·aux_m / N per sparse layer, a token-weighted mean: Megatron's own
+        per-token scaling, whose division by N our finalisation skips."""
+        tokens = torch.tensor(float(sum(mb.input_ids.numel() for mb in microbatches)))
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        scale = 1.0 / tokens.item()
+        self.config.moe_grad_scale_func = lambda: scale
+        get_moe_metrics_tracker().clear()
+
+    def _aux_loss(self, num_microbatches: int) -> float:
+        """The load-balancing loss (without its coefficient), averaged over sparse layers,
+        micro-batches and DP replicas."""
+        tracker = get_moe_metrics_tracker()
+        entry = tracker.metrics.get("load_balancing_loss")  # none on a stage without sparse layers
+        values = entry.values.clone() if entry else torch.zeros(self.arch.num_layers)  # (L,) summed over micro-batches
+        tracker.clear()
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())  # each stage holds its layers
+        mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        return mean.item() / ps.get_data_parallel_world_size()
 
 
 def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor):

@@ -75,8 +75,3 @@ def logprobs_and_entropy(
         entropy = log_z - _all_reduce_sum(weighted, group) / sum_exp
     return logprobs, entropy
 
-
-def entropy_from_logits(logits: torch.Tensor, vocab_size: int | None = None, group=None) -> torch.Tensor:
-    """H(π) per position, (B, S), from (possibly vocab-parallel) logits (B, S, V_local)."""
-    dummy = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    return logprobs_and_entropy(logits, dummy, vocab_size, group)[1]

@@ -1,4 +1,4 @@
-"""Ray worker groups around Megatron models: the actor, the critic and the reference.
+"""Ray worker groups around Megatron models: the actor, the critic, the reference and the reward model.
 
 Each role is a group of tp·pp·dp Ray actors (MegatronWorker) that together form one
 torch.distributed world with Megatron's TP/PP/DP groups (gloo on CPU, NCCL on GPU). The trainer
@@ -6,7 +6,8 @@ talks to a role through its WorkerGroup: every worker receives the same Experien
 Ray's store), takes its data-parallel share, and the last pipeline stage's TP-rank-0 worker of
 each DP replica reports results, which the group puts back in row order.
 
-Methods ending in `_async` return Ray refs; the others return results.
+Methods ending in `_async` return at once: a Pending* that gathers the result in row order, or,
+for save_async and load_async, the workers' Ray refs; the others wait for their result.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class RoleSpec:
     recompute: bool = False
     deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
+    moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
@@ -121,7 +123,7 @@ class MegatronWorker(FaultSite):
             torch.set_num_threads(self._threads)
 
     def address(self) -> tuple[str, int]:
-        from orz.rollout.fleet import free_address
+        from orz.rollout.weight_sync import free_address
 
         return free_address()
 
@@ -136,7 +138,7 @@ class MegatronWorker(FaultSite):
         from orz.models.parallel import init_model_parallel
 
         cfg = self.spec.cfg
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed)
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         optim = None
@@ -146,7 +148,8 @@ class MegatronWorker(FaultSite):
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
         self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
-                                  self.spec.vocab_divisible_by, self.spec.deterministic)
+                                  self.spec.vocab_divisible_by, self.spec.deterministic,
+                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
@@ -159,7 +162,8 @@ class MegatronWorker(FaultSite):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         old = self.spec.cfg
-        if (cfg.tp, cfg.pp, cfg.dp, cfg.use_distributed_optimizer) != (old.tp, old.pp, old.dp, old.use_distributed_optimizer):
+        layout = ("tp", "pp", "dp", "ep", "etp", "use_distributed_optimizer")
+        if any(getattr(cfg, key) != getattr(old, key) for key in layout):
             raise ValueError(f"{self.spec.name}: a stage cannot change the parallel layout")
         self.spec = replace(self.spec, cfg=cfg)
         if not self.spec.train:
@@ -262,6 +266,8 @@ class MegatronWorker(FaultSite):
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
+                if "moe_aux_loss" in out:  # model.moe_aux_loss_coef > 0
+                    step[f"{self.spec.name}/moe_aux_loss"] = out["moe_aux_loss"]
                 # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
@@ -281,7 +287,7 @@ class MegatronWorker(FaultSite):
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
-    def train_actor(self, minibatches: list[MiniBatch], step: ActorStep) -> ActorUpdate | None:
+    def train_actor(self, minibatches: list[MiniBatch], step: ActorSettings) -> ActorUpdate | None:
         """Without old_logprobs, π_old is this actor's weights before the update: the first
         mini-batch reads it from its own forward (detached; the weights have not moved yet), the
         others from one no-grad pass before the first step. One pass fewer than a separate one.
@@ -482,7 +488,7 @@ def _sizes(layout: dict) -> str:
 
 
 @dataclass(frozen=True)
-class ActorStep:
+class ActorSettings:
     """What an actor update needs beside its mini-batches."""
 
     algo: AlgorithmConfig  # the stage's algorithm settings, defaults decided (run_rules.algorithm)
@@ -557,7 +563,7 @@ class WorkerGroup:
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
-    # ---- the role's calls: `*_async` return a Pending, the others wait for their result ----
+    # ---- the role's calls: `*_async` return at once (a Pending*, or refs), the others wait ----
     def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:
         """(B, T) log π of the response tokens, in row order, once `.get()`."""
         return PendingRows(self._call("logprobs", experience, temperature))
@@ -570,7 +576,7 @@ class WorkerGroup:
         """(B, T) a reward model's score on each row's last response token, once `.get()`."""
         return PendingRows(self._call("scores", experience))
 
-    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorStep) -> PendingUpdate:
+    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorSettings) -> PendingUpdate:
         """One optimizer step per mini-batch; the merged `actor/*` metrics and the π_old the
         actor read (rows in the mini-batches' source Experience) once `.get(like)`."""
         return PendingUpdate(self._call("train_actor", minibatches, step))

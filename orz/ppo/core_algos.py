@@ -37,7 +37,7 @@ __all__ = [
     "compute_gae", "compute_grpo_advantages", "compute_orz_grpo_advantages", "compute_rloo_advantages",
     "compute_reinforce_pp_advantages", "whiten", "AdvantageInputs", "AdvantageEstimator",
     "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
-    "aggregate", "aggregate_denominator", "policy_loss", "gspo_policy_loss", "cispo_policy_loss",
+    "aggregate", "aggregate_denominator", "ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss",
     "truncated_is_weights", "sequence_is_weights", "IS_LEVELS", "masked_mean", "check_band", "mismatch_keep_mask",
     "mismatch_metrics", "actor_loss", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
@@ -250,15 +250,16 @@ def compute_rloo_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+def compute_reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return-to-go, whitened over the batch.
 
         Gₜ = Σ_{s≥t} γ^(s−t) r_s,   A = whiten(G) over every real token of the batch
 
     rewards, mask: (B, T); rewards usually hold the score on the last token minus β·KL per token.
-    Returns (B, T).
+    Returns (A, G), each (B, T): the registered "reinforce_pp" estimator.
     """
-    return whiten(_returns_to_go(rewards, mask, gamma), mask)
+    returns_to_go = _returns_to_go(rewards, mask, gamma)
+    return whiten(returns_to_go, mask), returns_to_go
 
 
 def _returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -378,8 +379,7 @@ def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 
 @register_advantage_estimator("reinforce_pp", reads_token_rewards=True, whitens=True)
 def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    returns_to_go = _returns_to_go(inputs.require("token_rewards", "reinforce_pp"), inputs.mask, inputs.gamma)
-    return whiten(returns_to_go, inputs.mask), returns_to_go
+    return compute_reinforce_pp_advantages(inputs.require("token_rewards", "reinforce_pp"), inputs.mask, inputs.gamma)
 
 
 @register_advantage_estimator("orz_grpo")
@@ -612,7 +612,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, norm_len: int | None = None
 
 
 @POLICY_LOSSES.register("ppo")
-def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
+def ppo_policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", is_weights: Tensor | None = None, *,
                 norm_len: int | None = None, denominator: Tensor | float | None = None,

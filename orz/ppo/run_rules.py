@@ -1,6 +1,5 @@
 """What a run's config implies and forbids, decided once for the trainer and the Slurm check.
 
-    roles(cfg)                  # {"actor": RoleConfig, ...}: the Megatron roles the run starts
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
@@ -18,9 +17,10 @@ from fnmatch import fnmatch
 
 import torch
 
-from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, apply_overrides, stage_configs
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
+from orz.ppo.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 from orz.rollout.envs import PYTHON, env_names, load_env_class
@@ -41,19 +41,6 @@ STAGE_KEYS = (
 # across stages, and kl_coef > 0 decides whether a reference model exists.
 _RUN_ONLY = ("algorithm.kl_coef", "algorithm.kl_target", "algorithm.kl_horizon", "algorithm.entropy_target",
              "algorithm.entropy_step", "algorithm.entropy_max_coef")
-
-
-def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
-    """The actor always; the critic when the estimator needs one; the reference when there is a KL
-    term (its log-probs enter the reward, the score or the loss: never built for nothing)."""
-    out = {"actor": cfg.actor}
-    if estimator(cfg.algorithm).needs_critic:
-        out["critic"] = cfg.critic
-    if cfg.algorithm.kl_coef > 0:
-        out["ref"] = cfg.ref
-    if cfg.reward.model.path:
-        out["reward_model"] = cfg.reward.model
-    return out
 
 
 def estimator(algo: AlgorithmConfig):
@@ -93,7 +80,7 @@ def check(cfg: ExperimentConfig, arch=None, on_gpu: bool | None = None) -> None:
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     for label, staged in stage_configs(cfg):
-        problems += [label + p for p in _run_problems(staged, arch)]
+        problems += [label + p for p in _run_problems(staged, arch, on_gpu)]
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
 
@@ -114,7 +101,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
     return problems
 
 
-def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
+def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     problems = range_problems(cfg)
     estimator(a)
@@ -163,17 +150,14 @@ def _run_problems(cfg: ExperimentConfig, arch) -> list[str]:
         problems.append(f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
                         f"{arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        if arch is not None:
-            try:
-                arch.check_parallel(role.tp, role.pp)
-            except ModelConfigError as err:
-                problems.append(f"{name}.{err} of the model; use a size that divides it")
+        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp, role.ep, role.etp), role.micro_batch_tokens,
+                                  arch, context)
+        if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
+            problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
+                            f"parallelism, which needs TE or Apex norms (GPU); on CPU use {name}.tp=1 and {name}.ep")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
-        if 0 < role.micro_batch_tokens < context:
-            problems.append(f"{name}.micro_batch_tokens={role.micro_batch_tokens} cannot hold the longest sample "
-                            f"({context} tokens: data.prompt_max_tokens + rollout.max_new_tokens); raise it")
         if role.threads < 1 or role.threads_alone < 0:
             problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
@@ -254,25 +238,17 @@ def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def colocation_problems(cfg: ExperimentConfig) -> list[str]:
-    """Colocated roles take turns on the same GPUs: one bundle per GPU, holding one worker of each
-    role and one single-GPU engine."""
+    """Colocated roles take turns on the same GPUs (their sizes: placement.Layout), so nothing overlaps."""
     t, r = cfg.trainer, cfg.rollout
     if not t.colocate:
         return []
-    problems = []
+    problems = Layout.of(cfg).colocation_problems()
     if t.max_staleness > 0:
         problems.append(f"trainer.colocate=true takes turns on the same GPUs, so trainer.max_staleness={t.max_staleness} "
                         "cannot overlap rollout with training: set max_staleness=0 or colocate=false")
-    if r.engine_tp != 1:
-        problems.append(f"trainer.colocate=true places one engine per GPU: rollout.engine_tp={r.engine_tp} must be 1")
     if r.transport != "object_store":
         problems.append(f"trainer.colocate=true needs rollout.transport=object_store (got {r.transport!r}): NCCL cannot "
                         "join two ranks on one GPU, and the CUDA IPC path is not built")
-    gpus = r.num_engines * r.engine_tp
-    for name, role in roles(cfg).items():
-        if role.tp * role.pp * role.dp != gpus:
-            problems.append(f"trainer.colocate=true: {name}'s TP·PP·DP = {role.tp}·{role.pp}·{role.dp} must equal the "
-                            f"engines' {gpus} GPUs (rollout.num_engines × engine_tp): colocated roles share every GPU")
     return problems
 
 
@@ -312,6 +288,7 @@ def _reward_model_problems(reward) -> list[str]:
 # threads are checked with the roles that run (_run_problems): other roles start no worker.
 _RANGES = (
     ("model.vocab_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("model.moe_aux_loss_coef", lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.engine_tp", lambda v: v >= 1, ">= 1"),
     ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
@@ -372,6 +349,8 @@ _ROLE_RANGES = (
     ("tp", lambda v: v >= 1, ">= 1"),
     ("pp", lambda v: v >= 1, ">= 1"),
     ("dp", lambda v: v >= 1, ">= 1"),
+    ("ep", lambda v: v >= 1, ">= 1"),
+    ("etp", lambda v: v >= 1, ">= 1"),
     ("cpus_per_worker", lambda v: v > 0, "> 0"),
     ("lr", lambda v: v > 0, "> 0"),
     ("min_lr", lambda v: v >= 0, ">= 0"),

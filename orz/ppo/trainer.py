@@ -42,15 +42,15 @@ from orz.bundles import Bundles
 from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import DatasetFormatError, Row, RunData
 from orz.data.sampler import PromptLoader
-from orz.data.templates import make_template, reward_model_inputs
+from orz.data.templates import encode_prompt, make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
-from orz.evaluation.runner import EvalConfig, Evaluator, encode_prompt
+from orz.evaluation.runner import EvalConfig, Evaluator
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
-from orz.ppo import run_rules
-from orz.ppo.actors import ActorStep, RoleSpec, WorkerGroup
+from orz.ppo import placement, run_rules
+from orz.ppo.actors import ActorSettings, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
@@ -77,26 +77,10 @@ from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.multiturn import (
     Conversation, MultiTurnRollout, TurnLimits, env_scores, envs_used, make_envs, multiturn_metrics, turn_stops,
 )
+from orz.rollout.weight_sync import GroupSource
 from orz.stopping import StopSignals, Stopped
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
-
-
-class ActorWeightSource:
-    """The actor group as the fleet's WeightSource: its rank 0 broadcasts (or puts) the weights
-    that all of its ranks gather from their TP/PP shards."""
-
-    def __init__(self, actor: WorkerGroup):
-        self.actor = actor
-
-    def address(self):
-        return self.actor.address()
-
-    def send(self, spec, bucket_bytes, with_digests):
-        return self.actor.send_weights(spec, bucket_bytes, with_digests)
-
-    def put(self, bucket_bytes, with_digests):
-        return self.actor.put_weights(bucket_bytes, with_digests)
 
 
 def check_data(cfg: ExperimentConfig) -> RunData:
@@ -197,9 +181,10 @@ class RayPPOTrainer:
         kwargs.setdefault("model_path", cfg.model.path)
         trained = kwargs.get("train", True)
         return RoleSpec(
-            name=name, cfg=run_rules.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+            name=name, cfg=placement.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             deterministic=cfg.trainer.batch_invariant,
-            vocab_divisible_by=cfg.model.vocab_divisible_by, seed=cfg.trainer.seed,
+            vocab_divisible_by=cfg.model.vocab_divisible_by, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+            seed=cfg.trainer.seed,
             total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
         )
 
@@ -209,10 +194,10 @@ class RayPPOTrainer:
         GPU from what is free, which it must not measure while a worker beside it allocates."""
         cfg = self.run_cfg
         console.print(f"[bold]orz:[/] starting roles for [cyan]{cfg.algorithm.advantage}[/] on {cfg.model.path}")
-        roles, r = run_rules.roles(cfg), cfg.rollout
+        roles, r, layout = placement.roles(cfg), cfg.rollout, placement.Layout.of(cfg)
         # Colocated: one bundle per GPU for a worker of every role and an engine (run_rules checks the sizes).
-        self.bundles = Bundles.create(r.num_engines, sum(role.cpus_per_worker for role in roles.values()) + r.cpus_per_engine,
-                                      gpu_share=1 / (len(roles) + 1)) if cfg.trainer.colocate else None
+        self.bundles = Bundles.create(layout.num_engines, sum(role.cpus_per_worker for role in roles.values())
+                                      + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         rm = cfg.reward.model
         role_args = {"actor": {}, "ref": {"train": False},
                      "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
@@ -235,7 +220,7 @@ class RayPPOTrainer:
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
-        self.weights = ActorWeightSource(self.actor)
+        self.weights = GroupSource(self.actor)
 
     def _setup_controllers(self):
         a = self.run_cfg.algorithm  # controller settings are run-wide (run_rules._RUN_ONLY)
@@ -264,9 +249,10 @@ class RayPPOTrainer:
         # Multi-turn when an environment is configured or named by a row; else today's single-turn path.
         used = envs_used(cfg.rollout, self.loader.rows)
         self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used),
-                                          TurnLimits.of(cfg), turn_stops(cfg.rollout)) if used else None
+                                          TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
+                                          turn_stops(cfg.rollout)) if used else None
         self._setup_eval()
-        roles = run_rules.roles(cfg)
+        roles = placement.roles(cfg)
         for name, group in self._named_groups():
             group.configure(roles[name])
         if self.run_cfg.stages:
@@ -407,7 +393,7 @@ class RayPPOTrainer:
 
     def _share_cores(self, engines_generate: bool) -> None:
         """Each Megatron role's torch threads: `threads` beside generating engines, else `threads_alone`."""
-        roles = run_rules.roles(self.stage_cfg)
+        roles = placement.roles(self.stage_cfg)
         for name, group in self._named_groups():
             role = roles[name]
             if role.threads_alone:
@@ -624,7 +610,7 @@ class RayPPOTrainer:
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        step = ActorStep(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
+        step = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
         metrics, read_old = self.actor.train_actor_async(minibatches, step).get(like=experience.response_mask)
         if read_old is not None:
             experience = replace(experience, old_logprobs=read_old)

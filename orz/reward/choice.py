@@ -5,7 +5,7 @@ import re
 from collections.abc import Sequence
 
 from orz.data.datasets import LETTERS
-from orz.reward.math import extract_answer
+from orz.data.answers import extract_answer
 
 # \text{C}, (C), C), C., "C: blah", "(C) blah"
 _LETTER = re.compile(r"^\s*(?:\\(?:text|textbf|mathrm)\{\s*)?\(?\s*([A-J])\s*(?:\)|\}|\.|:|\s|$)")

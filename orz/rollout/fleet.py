@@ -7,9 +7,9 @@
         ...
     fleet.interrupt()   # partial rollout: interruptible streams pause, and after the next sync finish
 
-Weights come from a WeightSource: something that can join a process group as its rank 0 and
-broadcast (the trainer's actor rank 0, or an in-process source in tests and benchmarks), or put
-the same buckets into the Ray object store. The fleet remembers the last source and version, so
+Weights come from a WeightSource (orz.rollout.weight_sync: the actor's GroupSource, or a
+TensorSource in tests and benchmarks): something that can join a process group as its rank 0 and
+broadcast, or put the same buckets into the Ray object store. The fleet remembers the last source and version, so
 an engine that dies or hangs is restarted, re-synced to the current version, and its
 unfinished requests are issued again.
 """
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import ray
 import torch
@@ -30,14 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from orz.bundles import Bundles
 from orz.config import RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
-from orz.models.local_world import free_port
-from orz.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    BroadcastSender,
-    GroupSpec,
-    new_staging,
-    to_object_store_buckets,
-)
+from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, GroupSpec, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class FleetConfig:
     num_engines: int = 1
-    tensor_parallel_size: int = 1  # GPUs per engine (vLLM's own TP); 1 on CPU
+    engine_tp: int = 1  # GPUs per engine (vLLM's tensor_parallel_size); 1 on CPU
     cpus_per_engine: float = 1.0
     engine_args: dict = field(default_factory=dict)  # passed to vllm.LLM (max_model_len, gpu_memory_utilization, ...)
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
@@ -68,48 +61,14 @@ class FleetConfig:
         engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
-        return cls(num_engines=r.num_engines, tensor_parallel_size=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
+        return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
                    sleep_mode=sleep_mode, batch_invariant=batch_invariant)
 
 
-class WeightSource(Protocol):
-    def address(self) -> tuple[str, int]:
-        """(ip, free port) where the source will host the group's rendezvous."""
-
-    def send(self, spec: GroupSpec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
-        """Joins the group as rank 0, broadcasts all weights, returns their digests (if asked)."""
-
-    def put(self, bucket_bytes: int, with_digests: bool) -> tuple[list, dict[str, str]]:
-        """Puts all weights into the object store: (bucket refs, digests)."""
-
-
 class WeightSyncError(RuntimeError):
     pass
-
-
-def free_address() -> tuple[str, int]:
-    """(this node's IP, a port free on every interface): where a weight source hosts its group."""
-    return ray.util.get_node_ip_address(), free_port("")
-
-
-class TensorSource:
-    """A WeightSource over tensors in this process (tests, benchmarks, a single-process trainer)."""
-
-    def __init__(self, named: dict[str, torch.Tensor]):
-        self.named = named
-        self.staging = new_staging()
-        self.sender = BroadcastSender()
-
-    def address(self):
-        return free_address()
-
-    def send(self, spec, bucket_bytes, with_digests):
-        return self.sender.send(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
-
-    def put(self, bucket_bytes, with_digests):
-        return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
 
 
 def _timed_out(err: Exception) -> bool:
@@ -144,7 +103,7 @@ class EngineFleet:
         # (pending until a sync moves weight_version past it: a call submitted meanwhile pauses too).
         self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, -1
         self._synced = threading.Condition()  # notified whenever weight_version moves
-        tp = self.cfg.tensor_parallel_size  # vLLM's own workers take an engine's GPUs when TP > 1
+        tp = self.cfg.engine_tp  # vLLM's own workers take an engine's GPUs when TP > 1
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
         self._own_bundles = shared is None
         self.engines = [self._start(i) for i in range(self.cfg.num_engines)]
@@ -161,8 +120,8 @@ class EngineFleet:
         if self.cfg.batch_invariant:  # untested here: run_rules refuses it without a GPU
             env["VLLM_BATCH_INVARIANT"] = "1"
         engine_args = dict(self.cfg.engine_args)
-        if self.cfg.tensor_parallel_size > 1:  # untested here: no GPU
-            engine_args.update(tensor_parallel_size=self.cfg.tensor_parallel_size, distributed_executor_backend="ray")
+        if self.cfg.engine_tp > 1:  # untested here: no GPU
+            engine_args.update(tensor_parallel_size=self.cfg.engine_tp, distributed_executor_backend="ray")
         if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
             engine_args["enable_sleep_mode"] = True
         cls = ray.remote(concurrency_groups={"control": 1})(VLLMEngine)  # interrupt, beside a generation
@@ -231,7 +190,7 @@ class EngineFleet:
             return self._group
         self._close_group()
         ip, port = source.address()
-        tp = self.cfg.tensor_parallel_size
+        tp = self.cfg.engine_tp
         self.metrics["rollout/weight_groups"] += 1
         spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(ids) * tp,
                          f"orz-weights-{self.metrics['rollout/weight_groups']}", self.cfg.sync_timeout_s)

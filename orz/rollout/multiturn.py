@@ -2,7 +2,7 @@
 environment's observations until the environment says done, `max_turns` model turns, or
 `max_model_len` tokens (a truncation).
 
-    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(cfg.rollout, cfg.reward.code, used), TurnLimits.of(cfg))
+    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(r, code, used), TurnLimits.of(r, max_model_len))
     for group in rollout.stream([(prompt_ids, row.record(), env_name), ...], sampling):
         ...   # each prompt's n Conversations, as soon as all n have ended
 
@@ -37,7 +37,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from orz.config import CodeScoringConfig, ExperimentConfig, RolloutConfig
+from orz.config import CodeScoringConfig, RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import PYTHON, Environment, StepResult, as_step_result, load_env_class
 from orz.rollout.fleet import EngineFleet
@@ -82,12 +82,10 @@ class TurnLimits:
     env_timeout_s: float
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig) -> TurnLimits:
-        from orz.ppo.run_rules import context_length
-
-        r = cfg.rollout
-        return cls(r.max_turns, r.max_new_tokens, context_length(cfg, multi_turn=True), r.max_observation_tokens,
-                   r.env_timeout_s)
+    def of(cls, rollout: RolloutConfig, max_model_len: int) -> TurnLimits:
+        """A run's limits; max_model_len: run_rules.context_length's, which sized the engines."""
+        r = rollout
+        return cls(r.max_turns, r.max_new_tokens, max_model_len, r.max_observation_tokens, r.env_timeout_s)
 
 
 def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str]) -> dict[str, Callable[[], Environment]]:

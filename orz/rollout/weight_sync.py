@@ -14,6 +14,11 @@ layer (q/k/v, gate/up) arrives within one reload, as vLLM requires:
 
 Every sync carries a version. Digests (blake3 of the raw bytes) of what was sent can be
 compared with what each engine received and with what it holds afterwards.
+
+One module, in the order a sync runs: the process group, the stream (buckets, headers, digests),
+the sender and the receiving side, and the sources the fleet syncs from (WeightSource: the
+actor's GroupSource, or a TensorSource). EngineFleet.sync drives it; the engine's worker
+extension loads what arrives.
 """
 import itertools
 import pickle
@@ -22,11 +27,14 @@ import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 import blake3
+import ray
 import torch
 import torch.distributed as dist
+
+from orz.models.local_world import free_port
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _HEADER = 3  # int64: [meta bytes, data bytes, last]
@@ -275,3 +283,57 @@ class BroadcastSender:
         group, self.spec, self.group = self.group, None, None
         if group is not None:
             destroy(group)
+
+
+# ---- sources: what the fleet syncs from -------------------------------------------------------
+
+
+class WeightSource(Protocol):
+    def address(self) -> tuple[str, int]:
+        """(ip, free port) where the source will host the group's rendezvous."""
+
+    def send(self, spec: GroupSpec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
+        """Joins the group as rank 0, broadcasts all weights, returns their digests (if asked)."""
+
+    def put(self, bucket_bytes: int, with_digests: bool) -> tuple[list, dict[str, str]]:
+        """Puts all weights into the object store: (bucket refs, digests)."""
+
+
+def free_address() -> tuple[str, int]:
+    """(this node's IP, a port free on every interface): where a weight source hosts its group."""
+    return ray.util.get_node_ip_address(), free_port("")
+
+
+class TensorSource:
+    """A WeightSource over tensors in this process (tests, benchmarks, a single-process trainer)."""
+
+    def __init__(self, named: dict[str, torch.Tensor]):
+        self.named = named
+        self.staging = new_staging()
+        self.sender = BroadcastSender()
+
+    def address(self):
+        return free_address()
+
+    def send(self, spec, bucket_bytes, with_digests):
+        return self.sender.send(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
+
+    def put(self, bucket_bytes, with_digests):
+        return to_object_store_buckets(self.named.items(), bucket_bytes, with_digests)
+
+
+class GroupSource:
+    """A trainer role's worker group (the actor's: orz.ppo.actors.WorkerGroup) as a WeightSource:
+    its rank 0 broadcasts (or puts) the weights that all of its ranks gather from their shards."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def address(self):
+        return self.group.address()
+
+    def send(self, spec, bucket_bytes, with_digests):
+        return self.group.send_weights(spec, bucket_bytes, with_digests)
+
+    def put(self, bucket_bytes, with_digests):
+        return self.group.put_weights(bucket_bytes, with_digests)

@@ -1,0 +1,5 @@
+import sys
+
+from orz.plan.cli import main
+
+sys.exit(main())

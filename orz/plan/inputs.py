@@ -1,0 +1,166 @@
+"""What a plan is computed from: the cluster and its GPUs, each role's parallel sizes, the vLLM
+fleet, the placement of them all, and one iteration's workload."""
+from dataclasses import dataclass, fields
+
+from orz.config import ConfigError
+
+GIB = 2**30
+BF16, FP32 = 2, 4
+MEGATRON_VOCAB_MULTIPLE = 1  # orz.models.builder pads the vocabulary to a multiple of TP only
+VLLM_VOCAB_MULTIPLE = 64  # vLLM pads embedding and LM head to 64 rows per TP rank
+
+
+class PlanError(ConfigError):
+    """A run that cannot be placed at all (sizes that do not divide); lists every problem found."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    tflops: float  # dense bf16 peak, TFLOP/s (datasheet, without sparsity)
+    hbm_tb_s: float  # peak HBM bandwidth, TB/s
+    nvlink_gb_s: float  # NVLink bandwidth per GPU and direction, GB/s (half the datasheet's bidirectional figure)
+
+
+# Memory is the cluster's gpu_mem_gib, as nvidia-smi reports it: A100 80 GB 80.0 GiB, H100/H800 79.6 GiB
+# (81559 MiB), H200 140.4 GiB (143771 MiB).
+GPUS = {
+    "A100": GPU(tflops=312, hbm_tb_s=2.039, nvlink_gb_s=300),  # SXM 80 GB
+    "H100": GPU(tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450),  # SXM
+    "H800": GPU(tflops=989, hbm_tb_s=3.35, nvlink_gb_s=200),  # an H100 with slower NVLink
+    "H200": GPU(tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int  # Slurm nodes
+    gpus_per_node: int  # a TP group must stay inside one node (NVLink)
+    gpu_mem_gib: float  # usable memory per GPU; the budget every role is checked against
+    gpu: str = "H100"  # a GPUS preset: peak FLOP/s and bandwidth for the time estimate
+    reserved_gib: float = 2.0  # per process on a GPU: CUDA context, NCCL buffers, allocator slack
+    train_mfu: float = 0.40  # achieved fraction of peak FLOP/s in training, forward passes and prefill
+    hbm_efficiency: float = 0.70  # achieved fraction of peak HBM bandwidth in vLLM decode
+    link_efficiency: float = 0.50  # achieved fraction of NVLink bandwidth in the experts' all-to-all
+
+    def __post_init__(self):
+        if self.gpu not in GPUS:
+            raise PlanError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
+        _require_positive(self, "nodes", "gpus_per_node", "gpu_mem_gib")
+        efficiencies = (self.train_mfu, self.hbm_efficiency, self.link_efficiency)
+        if not (all(0 < e <= 1 for e in efficiencies) and self.reserved_gib >= 0):
+            raise PlanError(f"need 0 < train_mfu, hbm_efficiency, link_efficiency <= 1 and reserved_gib >= 0, got "
+                            f"{', '.join(map(str, efficiencies))}, {self.reserved_gib}")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """A Megatron role's sizes, named as in the recipe's RoleConfig."""
+
+    tp: int = 1  # tensor parallel: splits every matmul, needs NVLink
+    pp: int = 1  # pipeline stages: splits the layers
+    dp: int = 1  # data parallel replicas
+    micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
+    sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
+    ep: int = 1  # expert parallel: each GPU holds experts / ep of every sparse layer (carved out of tp·dp)
+    etp: int = 1  # expert tensor parallel: splits each expert's width
+
+    def __post_init__(self):
+        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard, over which its gradients are reduced: tp·dp / (ep·etp)."""
+        return max(self.tp * self.dp // (self.ep * self.etp), 1)
+
+    def label(self) -> str:
+        experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else "") if self.ep * self.etp > 1 else ""
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}{experts}"
+
+
+@dataclass(frozen=True)
+class TrainParallel(ModelParallel):
+    recompute: bool = False  # model.recompute: keep only each layer's input, rerun it in backward
+    use_distributed_optimizer: bool = False  # ZeRO-1: fp32 master weights and Adam states sharded over DP
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The vLLM fleet, named as in the recipe's RolloutConfig."""
+
+    num_engines: int  # vLLM engines, each serving an equal share of the samples
+    engine_tp: int = 1  # GPUs per engine
+    gpu_memory_utilization: float = 0.85  # vLLM's budget as a fraction of GPU memory (weights + KV cache)
+    max_num_seqs: int = 256  # sequences an engine decodes at once; its KV cache is sized for them
+
+    def __post_init__(self):
+        _require_positive(self, "num_engines", "engine_tp", "max_num_seqs")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def label(self) -> str:
+        return f"{self.num_engines}×TP{self.engine_tp}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's roles go: what `placement_of(cfg)` reads from the recipe."""
+
+    actor: TrainParallel
+    rollout: Rollout
+    critic: TrainParallel | None = None  # None for critic-free algorithms (GRPO, RLOO, REINFORCE++)
+    ref: ModelParallel | None = None  # None when no KL term needs reference log-probs
+    colocate: bool = False  # every role on every GPU, phases taking turns (ORZ's colocate_all)
+    offload_idle_roles: bool = False  # colocated: idle roles move their states to CPU and vLLM sleeps
+
+    def megatron_roles(self) -> dict[str, ModelParallel]:
+        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref}
+        return {name: par for name, par in roles.items() if par is not None}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One iteration's samples and lengths, named as in the recipe; the means are assumptions."""
+
+    prompts_per_iteration: int = 128  # trainer.prompts_per_iteration
+    n_samples: int = 64  # rollout.n_samples: 128 × 64 = 8192 samples
+    prompt_max_tokens: int = 2048  # data.prompt_max_tokens; sizes memory with max_new_tokens
+    max_new_tokens: int = 8192  # rollout.max_new_tokens
+    mean_prompt_tokens: int = 256  # sizes time: tokens actually generated and trained on
+    mean_response_tokens: int = 4096  # grows during training; take it from your metrics
+
+    def __post_init__(self):
+        _require_positive(self, *(f.name for f in fields(self)))
+        if self.mean_prompt_tokens > self.prompt_max_tokens or self.mean_response_tokens > self.max_new_tokens:
+            raise PlanError(f"mean lengths ({self.mean_prompt_tokens}, {self.mean_response_tokens}) exceed "
+                            f"the maxima ({self.prompt_max_tokens}, {self.max_new_tokens})")
+
+    @property
+    def samples(self) -> int:
+        return self.prompts_per_iteration * self.n_samples
+
+    @property
+    def max_seq_tokens(self) -> int:
+        return self.prompt_max_tokens + self.max_new_tokens
+
+    @property
+    def mean_seq_tokens(self) -> int:
+        return self.mean_prompt_tokens + self.mean_response_tokens
+
+
+def _require_positive(obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise PlanError(f"{name} must be positive, got {getattr(obj, name)}")
+
+
+def gib(n: float) -> float:
+    """Bytes as GiB, one decimal, for tables and messages."""
+    return round(n / GIB, 1)

@@ -1,0 +1,267 @@
+"""Bytes per GPU of every role: parameters per pipeline stage, activations, logits, KV cache,
+optimizer states; every formula is in the docstring of the function that computes it."""
+from dataclasses import dataclass
+
+from orz.models.arch import ModelArch
+from orz.plan.inputs import (BF16, FP32, GIB, MEGATRON_VOCAB_MULTIPLE, VLLM_VOCAB_MULTIPLE, Cluster, ModelParallel,
+                             Placement, Rollout, TrainParallel, Workload, gib)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    role: str  # actor | critic | ref | rollout
+    gpus: int  # GPUs the role runs on
+    parallel: str  # e.g. "TP2 PP1 DP16", for the table
+    weights: int  # bytes per GPU, heaviest stage
+    grads: int
+    optimizer: int
+    activations: int  # kept for backward (training) or one layer's working set (forward only), logits included
+    kv_cache: int  # vLLM only
+    overhead: int  # this process's reserved_gib
+    kept_by_others: int  # bytes other colocated processes keep on the same GPU meanwhile
+    limit: int  # bytes this role may use on its GPUs
+    limit_why: str  # how `limit` was derived, for messages
+
+    COMPONENTS = ("weights", "grads", "optimizer", "activations", "kv_cache", "overhead")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in self.COMPONENTS)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    @property
+    def dominant(self) -> str:
+        return max(self.COMPONENTS, key=lambda c: getattr(self, c))
+
+
+def expert_params(arch: ModelArch, layer: int, ep: int = 1, etp: int = 1) -> int:
+    """The routed experts of decoder layer `layer` on one GPU: E·3·h·f_e / (ep·etp) (each GPU holds
+    E/ep experts, each split by etp); 0 in a dense layer."""
+    if not arch.is_moe_layer(layer):
+        return 0
+    moe = arch.moe
+    return moe.num_experts * 3 * arch.hidden_size * moe.intermediate_size // (ep * etp)
+
+
+def layer_params(arch: ModelArch, tp: int, layer: int = 0, ep: int = 1, etp: int = 1) -> int:
+    """Parameters of decoder layer `layer` on one GPU of a TP group (and, in a sparse layer, of an
+    expert-parallel group).
+
+    attention  q, o: h×(a·d); k, v: h×(g·d)  →  h·d·(2a + 2g)        split by TP
+    qkv bias (qwen2)                           d·(a + 2g)             split by TP
+    dense layer: SwiGLU gate, up, down         3·h·f                  split by TP
+    sparse layer: routed experts               E·3·h·f_e              split by EP·ETP (expert_params)
+                  router                       E·h                    replicated
+    two RMSNorm weights                        2·h                    replicated
+    q and k RMSNorm weights (qwen3)            2·d                    replicated
+    """
+    h, d, a, g = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    sparse = arch.is_moe_layer(layer)
+    split = h * d * (2 * a + 2 * g) + (0 if sparse else 3 * h * arch.intermediate_size)
+    if arch.qkv_bias:
+        split += d * (a + 2 * g)
+    router = arch.moe.num_experts * h if sparse else 0
+    return split // tp + 2 * h + (2 * d if arch.qk_norm else 0) + router + expert_params(arch, layer, ep, etp)
+
+
+def stage_layers(arch: ModelArch, pp: int) -> list[range]:
+    """The layer indices of the first and the last pipeline stage (one stage when pp = 1)."""
+    n = arch.num_layers // pp
+    return [range(arch.num_layers)] if pp == 1 else [range(n), range(arch.num_layers - n, arch.num_layers)]
+
+
+def stage_params(arch: ModelArch, tp: int, pp: int, head: str, vocab_multiple: int, ep: int = 1,
+                 etp: int = 1) -> list[int]:
+    """Parameters on one GPU of the first and the last pipeline stage (one stage when pp = 1).
+
+    every stage: its L/pp layers (layer_params). first: + embedding V'·h/t (V' = vocabulary padded to
+    a multiple of vocab_multiple·t). last: + final norm h + head: LM head V'·h/t, a copy of the
+    embedding when tied and pp > 1 (Megatron keeps both), nothing more when tied and pp = 1; a value
+    head h + 1. At t = pp = ep = 1, unpadded, the sum is ModelArch.num_params (+ h + 1 − V·h for a
+    value head).
+    """
+    h = arch.hidden_size
+    first_layers, last_layers = (sum(layer_params(arch, tp, i, ep, etp) for i in layers)
+                                 for layers in stage_layers(arch, pp) * (2 if pp == 1 else 1))
+    vocab = arch.padded_vocab_size(tp, vocab_multiple) * h // tp
+    head_params = h + 1 if head == "value" else 0 if arch.tie_word_embeddings and pp == 1 else vocab
+    first, last = first_layers + vocab, last_layers + h + head_params
+    return [first + last - first_layers] if pp == 1 else [first, last]
+
+
+def matmul_params(arch: ModelArch, head: str) -> int:
+    """M: weights that take part in a matmul per token (the active ones, for a mixture of experts):
+    Σ over layers of h·d·(2a + 2g) + (dense: 3·h·f; sparse: router E·h + k experts' k·3·h·f_e)
+    + head (V·h or h).
+
+    The embedding is a lookup, norms and biases are negligible.
+    """
+    h, d = arch.hidden_size, arch.head_dim
+    attention = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads)
+    mlps = sum((arch.moe.num_experts * h + arch.moe.top_k * 3 * h * arch.moe.intermediate_size)
+               if arch.is_moe_layer(i) else 3 * h * arch.intermediate_size for i in range(arch.num_layers))
+    return arch.num_layers * attention + mlps + (arch.vocab_size * h if head == "lm" else h)
+
+
+# ---------------------------------------------------------------- activations and KV cache
+
+
+def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_parallel: bool, layer: int = 0,
+                           etp: int = 1) -> int:
+    """Bytes one decoder layer keeps for backward, bf16, for a micro-batch of T = b·s tokens.
+
+    Korthikanti et al. 2022 (GPT: multi-head attention, 4h GeLU MLP, dropout) keep
+    s·b·h·(34 + 5·a·s/h) per layer; with TP and no sequence parallelism s·b·h·(10 + 24/t + 5·a·s/(h·t)),
+    with sequence parallelism all of it / t. Adapted to Llama/Qwen2 as trained here:
+      - flash attention keeps no s×s matrices, so 5·a·s/h goes; no dropout, so its two s·b·h masks go;
+      - GQA: attention keeps its input 2·T·h, Q 2·T·a·d, K and V 4·T·g·d, the context 2·T·a·d (o's input);
+      - SwiGLU of width f keeps its input 2·T·h, gate and up 4·T·f (silu is recomputed in the fused
+        kernel) and their product 2·T·f (down's input);
+      - the two RMSNorms keep their inputs, 4·T·h.
+    Total T·(8h + 4·a·d + 4·g·d + 6f). Check: with a·d = g·d = h, an ungated MLP (4f for 6f) and f = 4h
+    it is 32·T·h, Korthikanti's 34 less the two masks; Megatron-LM's theoretical_memory_usage keeps
+    s·b·h·(18 + 4f/h), the same plus the masks. The 8h part (norm inputs and the copies entering
+    column-parallel linears) is split by t only with sequence parallelism; the rest always.
+    With packing every term is linear in T.
+
+    A sparse layer keeps, instead of the SwiGLU's 6·T·f/t: the router's fp32 logits and
+    probabilities 8·T·E, and for each of the T·k routed copies of a token (on average T·k land on
+    each GPU of an expert-parallel group: every GPU sends its tokens' copies to their experts'
+    GPUs) the expert's input 2·h and its SwiGLU 6·f_e/etp: T·(8E + k·(2h + 6·f_e/etp)).
+    """
+    h, ad, gd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    replicated = tokens * 8 * h // (tp if sequence_parallel else 1)
+    attention = tokens * (4 * ad + 4 * gd) // tp
+    if not arch.is_moe_layer(layer):
+        return replicated + attention + tokens * 6 * arch.intermediate_size // tp
+    moe = arch.moe
+    return replicated + attention + tokens * (8 * moe.num_experts + moe.top_k * (2 * h + 6 * moe.intermediate_size // etp))
+
+
+def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool) -> int:
+    """Vocab-parallel logits of one micro-batch, T·V'/t entries (orz.models.logprobs).
+
+    bf16 logits (2) + fp32 temperature-scaled copy (4) + fp32 exp (4), + their fp32 gradient in
+    backward (4): 14 bytes per entry when training, 10 forward-only.
+    """
+    entries = tokens * arch.padded_vocab_size(tp, MEGATRON_VOCAB_MULTIPLE) // tp
+    return entries * (14 if training else 10)
+
+
+def kv_bytes_per_token(arch: ModelArch, tp: int) -> int:
+    """K and V of every layer for one token on one GPU of an engine: 2·L·max(g/t, 1)·d·2 bytes.
+
+    With t > g vLLM replicates KV heads, so each GPU still holds one.
+    """
+    return 2 * arch.num_layers * max(arch.num_kv_heads // tp, 1) * arch.head_dim * BF16
+
+
+# ---------------------------------------------------------------- memory per role
+
+
+def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, int]:
+    """Bytes per GPU of a trained role (actor: LM head; critic: value head) on its heaviest stage.
+
+    P = that stage's parameters on one GPU (stage_params), P_e of them experts (expert_params);
+    bf16 mixed precision as in Megatron:
+      weights      2·P      bf16 parameters
+      grads        4·P      fp32 main gradients (accumulated and reduced in fp32)
+      optimizer   12·P      fp32 master weights + Adam m + v; with the distributed optimizer
+                            12·(P − P_e)/DP + 12·P_e/EDP, EDP = tp·dp/(ep·etp) (the replicas of an
+                            expert shard): Megatron's 18, or 6 + 12/DP, bytes per parameter
+      activations n·Σ_layers A_i(T)                      without recompute
+                  n·(L/pp)·2·T·h/t_sp + max_i A_i(T)     full recompute: each layer's input, plus one
+                                                         layer re-materialised during its backward
+                  + logits on the last stage (LM head only)
+    A_i(T) = layer_activation_bytes of the stage's layer i; n = micro-batches in flight under 1F1B:
+    pp on the first stage, 1 on the last (Korthikanti et al. §4.2); t_sp = t with sequence
+    parallelism, else 1.
+    """
+    t, pp, tokens = par.tp, par.pp, par.micro_batch_tokens
+    layer_input = 2 * tokens * arch.hidden_size // (t if par.sequence_parallel else 1)
+    stages = stage_params(arch, t, pp, head, MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)
+    candidates = []
+    for index, (params, layers) in enumerate(zip(stages, stage_layers(arch, pp))):
+        last = index == len(stages) - 1
+        in_flight = 1 if last else pp
+        each = [layer_activation_bytes(arch, tokens, t, par.sequence_parallel, i, par.etp) for i in layers]
+        kept = in_flight * (len(each) * layer_input if par.recompute else sum(each))
+        activations = kept + (max(each) if par.recompute else 0)
+        if last and head == "lm":
+            activations += logits_bytes(arch, tokens, t, training=True)
+        experts = sum(expert_params(arch, i, par.ep, par.etp) for i in layers)
+        optimizer = (12 * (params - experts) // par.dp + 12 * experts // par.expert_dp
+                     if par.use_distributed_optimizer else 12 * params)
+        candidates.append(dict(weights=BF16 * params, grads=FP32 * params, optimizer=optimizer,
+                               activations=activations))
+    return max(candidates, key=lambda c: sum(c.values()))
+
+
+def forward_memory(arch: ModelArch, par: ModelParallel) -> dict[str, int]:
+    """Bytes per GPU of a forward-only role (reference): weights 2·P, activations A(T) + logits.
+
+    Nothing is kept across layers, so the working set is one layer's activations plus the last
+    stage's forward-only logits (logits_bytes); the last stage, which holds both, is the heaviest.
+    """
+    params = stage_params(arch, par.tp, par.pp, "lm", MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)[-1]
+    layer = max(layer_activation_bytes(arch, par.micro_batch_tokens, par.tp, par.sequence_parallel, i, par.etp)
+                for i in stage_layers(arch, par.pp)[-1])
+    return dict(weights=BF16 * params,
+                activations=layer + logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False))
+
+
+def engine_params(arch: ModelArch, tp: int) -> int:
+    """Parameters on one GPU of a vLLM engine of tp GPUs: every matrix, experts included, split by tp."""
+    return stage_params(arch, tp, 1, "lm", VLLM_VOCAB_MULTIPLE, ep=1, etp=tp)[0]
+
+
+def rollout_concurrency(rollout: Rollout, workload: Workload) -> int:
+    """Sequences an engine holds at once: min(max_num_seqs, ⌈samples / num_engines⌉)."""
+    return min(rollout.max_num_seqs, -(-workload.samples // rollout.num_engines))
+
+
+def rollout_memory(arch: ModelArch, rollout: Rollout, workload: Workload) -> dict[str, int]:
+    """Bytes per GPU of a vLLM engine: weights 2·P (P on one TP rank, vocabulary padded by vLLM;
+    experts split by TP as well, vLLM's default without expert parallelism) and a KV cache for c
+    concurrent sequences of the longest length: c·(prompt + response)·kv_bytes_per_token.
+    """
+    params = engine_params(arch, rollout.engine_tp)
+    kv = rollout_concurrency(rollout, workload) * workload.max_seq_tokens * kv_bytes_per_token(arch, rollout.engine_tp)
+    return dict(weights=BF16 * params, kv_cache=kv)
+
+
+def _resident(placement: Placement, role: str, states: dict[str, int], mem: int, reserved: int) -> int:
+    """What an idle colocated role keeps on the GPU: its reserved memory, plus, without offload,
+    its weights, grads and optimizer states (vLLM, awake: its whole gpu_memory_utilization budget)."""
+    if placement.offload_idle_roles:
+        return reserved
+    if role == "rollout":
+        return int(placement.rollout.gpu_memory_utilization * mem)
+    return reserved + states.get("weights", 0) + states.get("grads", 0) + states.get("optimizer", 0)
+
+
+def memory_rows(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> tuple[RoleMemory, ...]:
+    """One row per role. Separate GPUs: the limit is the GPU's memory. Colocated: the GPU's memory
+    less what the other roles keep resident (_resident). vLLM's limit is gpu_memory_utilization × memory."""
+    mem, reserved, rollout = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB), placement.rollout
+    roles = {name: (train_memory(arch, par, "value" if name == "critic" else "lm") if isinstance(par, TrainParallel)
+                    else forward_memory(arch, par), par.label(), par.gpus)
+             for name, par in placement.megatron_roles().items()}
+    roles["rollout"] = (rollout_memory(arch, rollout, workload), rollout.label(), rollout.num_engines * rollout.engine_tp)
+    others = len(roles) - 1 if placement.colocate else 0
+    rows = []
+    for role, (own, label, gpus) in roles.items():
+        kept = sum(_resident(placement, o, roles[o][0], mem, reserved) for o in roles if o != role) if others else 0
+        limit, why = mem - kept, f"{gib(mem)} GiB"
+        if kept:
+            why += f" − {gib(kept)} GiB kept by {others} other colocated process{'es' * (others > 1)}"
+        if role == "rollout":
+            limit = int(rollout.gpu_memory_utilization * mem)
+            why = f"gpu_memory_utilization {rollout.gpu_memory_utilization} × {gib(mem)} GiB"
+        rows.append(RoleMemory(role=role, gpus=gpus, parallel=label,
+                               **{c: own.get(c, 0) for c in RoleMemory.COMPONENTS[:-1]},
+                               overhead=reserved, kept_by_others=kept, limit=limit, limit_why=why))
+    return tuple(rows)

@@ -1,0 +1,99 @@
+"""Seconds per iteration: rollout (prefill and decode), forward passes and updates."""
+from dataclasses import dataclass
+
+from orz.models.arch import ModelArch
+from orz.plan.inputs import BF16, GPUS, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload
+from orz.plan.memory import engine_params, expert_params, kv_bytes_per_token, matmul_params, rollout_concurrency
+
+
+@dataclass(frozen=True)
+class Timing:
+    rollout_s: float  # prefill + decode on the engines
+    forward_s: float  # old log-probs, reference log-probs and values
+    train_s: float  # actor and critic updates
+    decode_concurrency: int  # sequences each engine decodes at once
+    decode_step_ms: float  # one decode step of one engine
+    rollout_tokens_per_s: float  # generated tokens per second, whole fleet
+
+    @property
+    def iteration_s(self) -> float:
+        return self.rollout_s + self.forward_s + self.train_s
+
+
+def forward_flops(arch: ModelArch, tokens: float, seq_len: float, head: str) -> float:
+    """FLOPs of one forward pass over `tokens` tokens in sequences of seq_len: 2·M·n + 2·L·a·d·s·n.
+
+    2·M per token for the matmuls (matmul_params); causal attention (QKᵀ and AV over s/2 earlier
+    tokens on average) 2·2·a·d·s/2 per token and layer. A backward pass costs twice a forward, so a
+    training step is 3× forward, 4× with full recompute.
+    """
+    attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len
+    return (2 * matmul_params(arch, head) + attention) * tokens
+
+
+def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: Workload) -> tuple[float, int, float]:
+    """(seconds, concurrency c, decode step seconds) for one engine's share of the samples.
+
+    prefill: forward_flops of its prompts at train_mfu of the engine's t GPUs (no prefix caching).
+    decode, continuous batching at c sequences: n·mean_response / c steps, each
+      max(bytes / (hbm_efficiency · bandwidth), flops / (train_mfu · peak)) per GPU, with
+      bytes = 2·P (one GPU's weights, read once per step) + c·(mean_prompt + mean_response/2)·kv_bytes_per_token
+      flops = c·(2·M + 4·L·a·d·(mean_prompt + mean_response/2))/t.
+    With experts, a step reads only the experts its c tokens route to: of each sparse layer's experts
+    the expected share 1 − (1 − k/E)^c under uniform routing.
+    """
+    gpu = GPUS[cluster.gpu]
+    flop_s, byte_s = gpu.tflops * 1e12 * cluster.train_mfu, gpu.hbm_tb_s * 1e12 * cluster.hbm_efficiency
+    per_engine = -(-workload.samples // rollout.num_engines)
+    c = rollout_concurrency(rollout, workload)
+    prefill_tokens = per_engine * workload.mean_prompt_tokens
+    prefill = forward_flops(arch, prefill_tokens, workload.mean_prompt_tokens, "lm") / (rollout.engine_tp * flop_s)
+    context = workload.mean_prompt_tokens + workload.mean_response_tokens / 2
+    experts = sum(expert_params(arch, i, etp=rollout.engine_tp) for i in range(arch.num_layers))
+    touched = 1 - (1 - arch.moe.top_k / arch.moe.num_experts) ** c if arch.moe else 0.0
+    weights = BF16 * (engine_params(arch, rollout.engine_tp) - experts * (1 - touched))
+    read = weights + c * context * kv_bytes_per_token(arch, rollout.engine_tp)
+    attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * context
+    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention) / (rollout.engine_tp * flop_s))
+    steps = per_engine * workload.mean_response_tokens / c
+    return prefill + steps * step, c, step
+
+
+def all_to_all_s(arch: ModelArch, cluster: Cluster, par: ModelParallel, tokens: float, passes: int) -> float:
+    """Seconds of a role's expert-parallel token exchange over `tokens` tokens, for `passes` passes
+    of each sparse layer (forward 1; training 3, or 4 with recompute, as FLOPs count them).
+
+    Each pass sends every routed copy to its expert's GPU and back (dispatch + combine, the
+    backward the same again), so per GPU and forward pass:
+      bytes = (tokens/dp)·(S/pp)·k·2h·(ep − 1)/ep · 2     S = sparse layers, bf16 hidden states
+    at link_efficiency of nvlink_gb_s (the planner assumes an EP group within one node); 0 at ep = 1.
+    """
+    if arch.moe is None or par.ep == 1:
+        return 0.0
+    sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    per_pass = tokens / par.dp * sparse / par.pp * arch.moe.top_k * BF16 * arch.hidden_size * (par.ep - 1) / par.ep * 2
+    return passes * per_pass / (GPUS[cluster.gpu].nvlink_gb_s * 1e9 * cluster.link_efficiency)
+
+
+def timing(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> Timing:
+    """Seconds per iteration: rollout, then forward passes, then updates (synchronous RL).
+
+    Role time = FLOPs / (GPUs · peak · train_mfu) over samples·mean_seq_tokens tokens, plus its
+    experts' all-to-all (all_to_all_s). Forward: actor (old log-probs), reference and critic
+    (values). Updates: 3, or 4 with recompute, × forward (one pass over the batch).
+    Colocated roles take turns on all GPUs (times add up); separate roles overlap (the slowest counts).
+    """
+    flop_s = GPUS[cluster.gpu].tflops * 1e12 * cluster.train_mfu
+    tokens, s = workload.samples * workload.mean_seq_tokens, workload.mean_seq_tokens
+    forward, train = [], []
+    for name, par in placement.megatron_roles().items():
+        one = forward_flops(arch, tokens, s, "value" if name == "critic" else "lm") / (par.gpus * flop_s)
+        forward.append(one + all_to_all_s(arch, cluster, par, tokens, 1))
+        if isinstance(par, TrainParallel):
+            passes = 4 if par.recompute else 3
+            train.append(one * passes + all_to_all_s(arch, cluster, par, tokens, passes))
+    combine = sum if placement.colocate else max
+    rollout_s, c, step = rollout_time(arch, cluster, placement.rollout, workload)
+    return Timing(rollout_s=rollout_s, forward_s=combine(forward), train_s=combine(train), decode_concurrency=c,
+                  decode_step_ms=step * 1e3,
+                  rollout_tokens_per_s=workload.samples * workload.mean_response_tokens / rollout_s)

@@ -1,0 +1,154 @@
+"""Qwen3-MoE in Megatron against transformers: logits at EP ∈ {1, 2} × TP ∈ {1, 2} and PP=2 with
+EP=2, both routings (norm_topk_prob on and off), dense layers among sparse ones, and the export
+(experts gathered over EP) bit-exact. One world of 4 ranks runs every layout (the rest of it is
+DP) and checks both models in each: a world costs far more to start than a tiny forward."""
+import pytest
+import torch
+
+from orz.models.arch import read_arch
+from orz.models.local_world import run_world
+from orz.models.tiny import make_tiny_hf
+
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MODELS = {
+    # layer 2 dense (mlp_only_layers), the others sparse; renormalised top-k weights; untied
+    "norm_topk": dict(vocab_size=101, moe=EXPERTS | dict(norm_topk_prob=True, mlp_only_layers=[2])),
+    # every second layer sparse (layers 1 and 3); raw softmax weights; tied; head_dim 32 != 64 / 4
+    "raw_topk": dict(vocab_size=96, tie_word_embeddings=True,
+                     moe=EXPERTS | dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])),
+}
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep)
+WORLD = 4
+SEQ = 20
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    tokens = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(0))
+    for name, kwargs in MODELS.items():
+        path = make_tiny_hf(tmp_path_factory.mktemp(name), family="qwen3_moe", num_layers=4, head_dim=32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            out[name] = (str(path), model(tokens).logits)
+    return tokens, out
+
+
+def test_arch_reads_the_expert_fields(checkpoints):
+    _, ckpts = checkpoints
+    norm, raw = (read_arch(ckpts[n][0]).moe for n in ("norm_topk", "raw_topk"))
+    assert (norm.num_experts, norm.top_k, norm.intermediate_size, norm.norm_topk_prob) == (4, 2, 32, True)
+    assert norm.layers == (0, 1, 3) and raw.layers == (1, 3) and not raw.norm_topk_prob
+
+
+def _forward_and_export(rank, world, tokens, checkpoints):
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    result = {}
+    for tp, pp, ep in LAYOUTS:
+        init_model_parallel(tp, pp, ep=ep)
+        for name, (path, _) in checkpoints.items():
+            ckpt = HFCheckpoint(path)
+            engine = ModelEngine(ckpt.arch)
+            engine.load_hf(ckpt)
+            result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
+    return result
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    tokens, ckpts = checkpoints
+    return run_world(_forward_and_export, WORLD, tokens, ckpts, timeout=600)
+
+
+@pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
+@pytest.mark.parametrize("name", MODELS)
+def test_moe_logits_match_transformers_and_export_is_exact(tp, pp, ep, name, checkpoints, ranks):
+    from safetensors.torch import load_file
+
+    path, ref_logits = checkpoints[1][name]
+    results = [r[tp, pp, ep, name] for r in ranks]
+    logits = [r["logits"] for r in results if r["logits"] is not None]
+    assert len(logits) == WORLD // (pp * tp)  # the last stage's TP rank 0 of each DP replica
+    for out in logits:
+        assert (out - ref_logits).abs().max() < 1e-4
+    original, exported = load_file(f"{path}/model.safetensors"), results[0]["exported"]
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    assert all(r["exported"] == {} for r in results[1:])
+
+
+AUX_COEF = 0.01
+
+
+def _train_steps(rank, world, tokens, path):
+    """On a world of 2 (DP=2, each rank its half of `tokens`): one NLL step at EP=1 and at EP=2
+    from the same weights, then one step of the load-balancing loss alone (both ranks on all
+    of `tokens`) at EP=2."""
+    from megatron.core import parallel_state as ps
+
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.logprobs import logprobs_and_entropy
+    from orz.models.parallel import init_model_parallel
+
+    ckpt = HFCheckpoint(path)
+    optim = OptimConfig(lr=1e-3, clip_grad=100.0, adam_eps=1e-6)  # eps: see test_models' train step
+    total_tokens = tokens[:, 1:].numel()
+
+    def nll(logits, batch):
+        logprobs, _ = logprobs_and_entropy(
+            logits[:, :-1], batch.input_ids[:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
+        )
+        loss = -logprobs.sum() / total_tokens
+        return loss, {"loss": loss.detach()}
+
+    result = {}
+    mine = tokens.chunk(world)[rank]
+    for ep in (1, 2):
+        init_model_parallel(1, 1, ep=ep)
+        engine = ModelEngine(ckpt.arch, optim=optim)
+        engine.load_hf(ckpt)
+        out = engine.train_step([ModelInputs(t) for t in mine.split(1)], nll)
+        assert "moe_aux_loss" not in out  # off by default
+        result[ep] = {"loss": sum(m["loss"] for m in out["metrics"]).item(), "grad_norm": out["grad_norm"],
+                      "weights": dict(engine.hf_tensors())}
+    engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
+    engine.load_hf(ckpt)
+    out = engine.train_step([ModelInputs(tokens)], lambda logits, batch: (0.0 * logits.sum(), {}))
+    result["aux"] = {"moe_aux_loss": out["moe_aux_loss"], "grad_norm": out["grad_norm"]}
+    return result
+
+
+def test_moe_train_step_ep2_matches_ep1_and_aux_loss_matches_transformers(checkpoints):
+    """EP moves experts, not math: loss, gradient norm and updated weights agree at DP=2 with EP=1
+    and EP=2. The load-balancing loss and its gradient are transformers' (per sparse layer
+    E·Σ_e f_e·P̄_e, f_e the share of top-k picks), divided by top-k as Megatron defines it."""
+    from transformers import AutoModelForCausalLM
+
+    tokens, ckpts = checkpoints
+    path = ckpts["norm_topk"][0]
+    tokens = torch.cat([tokens, tokens.flip(0)])[:4]
+    ranks = run_world(_train_steps, 2, tokens, path)
+    one, two = ranks[0][1], ranks[0][2]
+    assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"])
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
+    for name, w in one["weights"].items():
+        assert (w - two["weights"][name]).abs().max() < 1e-5, name
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    moe = read_arch(path).moe
+    router_logits = hf(tokens, output_router_logits=True).router_logits  # one (B·S, E) per sparse layer
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    per_layer = torch.stack([load_balancing_loss_func((g,), moe.num_experts, moe.top_k) for g in router_logits])
+    (AUX_COEF * per_layer.sum() / moe.top_k).backward()
+    ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
+    aux = ranks[0]["aux"]
+    assert abs(aux["moe_aux_loss"] - per_layer.mean().item() / moe.top_k) < 1e-6
+    assert ref_norm > 0 and abs(aux["grad_norm"] - ref_norm) <= 1e-4 * ref_norm
