@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BENCHES = sorted(path.stem.removeprefix("bench_") for path in (REPO / "bench").glob("bench_*.py"))
 LANES = [["e2e", "async"], [name for name in BENCHES if name not in ("e2e", "async")]]
-NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async"}
+NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn"}
 NEEDS_BASE = {"e2e", "async"}
 
 
@@ -68,7 +68,7 @@ def smoke_runs(ray_cluster, tmp_path_factory):
 
 
 def test_every_benchmark_is_in_a_lane():
-    assert sorted(sum(LANES, [])) == BENCHES and len(BENCHES) == 6
+    assert sorted(sum(LANES, [])) == BENCHES and len(BENCHES) == 7
 
 
 @pytest.mark.parametrize("name", BENCHES)

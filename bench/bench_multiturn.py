@@ -1,0 +1,215 @@
+"""Multi-turn rollout throughput: orz's MultiTurnRollout (each sample advances on its own: the
+engine decodes the others while one waits for its tool) against a turn-synchronous loop on the
+same engine, prompts, tools and tool latencies, in one run.
+
+    .venv/bin/python bench/bench_multiturn.py [--prompts 32] [--turns 8] [--turn-tokens 32]
+
+The turn-synchronous loop is what a naive implementation does: every turn, generate the batch's
+next turn in one call, then run every sample's tool call at once (a thread each, as orz does) and
+wait for the slowest before the next turn. Tool latencies are heavy-tailed: Pareto with shape
+`--alpha` and minimum `--latency-min-s`, capped at `--latency-cap-s`, drawn per (sample, turn)
+from one seed, so both sides wait for exactly the same calls. The model is a random Llama without
+EOS (common.char_llama): every model turn is exactly `--turn-tokens` tokens on both sides, and
+only model tokens are counted. Both sides run the one engine (one OMP thread) in its Ray actor,
+never at the same time.
+
+The engine's idle fraction is 1 − (seconds inside vLLM's engine step, with requests) / wall: how
+long the engine had nothing to decode because every sample it held waited for a tool.
+
+Fields: bench, settings.smoke, settings.model.params, settings.latency.mean_s,
+multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac,
+synchronous.tokens, synchronous.seconds, synchronous.tokens_per_s, synchronous.engine_idle_frac,
+ratio_tokens_per_s, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args,
+    ray_session, set_threads,
+)
+
+import orz.rollout.fleet as fleet_module  # noqa: E402
+from orz.data.synthetic import arithmetic_rows  # noqa: E402
+from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
+from orz.rollout.multiturn import MultiTurnRollout, TurnLimits  # noqa: E402
+
+
+class TimedEngine(VLLMEngine):
+    """The fleet's engine, counting the seconds vLLM's step loop spends with requests to decode."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        engine, step = self.llm.llm_engine, self.llm.llm_engine.step
+        self.busy_s = 0.0
+
+        def timed_step(*a, **k):
+            start = time.perf_counter()
+            try:
+                return step(*a, **k)
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        engine.step = timed_step  # shadows the method on this instance only
+
+    def busy_seconds(self) -> float:
+        return self.busy_s
+
+
+def latency(seed: int, sample: int, turn: int, alpha: float, low: float, cap: float) -> float:
+    """Seconds of sample `sample`'s tool call after its turn `turn`: Pareto(alpha) from `low`, capped."""
+    u = random.Random(f"{seed}-{sample}-{turn}").random()
+    return min(low * (1 - u) ** (-1 / alpha), cap)
+
+
+class SlowTool:
+    """A tool whose every call sleeps for its drawn latency and answers one line; the sample ends
+    after `turns` calls. `row["sample"]` names the sample, so both sides draw the same latencies."""
+
+    settings: dict = {}
+
+    def reset(self, row: dict) -> None:
+        self.sample, self.calls = row["sample"], 0
+
+    def step(self, turn_text: str) -> dict:
+        s = self.settings
+        time.sleep(latency(s["seed"], self.sample, self.calls, s["alpha"], s["low"], s["cap"]))
+        self.calls += 1
+        return {"observation": "\n<output>42</output>\n", "reward": 0.0, "done": self.calls >= s["turns"]}
+
+
+def run_multiturn(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
+    limits = TurnLimits(max_turns=args.turns, max_new_tokens=args.turn_tokens, max_model_len=args.max_model_len,
+                        max_observation_tokens=32, env_timeout_s=3600.0)
+    rollout = MultiTurnRollout(fleet, tokenizer, {"slow": SlowTool}, limits, env_threads=len(prompts))
+    sampling = SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed)
+    busy = fleet.engines[0].busy_seconds.remote
+    import ray
+
+    before, start = ray.get(busy()), time.perf_counter()
+    groups = list(rollout.stream([(p, {"sample": i}, "slow") for i, p in enumerate(prompts)], sampling))
+    seconds = time.perf_counter() - start
+    tokens = sum(sum(c.loss_mask) for group in groups for c in group)
+    return {"tokens": tokens, "seconds": seconds, "busy_s": ray.get(busy()) - before}
+
+
+def run_synchronous(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
+    """Each turn: the batch's next turns in one generate call, then every tool call at once, then
+    the next turn only when the slowest has answered."""
+    import ray
+
+    tools = []
+    for i in range(len(prompts)):
+        tools.append(SlowTool())
+        tools[-1].reset({"sample": i})
+    contexts, tokens, live = [list(p) for p in prompts], 0, list(range(len(prompts)))
+    busy = fleet.engines[0].busy_seconds.remote
+    before, start = ray.get(busy()), time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        for turn in range(args.turns):
+            samples = fleet.generate([contexts[i] for i in live],
+                                     SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed + turn))
+            for i, sample in zip(live, samples):
+                contexts[i] += sample.response_ids
+                tokens += len(sample.response_ids)
+            answers = list(pool.map(lambda i: tools[i].step(""), live))  # the barrier: the slowest call
+            for i, answer in zip(live, answers):
+                contexts[i] += tokenizer.encode(answer["observation"], add_special_tokens=False)
+            live = [i for i, answer in zip(live, answers) if not answer["done"]]
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "busy_s": ray.get(busy()) - before}
+
+
+def main(args: argparse.Namespace) -> None:
+    threads = set_threads(args.threads)
+    limit_sizes = SMOKE_LIMITS if args.smoke else {}
+    limits_before = machine_limits(**limit_sizes)
+    rows = arithmetic_rows(args.prompts, seed=args.seed)
+    SlowTool.settings = {"seed": args.seed, "alpha": args.alpha, "low": args.latency_min_s, "cap": args.latency_cap_s,
+                         "turns": args.turns}
+    draws = [latency(args.seed, i, t, args.alpha, args.latency_min_s, args.latency_cap_s)
+             for i in range(args.prompts) for t in range(args.turns)]
+
+    with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
+        tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] + "<output>42</output>" for r in rows],
+                               hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=args.layers,
+                               num_heads=args.heads, num_kv_heads=args.heads, seed=args.seed)
+        params = param_count(model_dir)
+        prompts = [tokenizer.encode(r["prompt"] + " <think>", add_special_tokens=False) for r in rows]
+        args.max_model_len = max(map(len, prompts)) + args.turns * (args.turn_tokens + 32) + 8
+        fleet_module.VLLMEngine = TimedEngine  # the fleet starts this engine class in its actor
+        engine_args = {"max_model_len": args.max_model_len, "enable_chunked_prefill": False}
+        fleet = fleet_module.EngineFleet(model_dir, fleet_module.FleetConfig(
+            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, check="off"))
+        try:
+            fleet.generate(prompts[:4], SamplingConfig(max_new_tokens=8))  # warm-up
+            # Interleaved, so that a change in the shared machine's load hits both sides alike.
+            runs = {"multiturn": [], "synchronous": []}
+            for _ in range(args.repeats):
+                runs["synchronous"].append(run_synchronous(fleet, tokenizer, prompts, args))
+                runs["multiturn"].append(run_multiturn(fleet, tokenizer, prompts, args))
+        finally:
+            fleet.shutdown()
+    limits = best_limits(limits_before, machine_limits(**limit_sizes))
+
+    def side(repeats: list[dict]) -> dict:
+        tokens, seconds = sum(r["tokens"] for r in repeats), sum(r["seconds"] for r in repeats)
+        busy = sum(r["busy_s"] for r in repeats)
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "engine_idle_frac": max(0.0, 1 - busy / seconds),
+                "frac_matmul_limit": tokens / seconds * 2 * params / (limits["matmul_fp32_gflops"] * 1e9)}
+
+    multiturn, synchronous = side(runs["multiturn"]), side(runs["synchronous"])
+    emit({
+        "bench": "multiturn",
+        "settings": {
+            "smoke": args.smoke, "prompts": args.prompts, "turns": args.turns, "turn_tokens": args.turn_tokens,
+            "repeats": args.repeats,
+            "model": {"params": params, "hidden": args.hidden, "layers": args.layers, "dtype": "float32", "eos": None},
+            "latency": {"dist": "pareto", "alpha": args.alpha, "min_s": args.latency_min_s, "cap_s": args.latency_cap_s,
+                        "mean_s": float(np.mean(draws)), "p50_s": float(np.median(draws)),
+                        "p99_s": float(np.percentile(draws, 99)), "max_s": max(draws)},
+            "vllm": {"engines": 1, "omp_threads": 1, "engine_args": engine_args},
+        },
+        "multiturn": multiturn,
+        "synchronous": synchronous,
+        "ratio_tokens_per_s": multiturn["tokens_per_s"] / synchronous["tokens_per_s"],
+        "limits": limits,
+        "threads": threads,
+        "machine": machine(),
+    })
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--turns", type=int, default=8, help="model turns per sample (a tool call after each)")
+    p.add_argument("--turn-tokens", type=int, default=32, help="tokens of every model turn")
+    p.add_argument("--alpha", type=float, default=1.5, help="Pareto shape of the tool latency: its tail")
+    p.add_argument("--latency-min-s", type=float, default=0.1)
+    p.add_argument("--latency-cap-s", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    smoke = {"prompts": 4, "turns": 2, "turn_tokens": 8, "repeats": 1, "hidden": 64, "intermediate": 128, "layers": 1,
+             "heads": 2, "latency_min_s": 0.01, "latency_cap_s": 0.2}
+    return parse_args(p, smoke, argv)
+
+
+if __name__ == "__main__":
+    main(arguments())
