@@ -661,7 +661,8 @@ class RayPPOTrainer:
     # ---- evaluation --------------------------------------------------------------------------
     def _setup_eval(self):
         """The same Evaluator as `python -m orz.eval`: greedy (avg@1 at temperature 0) and, with
-        eval_n > 1, sampled avg@k / pass@k / maj@k at the stage's sampling settings and length."""
+        eval_n > 1, sampled avg@k / pass@k / maj@k at the stage's sampling settings and length;
+        multi-turn with the run's environments when it has any."""
         cfg = self.stage_cfg
         t, r = cfg.trainer, cfg.rollout
         for evaluator in self.evaluators.values():
@@ -675,7 +676,9 @@ class RayPPOTrainer:
         settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
         if t.eval_n > 1:
             settings["eval"] = EvalConfig(n=t.eval_n, temperature=r.temperature, top_p=r.top_p, **common)
-        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, cfg, progress=False)
+        # A run with environments is evaluated the way it trains: rows take their own environment, else rollout.env.
+        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, cfg, progress=False,
+                                             turns=self.multiturn, env=r.env)
                            for prefix, cfg in settings.items()} if benchmarks else {}
 
     def evaluate(self) -> dict:
