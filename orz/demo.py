@@ -1,6 +1,7 @@
 """The CPU demo: pre-train a tiny Llama on worked arithmetic, then improve it with GRPO.
 
     make demo            # = python -m orz.demo [key=value overrides of the RL config]
+    orz demo --task tools   # the same with a Python interpreter during generation (below)
 
 1. Data: seeded addition problems (1- and 2-digit operands) with column-by-column worked
    solutions; train and held-out problems never overlap. A character tokenizer over them.
@@ -15,6 +16,13 @@
    before and after.
 It ends by printing one JSON line (accuracy before/after, wall time) and leaves metrics,
 TensorBoard logs and curves.png in runs/demo/grpo.
+
+`--task tools` (runs/demo-tools): 2- and 3-digit multiplication, which the tiny model cannot do in
+its head. Its own base sees `tool_share` of solutions that compute the product with the python
+tool (`<code>print(a*b)</code>`, then the interpreter's output, which carries no loss) and the rest
+that state a product directly: a cold start, as ReTool's supervised stage. GRPO then runs
+multi-turn with the `python` environment (docs/multiturn.md); held-out greedy accuracy is measured
+with the tool before and after, and, after, without it (single turn, the same weights).
 """
 from __future__ import annotations
 
@@ -30,12 +38,13 @@ from pathlib import Path
 
 import torch
 
-from orz.config import ExperimentConfig, load_config
+from orz.config import ExperimentConfig, RolloutConfig, load_config
 from orz.data.synthetic import arithmetic_rows
-from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, ThinkAnswerTemplate
+from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, ThinkAnswerTemplate
 from orz.logs import output_to
 
 INSTRUCTION = "Compute."
+TASKS = ("arithmetic", "tools")
 
 
 @dataclass(frozen=True)
@@ -60,18 +69,52 @@ class BaseModelSpec:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _corpus(spec: BaseModelSpec) -> list[tuple[str, str]]:
-    """(prompt, solution) pairs; all but `tagged_share` of the solutions give the answer untagged."""
+@dataclass(frozen=True)
+class ToolBaseSpec(BaseModelSpec):
+    """The tools demo's base: products of 2- and 3-digit numbers; `tool_share` of its solutions call
+    the python tool, the others state the product."""
+
+    digits: tuple[int, int] = (2, 3)
+    ops: str = "*"
+    tagged_share: float = 1.0
+    tool_share: float = 0.3
+    steps: int = 400
+
+
+# A solution is segments of text, each (text, trained): the interpreter's output is read, not written.
+Segments = list[tuple[str, bool]]
+
+
+def _corpus(spec: BaseModelSpec) -> list[tuple[str, Segments]]:
+    """(prompt, segments) pairs; all but `tagged_share` of the solutions give the answer untagged."""
     template = ThinkAnswerTemplate(INSTRUCTION)
     rows = arithmetic_rows(spec.train_problems, seed=spec.seed, split="train", digits=spec.digits, ops=spec.ops)
     rng = random.Random(spec.seed)
     pairs = []
     for r in rows:
+        if isinstance(spec, ToolBaseSpec):
+            pairs.append((template.prompt(r["prompt"]), _tool_solution(r, rng.random() < spec.tool_share)))
+            continue
         solution = r["solution"]
         if rng.random() >= spec.tagged_share:
             solution = solution.replace(f"{ANSWER_OPEN}{r['answer']}{ANSWER_CLOSE}", r["answer"])
-        pairs.append((template.prompt(r["prompt"]), solution))
+        pairs.append((template.prompt(r["prompt"]), [(solution, True)]))
     return pairs
+
+
+def _tool_solution(row: dict, with_tool: bool) -> Segments:
+    """The product computed by the python tool, exactly as a multi-turn rollout lays it out (the
+    model's turn ends with its stop string, the output follows as the environment writes it), or
+    stated in one line."""
+    from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
+
+    a, _, b = row["prompt"].removeprefix("What is ").removesuffix("?").partition(" * ")
+    answer = f" {THINK_CLOSE} {ANSWER_OPEN}{row['answer']}{ANSWER_CLOSE}"
+    if not with_tool:
+        return [(f" {a}*{b}={row['answer']}{answer}", True)]
+    tools = RolloutConfig()
+    return [(f" {tools.tool_open}print({a}*{b}){tools.tool_close}", True),
+            (f"{OUTPUT_OPEN}{row['answer']}\n{OUTPUT_CLOSE}", False), (answer, True)]
 
 
 def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: str):
@@ -99,13 +142,20 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         batch = rng.sample(pairs, spec.batch_size)
-        prompts = [tokenizer(p)["input_ids"] for p, _ in batch]
-        full = [p + tokenizer(s)["input_ids"] + [eos] for p, (_, s) in zip(prompts, batch)]
+        # Each segment tokenised on its own, as a rollout appends turns and outputs; loss on the
+        # trained segments and the EOS.
+        full, trained = [], []
+        for prompt, segments in batch:
+            ids, mask = tokenizer(prompt)["input_ids"], []
+            mask += [0] * len(ids)
+            for text, train in segments:
+                piece = tokenizer(text)["input_ids"]
+                ids, mask = ids + piece, mask + [int(train)] * len(piece)
+            full.append(ids + [eos])
+            trained.append(mask + [1])
         width = max(map(len, full))
         ids = torch.tensor([f + [tokenizer.pad_token_id] * (width - len(f)) for f in full])
-        target_mask = torch.zeros(len(full), width - 1)
-        for i, (p, f) in enumerate(zip(prompts, full)):
-            target_mask[i, len(p) - 1 : len(f) - 1] = 1
+        target_mask = torch.tensor([m[1:] + [0] * (width - len(m)) for m in trained], dtype=torch.float32)
         n_tokens = target_mask.sum()
 
         def nll(logits, b):
@@ -135,7 +185,7 @@ def base_model(spec: BaseModelSpec, root: Path) -> Path:
     start = time.time()
     tmp = root / f".base-{spec.key()}.tmp"
     pairs = _corpus(spec)
-    tokenizer = char_tokenizer([p + s for p, s in pairs])
+    tokenizer = char_tokenizer([p + "".join(text for text, _ in segments) for p, segments in pairs])
     tokenizer.save_pretrained(tmp)
     make_tiny_hf(tmp, vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                  num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_heads,
@@ -166,20 +216,68 @@ def rl_config(base: Path, spec: BaseModelSpec, root: Path, overrides: list[str])
         # One thread each while the engine generates the next batch; every core for the rest of the update.
         f"actor.threads_alone={os.cpu_count() or 1}",
         "trainer.dump_samples_every=5",
+        *(TOOL_SETTINGS if isinstance(spec, ToolBaseSpec) else []),
     ])
     return load_config(None, overrides, base=cfg)
 
 
+# The tools demo's rollout: every sample may call the interpreter once, then answers (two turns of up
+# to 64 tokens: a call takes 27, a direct answer 45); the output is one line of digits.
+TOOL_SETTINGS = ["rollout.env=python", "rollout.max_turns=2", "rollout.max_new_tokens=64",
+                 "rollout.max_observation_tokens=32", "trainer.eval_n=1"]
+
+
+def accuracy_without_tool(cfg: ExperimentConfig) -> float:
+    """Held-out greedy accuracy of the run's exported weights in one turn, with no environment: the
+    training run's own greedy evaluation (eval_settings), single turn."""
+    import ray
+
+    from orz.data.datasets import RunData
+    from orz.data.templates import make_template
+    from orz.data.tokenizers import load_tokenizer
+    from orz.evaluation.benchmarks import benchmark_from_rows
+    from orz.evaluation.runner import Evaluator, eval_settings
+    from orz.ppo.run_rules import context_length
+    from orz.rollout.fleet import EngineFleet, FleetConfig
+
+    model = Path(cfg.trainer.output_dir) / "hf"
+    tokenizer = load_tokenizer(model)
+    heldout = [benchmark_from_rows(name, rows) for name, rows in RunData(cfg.trainer.seed).eval_sets(cfg.data).items()]
+    fleet = EngineFleet(str(model), FleetConfig.from_config(cfg.rollout, context_length(cfg, multi_turn=True)),
+                        seed=cfg.trainer.seed)
+    try:
+        with Evaluator(fleet, tokenizer, make_template(cfg.data.template, tokenizer, cfg.data.instruction), heldout,
+                       eval_settings(cfg, cfg.trainer.seed)["eval_greedy"], progress=False) as evaluator:
+            report = evaluator.run()
+    finally:
+        fleet.shutdown()
+        ray.shutdown()
+    return sum(figures["avg@1"] for figures in report.figures.values()) / len(report.figures)
+
+
 def main(argv: list[str]) -> dict:
+    """argv: [--task arithmetic|tools] and key=value overrides of the RL config."""
     from orz.ppo.trainer import main as train
 
     start = time.time()
-    root = Path("runs/demo")
+    task = "arithmetic"
+    if argv[:1] == ["--task"]:
+        if len(argv) < 2 or argv[1] not in TASKS:
+            sys.exit(f"orz demo: --task takes one of {', '.join(TASKS)}")
+        task, argv = argv[1], argv[2:]
+    tools = task == "tools"
+    root = Path("runs/demo-tools" if tools else "runs/demo")
     root.mkdir(parents=True, exist_ok=True)
-    spec = BaseModelSpec()
+    spec = ToolBaseSpec() if tools else BaseModelSpec()
     with output_to(root / "logs" / "pretrain.log", fds=(2,)):  # Megatron's and HF's notices; progress stays
         base = base_model(spec, root)
     cfg = rl_config(base, spec, root, argv)
+    if tools:  # a cluster of its own that outlives the run, for the evaluation without the tool
+        import ray
+
+        with output_to(root / "logs" / "ray.log"):
+            ray.init(address="local", num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
     result = train(cfg)
     before, after = result["first"], result["last"]
     summary = {
@@ -193,6 +291,11 @@ def main(argv: list[str]) -> dict:
         "outputs": str(cfg.trainer.output_dir),
         "plot": result["plot"],
     }
+    if tools:
+        summary |= {"task": "tools", "tool_calls_first": result["first"].get("rollout/tool_calls"),
+                    "tool_calls_last": result["last"].get("rollout/tool_calls"),
+                    "heldout_accuracy_after_without_tool": accuracy_without_tool(cfg),
+                    "wall_seconds": round(time.time() - start, 1)}
     print(json.dumps(summary))
     return summary
 

@@ -24,13 +24,15 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from orz.config import ExperimentConfig
+from orz.data.datasets import Row
 from orz.data.templates import ANSWER_CLOSE, ThinkAnswerTemplate, encode_prompt
 from orz.evaluation import metrics
-from orz.data.datasets import Row
 from orz.evaluation.benchmarks import Benchmark, cluster_math_answers
 from orz.reward.pool import KillablePool
 from orz.reward.router import RewardRouter, RouterConfig
 from orz.rollout.engine import Sample, SamplingConfig
+from orz.rollout.envs import env_names
 from orz.rollout.multiturn import Conversation, MultiTurnRollout
 
 
@@ -136,6 +138,21 @@ class EvalReport:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
+
+
+def eval_settings(cfg: ExperimentConfig, seed: int) -> dict[str, EvalConfig]:
+    """A training run's evaluations, by metric prefix: greedy (avg@1 at temperature 0) and, with
+    trainer.eval_n > 1, sampled avg@k / pass@k / maj@k at the rollout's sampling settings and
+    length; each verdict right or wrong (no format bonus, no weights)."""
+    r = cfg.rollout
+    verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass",
+                                                envs=env_names(r.envs)),
+                       weights={})
+    common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=seed, reward=verdicts)
+    settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
+    if cfg.trainer.eval_n > 1:
+        settings["eval"] = EvalConfig(n=cfg.trainer.eval_n, temperature=r.temperature, top_p=r.top_p, **common)
+    return settings
 
 
 def _never(a: str, b: str) -> bool:

@@ -45,7 +45,7 @@ from orz.data.sampler import PromptLoader
 from orz.data.templates import encode_prompt, make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
-from orz.evaluation.runner import EvalConfig, Evaluator
+from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
 from orz.logs import output_to, quiet_driver
 from orz.models.checkpoint import HFCheckpoint, atomic_dir
@@ -664,22 +664,14 @@ class RayPPOTrainer:
         eval_n > 1, sampled avg@k / pass@k / maj@k at the stage's sampling settings and length;
         multi-turn with the run's environments when it has any."""
         cfg = self.stage_cfg
-        t, r = cfg.trainer, cfg.rollout
         for evaluator in self.evaluators.values():
             evaluator.close()
         benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.data.eval_sets(cfg.data).items()]
-        verdicts = replace(RouterConfig.from_config(cfg.reward, format_reward=0.0, num_workers=1, scoring="all_pass",
-                                                    envs=env_names(r.envs)),
-                           weights={})
-        common = dict(max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or None, seed=self.run_cfg.trainer.seed,
-                      reward=verdicts)
-        settings = {"eval_greedy": EvalConfig(n=1, temperature=0.0, **common)}
-        if t.eval_n > 1:
-            settings["eval"] = EvalConfig(n=t.eval_n, temperature=r.temperature, top_p=r.top_p, **common)
         # A run with environments is evaluated the way it trains: rows take their own environment, else rollout.env.
-        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, cfg, progress=False,
-                                             turns=self.multiturn, env=r.env)
-                           for prefix, cfg in settings.items()} if benchmarks else {}
+        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, settings,
+                                             progress=False, turns=self.multiturn, env=cfg.rollout.env)
+                           for prefix, settings in eval_settings(cfg, self.run_cfg.trainer.seed).items()} \
+            if benchmarks else {}
 
     def evaluate(self) -> dict:
         metrics = {}
