@@ -78,7 +78,7 @@ class ToolBaseSpec(BaseModelSpec):
     ops: str = "*"
     tagged_share: float = 1.0
     tool_share: float = 0.3
-    steps: int = 400
+    steps: int = 700  # copying the interpreter's digits into the answer takes longer to learn than adding
 
 
 # A solution is segments of text, each (text, trained): the interpreter's output is read, not written.
@@ -105,15 +105,16 @@ def _corpus(spec: BaseModelSpec) -> list[tuple[str, Segments]]:
 def _tool_solution(row: dict, with_tool: bool) -> Segments:
     """The product computed by the python tool, exactly as a multi-turn rollout lays it out (the
     model's turn ends with its stop string, the output follows as the environment writes it), or
-    stated in one line."""
+    stated in one line. Both start alike, so that the base's greedy choice between them follows
+    their shares (70% state it) rather than which has the likelier next character."""
     from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
 
     a, _, b = row["prompt"].removeprefix("What is ").removesuffix("?").partition(" * ")
     answer = f" {THINK_CLOSE} {ANSWER_OPEN}{row['answer']}{ANSWER_CLOSE}"
     if not with_tool:
-        return [(f" {a}*{b}={row['answer']}{answer}", True)]
+        return [(f" The product is: {row['answer']}.{answer}", True)]
     tools = RolloutConfig()
-    return [(f" {tools.tool_open}print({a}*{b}){tools.tool_close}", True),
+    return [(f" The product is {tools.tool_open}print({a}*{b}){tools.tool_close}", True),
             (f"{OUTPUT_OPEN}{row['answer']}\n{OUTPUT_CLOSE}", False), (answer, True)]
 
 
@@ -292,8 +293,10 @@ def main(argv: list[str]) -> dict:
         "plot": result["plot"],
     }
     if tools:
-        summary |= {"task": "tools", "tool_calls_first": result["first"].get("rollout/tool_calls"),
-                    "tool_calls_last": result["last"].get("rollout/tool_calls"),
+        rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        calls = [row["rollout/tool_calls"] for row in rows if "rollout/tool_calls" in row]
+        summary |= {"task": "tools", "samples_per_iteration": cfg.trainer.prompts_per_iteration * cfg.rollout.n_samples,
+                    "tool_calls_first_iteration": calls[0], "tool_calls_last_iteration": calls[-1],
                     "heldout_accuracy_after_without_tool": accuracy_without_tool(cfg),
                     "wall_seconds": round(time.time() - start, 1)}
     print(json.dumps(summary))
