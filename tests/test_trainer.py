@@ -3,6 +3,7 @@ iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continue
 a run that loses an actor worker and resumes from its last checkpoint by itself."""
 import json
 import os
+import shutil
 import re
 import signal
 import subprocess
@@ -301,3 +302,20 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3  # (the MoE's routes happen to have no near-ties here)
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
+        _check_moe_resume(out, overrides, env, history)
+
+
+def _check_moe_resume(out, overrides, env, history):
+    """Each EP rank wrote its own experts: the same command, its last checkpoint removed, resumes
+    from iteration 1 and repeats iteration 2 exactly (fp32)."""
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "iter_000002")
+    (checkpoints / "latest").write_text("iter_000001")
+    assert sorted(p.name for p in (checkpoints / "iter_000001/actor").glob("mp_rank_*")) == [
+        "mp_rank_00_000_000", "mp_rank_00_000_001"]
+    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    again = _history(out)[-1]
+    for key in ("actor/grad_norm", "actor/moe_aux_loss", "reward/mean", "mismatch/logp_abs_diff_max"):
+        assert again[key] == history[2][key], key
