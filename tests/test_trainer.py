@@ -3,6 +3,7 @@ iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continue
 a run that loses an actor worker and resumes from its last checkpoint by itself."""
 import json
 import os
+import shutil
 import re
 import signal
 import subprocess
@@ -269,17 +270,23 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
     assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama31"])
-def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith_qwen3, arith_llama31, tiny_run,
-                                                                    tmp_path):
-    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads) and a tiny
-    llama3-scaled Llama: two iterations, each synced to the engine and checked against the digests
-    of what it holds, the engine's log-probs equal to the actor's. A reward that varies within the
-    groups (the share of digits in a response; no entropy bonus) makes GRPO's gradient non-zero."""
-    model = {"qwen3": arith_qwen3, "llama31": arith_llama31}[family]
+# The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on.
+MOE_ACTOR = ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe"])
+def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family, arith_qwen3, arith_llama31,
+                                                                         arith_qwen3_moe, tiny_run, tmp_path):
+    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads), a tiny
+    llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2): two iterations, each synced to
+    the engine and checked against the digests of what it holds, the engine's log-probs equal to
+    the actor's. A reward that varies within the groups (the share of digits in a response; no
+    entropy bonus) makes GRPO's gradient non-zero."""
+    model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe}[family]
     out = tmp_path / family
     overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.check=held", "algorithm.entropy_coef=0",
-                 "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}"]
+                 "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
+                 *(MOE_ACTOR if family == "qwen3_moe" else [])]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
     env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
@@ -292,4 +299,23 @@ def test_grpo_through_the_command_on_qwen3_and_a_scaled_rope_llama(family, arith
     # Iteration 2 sampled from the synced weights: the engine's log-probs are the actor's (RoPE
     # scaling, q/k norms and a tied LM head all applied alike on both sides).
     assert history[2]["rollout/sample_weight_version"] == 1
-    assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3
+    assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3  # (the MoE's routes happen to have no near-ties here)
+    if family == "qwen3_moe":
+        assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
+        _check_moe_resume(out, overrides, env, history)
+
+
+def _check_moe_resume(out, overrides, env, history):
+    """Each EP rank wrote its own experts: the same command, its last checkpoint removed, resumes
+    from iteration 1 and repeats iteration 2 exactly (fp32)."""
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "iter_000002")
+    (checkpoints / "latest").write_text("iter_000001")
+    assert sorted(p.name for p in (checkpoints / "iter_000001/actor").glob("mp_rank_*")) == [
+        "mp_rank_00_000_000", "mp_rank_00_000_001"]
+    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    again = _history(out)[-1]
+    for key in ("actor/grad_norm", "actor/moe_aux_loss", "reward/mean", "mismatch/logp_abs_diff_max"):
+        assert again[key] == history[2][key], key

@@ -123,9 +123,10 @@ def save_hf(
     return Path(out_dir)
 
 
-def rank_dir(tp_rank: int, pp_rank: int) -> str:
-    """The directory of one rank's shard inside a Megatron checkpoint."""
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """The directory of one rank's shard inside a Megatron checkpoint; with experts spread over
+    EP ranks (a trainer's checkpoint), each EP rank's shard holds its own experts (Megatron's naming)."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (f"_{ep_rank:03d}" if ep_rank is not None else "")
 
 
 def rank_file(layout: Layout) -> str:

@@ -37,6 +37,7 @@ from orz.models.convert import (
 )
 from orz.models.inputs import ModelInputs
 
+_PADDING = object()  # the result of a micro-batch that only pads (see ModelEngine._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
 
@@ -246,24 +247,53 @@ class ModelEngine:
         `loss_fn`, returns its metrics dicts (last stage) and, unless forward_only, accumulates
         gradients.
         """
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = model(batch.input_ids, batch.position_ids, None)
-            if collect is not None:
-                return output, lambda out, non_loss_data=False: collect(out, batch)
-            return output, partial(_loss_with_count, loss_fn, batch)
+        pairs = self._even_shapes(microbatches) if self.layout.ep > 1 else [(mb, mb) for mb in microbatches]
 
-        seq_length = microbatches[0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
-        return get_forward_backward_func()(
+        def forward_step(data_iterator, model):
+            padded, batch = next(data_iterator)
+            output = model(padded.input_ids, padded.position_ids, None)
+            if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only
+                return output, partial(_padding_only, collect is not None)
+            b, s = batch.input_ids.shape  # the last stage's (B, S, V/TP) cut back to this micro-batch
+            if collect is not None:
+                return output, lambda out, non_loss_data=False: collect(out[:b, :s], batch)
+            return output, lambda out: _loss_with_count(loss_fn, batch, out[:b, :s])
+
+        seq_length = pairs[0][0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
+        out = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
+            data_iterator=iter(pairs),
             model=[self.model],
-            num_microbatches=len(microbatches),
+            num_microbatches=len(pairs),
             seq_length=seq_length,
-            micro_batch_size=microbatches[0].input_ids.shape[0],
+            micro_batch_size=pairs[0][0].input_ids.shape[0],
             forward_only=forward_only,
             collect_non_loss_data=collect is not None,
         )
+        return [x for x in out if x is not _PADDING]
+
+    @staticmethod
+    def _even_shapes(microbatches: list[ModelInputs]) -> list[tuple[ModelInputs, ModelInputs | None]]:
+        """(padded, own) per micro-batch, padded to the largest (B, S) that any DP replica has at that
+        index, and as many as the replica with the most (own None beyond this one's). The experts'
+        all-gather dispatcher exchanges every micro-batch's tokens with ranks of other replicas at
+        equal sizes. Extra rows and right-padded columns change no real token's output (causal
+        attention; routing without capacity limits), only the load-balancing loss's statistics."""
+        group = ps.get_data_parallel_group()
+        count = torch.tensor([len(microbatches)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        shapes = torch.zeros(int(count), 2, dtype=torch.long)
+        for i, mb in enumerate(microbatches):
+            shapes[i] = torch.tensor(mb.input_ids.shape)
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+        pairs = []
+        for i, (rows, width) in enumerate(shapes.tolist()):
+            own = microbatches[i] if i < len(microbatches) else None
+            ids = torch.zeros(rows, width, dtype=torch.long)
+            if own is not None:
+                ids[: own.input_ids.shape[0], : own.input_ids.shape[1]] = own.input_ids
+            pairs.append((ModelInputs(ids), own))
+        return pairs
 
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole (unpadded) vocabulary, (B, S, V), gathered over TP, on the last
@@ -316,6 +346,12 @@ class ModelEngine:
         mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         return mean.item() / ps.get_data_parallel_world_size()
+
+
+def _padding_only(collecting: bool, output: torch.Tensor, non_loss_data: bool = False):
+    """A padding micro-batch's result: nothing to collect, or a zero loss whose backward still
+    joins the experts' collectives."""
+    return _PADDING if collecting else (0.0 * output.sum(), torch.tensor(1, dtype=torch.int), _PADDING)
 
 
 def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor):

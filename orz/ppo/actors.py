@@ -382,7 +382,19 @@ class MegatronWorker(FaultSite):
     # ---- checkpoints -------------------------------------------------------------------------
     def _shard_dir(self, root: str) -> Path:
         layout = self.engine.layout
-        return Path(root) / rank_dir(layout.tp_rank, layout.pp_rank)
+        return Path(root) / rank_dir(layout.tp_rank, layout.pp_rank, layout.ep_rank if layout.ep > 1 else None)
+
+    @property
+    def _writes_weights(self) -> bool:
+        """DP rank 0 holds every weight; with EP > 1 the experts are spread over DP replicas, and
+        each rank of the first expert-DP replica writes its own (and a copy of the dense ones)."""
+        if self.engine.layout.ep > 1:
+            return self.ps.get_expert_data_parallel_rank() == 0
+        return self._dp[0] == 0
+
+    def _layout_sizes(self) -> dict:
+        layout = self.engine.layout
+        return {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1], "ep": layout.ep, "etp": layout.etp}
 
     def save(self, root: str) -> None:
         """Model shard (safetensors, the orz Megatron layout), scheduler and RNG state, and the
@@ -395,16 +407,15 @@ class MegatronWorker(FaultSite):
         shard = self._shard_dir(root)
         names = {param: name for name, param in self.engine.model.named_parameters()}
         distributed = bool(distributed_optimizers(self.engine.optimizer))
-        if self.spec.train and (distributed or self._dp[0] == 0):
+        if self.spec.train and (distributed or self._writes_weights):
             shard.mkdir(parents=True, exist_ok=True)
             for i, optimizer in enumerate(optimizers(self.engine.optimizer)):
                 torch.save(shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
-        if self._dp[0] != 0:
+        if not self._writes_weights:
             return
         shard.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.engine.local_state().items()}, shard / "model.safetensors")
-        layout = self.engine.layout
-        state = {"rng": torch.get_rng_state(), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}}
+        state = {"rng": torch.get_rng_state(), "layout": self._layout_sizes()}
         if self.spec.train:  # the schedule's settings come from the stage's config (configure)
             state |= {"scheduler_steps": self.scheduler.num_steps, "distributed": distributed}
             if distributed:  # its param groups (the masters and moments are in the shards)
@@ -420,7 +431,7 @@ class MegatronWorker(FaultSite):
 
         root = Path(root)
         shard, layout = self._shard_dir(root), self.engine.layout
-        mine = {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1]}
+        mine = self._layout_sizes()
         # A rank of a new TP/PP may have no shard of its own: rank (0, 0) of the saved run has one.
         state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else root / rank_dir(0, 0) / "optim.pt"
         if not state_file.is_file():
@@ -436,6 +447,13 @@ class MegatronWorker(FaultSite):
             have, want = ("with", "without") if not distributed else ("without", "with")
             raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
                              f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
+        experts = (saved.get("ep", 1), saved.get("etp", 1)), (mine["ep"], mine["etp"])  # checkpoints before EP: 1
+        if self.engine.arch.moe is not None and ((saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"])
+                                                 or experts[0] != experts[1]):
+            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
+                             f"orz's checkpoint format re-shards a mixture of experts only across DP: resume at the "
+                             f"saved {self.spec.name}.tp, .pp, .ep and .etp (with trainer.export_hf=true the run "
+                             f"ends with its HF weights, from which a new run at any layout starts)")
         same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"])
         if not same_mp and self.spec.train and not by_name:
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
@@ -484,7 +502,8 @@ def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
 
 
 def _sizes(layout: dict) -> str:
-    return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}"
+    experts = f" EP{layout.get('ep', 1)} ETP{layout.get('etp', 1)}" if layout.get("ep", 1) * layout.get("etp", 1) > 1 else ""
+    return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}{experts}"
 
 
 @dataclass(frozen=True)

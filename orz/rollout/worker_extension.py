@@ -32,17 +32,37 @@ class WorkerExtension:
             self._orz_group = None
 
     def _orz_reload(self, named, with_digests: bool) -> dict[str, str]:
-        received = {}
+        received, expert_layers = {}, set()
 
         def tap():
             for name, tensor in named:
                 if with_digests:
                     received[name] = digest(tensor)
+                if ".mlp.experts." in name:
+                    expert_layers.add(name.split(".experts.")[0])  # e.g. model.layers.3.mlp
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=tap())
         self._orz_repack_tied_head()
+        self._orz_repack_experts(expert_layers)
         return received
+
+    def _orz_repack_experts(self, layers: set[str]) -> None:
+        """vLLM (0.32.0) re-runs a fused MoE layer's processing on reload but skips its experts'
+        own step once the kernel exists (`UnquantizedFusedMoEMethod._setup_kernel`): on CPU that
+        step prepacks w13/w2 into the grouped-GEMM layout, so the reloaded raw weights would be
+        read as packed ones (log-probs off by ~1 while every digest matches). Runs it here for the
+        layers this sync carried, after noting the digests of what they hold in HF layout (the
+        packed layout cannot be read back); a no-op step on GPU backends (untested here)."""
+        model = self.model_runner.get_model()
+        if not hasattr(self, "_orz_expert_digests"):
+            self._orz_expert_digests = {}
+        for module_name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is None or module_name.split(".experts")[0] not in layers:
+                continue
+            self._orz_expert_digests.update((name, digest(t)) for name, t in _unfused_experts(module_name, module))
+            kernel.fused_experts.process_weights_after_loading(module)
 
     def _orz_repack_tied_head(self) -> None:
         """A tied LM head (Qwen2.5 up to 3B, Qwen3 up to 4B) shares the embedding's weight but is
@@ -64,7 +84,8 @@ class WorkerExtension:
         return self._orz_reload(receive_object_store(refs), with_digests)
 
     def orz_held_weights(self) -> dict[str, torch.Tensor]:
-        """What this worker's model holds, un-fused back to HF names (TP=1 engines).
+        """What this worker's model holds, un-fused back to HF names (TP=1 engines without
+        expert parallelism: experts are numbered from 0 on each worker).
 
         vLLM's CPU backend repacks linear weights for oneDNN and leaves the parameter empty;
         those are read back exactly by passing an identity through the layer's own GEMM (Wᵀ).
@@ -77,11 +98,15 @@ class WorkerExtension:
             module = model.get_submodule(module_name)
             tensor = param.data
             if tensor.numel() == 0 and kind == "weight":
-                eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)
+                # a replicated layer (the MoE router's gate) is not split: its input size is whole
+                width = getattr(module, "input_size_per_partition", module.input_size)
+                eye = torch.eye(width, dtype=module.params_dtype)
                 tensor = module.quant_method.apply(module, eye).t()
             if "embed_tokens" in name or "lm_head" in name:
                 tensor = tensor[:vocab]  # vLLM pads the vocabulary
             parent, _, proj = module_name.rpartition(".")
+            if kind in ("w13_weight", "w2_weight"):
+                continue  # a fused MoE's experts, packed: see orz_held_digests
             if proj in _FUSED:
                 sizes = [s // self.model_runner.parallel_config.tensor_parallel_size for s in module.output_sizes]
                 for part, piece in zip(_FUSED[proj], tensor.split(sizes, dim=0)):
@@ -91,4 +116,24 @@ class WorkerExtension:
         return held
 
     def orz_held_digests(self) -> dict[str, str]:
-        return {name: digest(t) for name, t in self.orz_held_weights().items()}
+        """Digests of orz_held_weights, and of the fused experts as they were before packing: as
+        loaded at start-up (read now, still unpacked only if never synced) or by the last sync."""
+        held = {name: digest(t) for name, t in self.orz_held_weights().items()}
+        for module_name, module in self.model_runner.get_model().named_modules():
+            if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None:
+                names = [name for name, _ in _unfused_experts(module_name, module, read=False)]
+                held.update((name, getattr(self, "_orz_expert_digests", {}).get(name, "packed at start-up"))
+                            for name in names)
+        return held
+
+
+def _unfused_experts(module_name: str, module, read: bool = True):
+    """(HF name, tensor) of a fused MoE layer's experts: w13 (E, 2I, H) holds [gate; up] of each
+    expert, w2 (E, H, I) its down; `read=False` gives the names with None."""
+    parent = module_name.rsplit(".", 1)[0]  # model.layers.i.mlp.experts
+    for kind, parts in (("w13_weight", ("gate_proj", "up_proj")), ("w2_weight", ("down_proj",))):
+        weight = getattr(module, kind)
+        for e in range(weight.shape[0]):
+            pieces = weight[e].chunk(len(parts), dim=0) if read else [None] * len(parts)
+            for part, piece in zip(parts, pieces):
+                yield f"{parent}.{e}.{part}.weight", piece
