@@ -4,6 +4,8 @@ that names the key, before any worker starts; a data file that cannot be read li
     .venv/bin/python -m pytest -q tests/test_run_rules.py
 """
 import dataclasses
+import json
+import re
 import subprocess
 import sys
 import typing
@@ -244,3 +246,33 @@ def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(famil
         run_rules.check(load_config(None, overrides), arch_from_dict(config), on_gpu=False)
     run_rules.check(load_config(None, ["actor.ep=2", "actor.dp=2", "critic.ep=4", "critic.dp=4"]),
                     arch_from_dict(MOE_ARCH), on_gpu=False)
+
+
+def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_path):
+    """orz's checkpoints re-shard experts across DP only: resuming a MoE at another EP (or TP, PP,
+    ETP) is refused by `main` before Ray or any worker starts, naming the keys and the way out."""
+    import ray
+    from safetensors.torch import save_file
+
+    from orz.config import to_dict
+    from orz.ppo.trainer import main
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MOE_ARCH))
+    save_file({}, str(model / "model.safetensors"))  # the check reads the architecture only
+    out = tmp_path / "run"
+    saved = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo", "actor.ep=2", "actor.dp=2",
+                               f"trainer.output_dir={out}"])
+    ckpt = out / "checkpoints" / "iter_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": to_dict(saved)}, default=str))
+    (out / "checkpoints" / "latest").write_text(ckpt.name)
+    resumed = load_config(None, ["actor.ep=1"], base=saved)
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=1 (saved 2): orz's checkpoints re-shard a "
+                                                    "mixture of experts across DP only")):
+        main(resumed)
+    assert not ray.is_initialized()  # refused before Ray started
+    from orz.models.arch import arch_from_dict
+
+    assert run_rules.resume_problems(saved, to_dict(saved), arch_from_dict(MOE_ARCH)) == []  # the saved sizes resume

@@ -217,6 +217,26 @@ def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
+    """What a checkpoint (its run's config, `saved`) cannot resume into: orz's format re-shards a
+    mixture of experts across DP only, so each trained role of a MoE resumes at its saved TP, PP,
+    EP and ETP (a dense model's checkpoint re-shards at any TP/PP/DP, in the workers)."""
+    if arch is None or arch.moe is None:
+        return []
+    problems = []
+    for name in ("actor", "critic"):
+        if name not in roles(cfg) or name not in saved:
+            continue
+        role = getattr(cfg, name)
+        changed = [f"{name}.{key}={getattr(role, key)} (saved {saved[name].get(key, 1)})"
+                   for key in ("tp", "pp", "ep", "etp") if getattr(role, key) != saved[name].get(key, 1)]
+        if changed:
+            problems.append(f"{', '.join(changed)}: orz's checkpoints re-shard a mixture of experts across DP only; "
+                            f"resume at the saved sizes, or start a new run from the HF weights (trainer.export_hf "
+                            f"writes them at a run's end; `orz convert mcore2hf` makes them from a checkpoint)")
+    return problems
+
+
 def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
     """The engine/trainer corrections: known levels, bands around 1, and nothing that cannot act."""
     a, problems = cfg.algorithm, []

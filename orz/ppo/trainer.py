@@ -791,7 +791,14 @@ def main(cfg: ExperimentConfig) -> dict:
                 Fault.parse(cfg.trainer.fault)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-            run_rules.check(cfg, HFCheckpoint(cfg.model.path).arch)  # before Ray or any worker starts
+            arch = HFCheckpoint(cfg.model.path).arch
+            run_rules.check(cfg, arch)  # before Ray or any worker starts
+            resume_from = latest_checkpoint(cfg)
+            if resume_from is not None:
+                saved = json.loads((resume_from / "trainer_state.json").read_text())["config"]
+                problems = run_rules.resume_problems(cfg, saved, arch)
+                if problems:
+                    raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
             data = check_data(cfg)
             t = cfg.trainer
             log_dir = Path(t.output_dir) / "logs"
