@@ -84,7 +84,7 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
 
 
 def _verify_rank(rank, world, hf_dir, tp, pp, ep, etp, tokens):
-    from orz.models.engine import ModelEngine
+    from orz.models.megatron_engine import ModelEngine
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp, ep=ep, etp=etp)

@@ -124,7 +124,7 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
 
     from orz.data.tokenizers import load_tokenizer
     from orz.models.checkpoint import HFCheckpoint, save_hf
-    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 

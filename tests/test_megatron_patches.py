@@ -20,7 +20,7 @@ def _train_step(rank, world, skip, path):
     """Build, load, one forward/backward and Adam step: every patched code path."""
     megatron_patches.apply(skip=skip)
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=1, pp=world)

@@ -46,7 +46,7 @@ def checkpoints(tmp_path_factory):
 
 def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, ModelInputs
+    from orz.models.megatron_engine import ModelEngine, ModelInputs
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp)
@@ -57,7 +57,7 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
         engine.load_hf(ckpt)
         logits = engine.full_logits(tokens)
         exported = dict(engine.hf_tensors())
-        critic = ModelEngine(ckpt.arch, critic=True)
+        critic = ModelEngine(ckpt.arch, value_head=True)
         critic.load_hf(ckpt)
         values = critic.run([ModelInputs(tokens)], collect=lambda o, b: o)
         result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None,
@@ -92,7 +92,7 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
 
 def _train_one_step(rank, world, tp, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
     from megatron.core import parallel_state as ps

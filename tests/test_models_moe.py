@@ -45,7 +45,7 @@ def test_arch_reads_the_expert_fields(checkpoints):
 
 def _forward_and_export(rank, world, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine
+    from orz.models.megatron_engine import ModelEngine
     from orz.models.parallel import init_model_parallel
 
     result = {}
@@ -93,7 +93,7 @@ def _train_steps(rank, world, tokens, path):
     from megatron.core import parallel_state as ps
 
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 

@@ -42,7 +42,7 @@ def _rollouts():
 def _scores(rank, world, path, tp, pp=1):
     prompts, responses = _rollouts()
     exp = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
-    spec = RoleSpec(name="reward_model", model_path=path, cfg=RoleConfig(tp=tp, pp=pp, micro_batch_size=4), critic=True,
+    spec = RoleSpec(name="reward_model", model_path=path, cfg=RoleConfig(tp=tp, pp=pp, micro_batch_size=4), value_head=True,
                     train=False)
     import os
 

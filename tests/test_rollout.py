@@ -172,7 +172,7 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
     from megatron.core import parallel_state as ps
 
-    from orz.models.engine import ModelEngine, ModelInputs
+    from orz.models.megatron_engine import ModelEngine, ModelInputs
     from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
@@ -300,7 +300,7 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
 def _actor_hf_tensors(rank, world, tp, path, ep=1):
     """The HF tensors a Megatron actor at TP=`tp` (EP=`ep`) streams to the engines (gathered over TP
     and EP)."""
-    from orz.models.engine import ModelEngine
+    from orz.models.megatron_engine import ModelEngine
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=tp, ep=ep)

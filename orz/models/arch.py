@@ -16,7 +16,7 @@ class ModelConfigError(ValueError):
 
 # HF `architectures` entry -> family; the families share one layer layout (see ModelArch).
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            # reward models: the same trunk, a scalar `score` head (read by critic-like roles)
+            # reward models: the same trunk, a scalar `score` head (read by value-head roles)
             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
             "Qwen3ForSequenceClassification": "qwen3",
             "Qwen3MoeForCausalLM": "qwen3_moe"}  # Qwen3's attention, a routed-expert MLP

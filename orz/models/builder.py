@@ -1,9 +1,9 @@
-"""Megatron-core models from a ModelArch: the actor (a GPTModel) and the critic (same trunk,
+"""Megatron-core models from a ModelArch: the actor (a GPTModel) and a value model (same trunk,
 scalar value head), following Megatron's config + layer spec -> module pattern.
 
     cfg = transformer_config(arch, tp=2, pp=1)
     actor = build_actor(arch, cfg)            # on each rank, after init_model_parallel
-    critic = build_critic(arch, cfg)
+    value_model = build_value_model(arch, cfg)
 """
 import importlib.util
 
@@ -184,12 +184,12 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden_states), None  # (S, B, 1)
 
 
-def build_critic(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
+def build_value_model(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
     """The actor's trunk with its LM head replaced by a ValueHead: forward gives (B, S, 1).
 
     The head is never tied to the embeddings, whatever the checkpoint says.
     """
-    critic = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=False)
-    if critic.post_process:
-        critic.output_layer = ValueHead(arch.hidden_size, cfg.params_dtype)
-    return critic
+    model = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=False)
+    if model.post_process:
+        model.output_layer = ValueHead(arch.hidden_size, cfg.params_dtype)
+    return model

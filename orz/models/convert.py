@@ -57,7 +57,7 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 HF_EMBEDDING, HF_NORM, HF_LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 HF_SCORE = "score.weight"  # a sequence-classification (reward) model's head
-VALUE_HEAD = "output_layer.linear"  # the critic's ValueHead in Megatron's names
+VALUE_HEAD = "output_layer.linear"  # a value model's ValueHead in Megatron's names
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Layout:
     pp_rank: int = 0
     padded_vocab: int | None = None  # None: the real vocabulary (TP must divide it)
     te: bool = False  # Transformer Engine layer names
-    critic: bool = False  # no LM head: the value head is not an HF tensor
+    value_head: bool = False  # no LM head: the value head is not an HF tensor
     ep: int = 1  # expert parallel: experts spread over ep ranks
     etp: int = 1  # expert tensor parallel: each expert's SwiGLU split over etp ranks
     ep_rank: int = 0
@@ -130,7 +130,7 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
         # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding
         # as the LM head (Megatron keeps the two equal by all-reducing their gradients).
         tied_here = arch.tie_word_embeddings and layout.first_stage
-        if not layout.critic and not tied_here:
+        if not layout.value_head and not tied_here:
             rules.append(
                 ParamRule(OUTPUT, (HF_EMBEDDING if arch.tie_word_embeddings else HF_LM_HEAD,), "vocab")
             )
@@ -270,7 +270,7 @@ def reshard(
 
     Works for any per-parameter quantity (weights, fp32 masters, Adam moments): the maps are
     slicing and concatenation only. Padded vocabulary rows are dropped and come back as zeros. A
-    critic's value head (replicated, on the last stage) is copied from the saved last stage.
+    value head (replicated, on the last stage) is copied from the saved last stage.
     """
     source = {}  # HF name -> (saved stage, rule)
     for pp_rank in range(saved.pp):
@@ -288,7 +288,7 @@ def reshard(
         return done[key].pop(name)
 
     state = hf_to_megatron(get_hf, arch, layout)
-    if layout.critic and layout.last_stage:
+    if layout.value_head and layout.last_stage:
         state |= {f"{VALUE_HEAD}.{p}": read(0, saved.pp - 1, f"{VALUE_HEAD}.{p}") for p in ("weight", "bias")}
     return state
 

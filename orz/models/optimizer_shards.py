@@ -150,7 +150,7 @@ def load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: 
 
 def saved_layout(root: Path, tp: int, pp: int, layout: Layout) -> Layout:
     """The layout a checkpoint's shards were written at (its padded vocabulary read from the
-    saved embedding); TE naming and the critic flag are this run's."""
+    saved embedding); TE naming and the value-head flag are this run's."""
     with safe_open(root / rank_dir(0, 0) / "model.safetensors", "pt") as f:
         padded = f.get_slice(EMBEDDING).get_shape()[0] * tp
     return replace(layout, tp=tp, pp=pp, tp_rank=0, pp_rank=0, padded_vocab=padded)

@@ -45,7 +45,7 @@ class RoleSpec:
     name: str  # "actor" | "critic" | "ref" | "reward_model"
     model_path: str  # HF directory the weights start from
     cfg: RoleConfig
-    critic: bool = False  # value head instead of the LM head
+    value_head: bool = False  # a value head (critic, reward model) instead of the LM head
     train: bool = True  # False: forward only (reference), no optimizer
     dtype: str = "auto"
     recompute: bool = False
@@ -134,7 +134,7 @@ class MegatronWorker(FaultSite):
         from megatron.core import parallel_state as ps
 
         from orz.models.checkpoint import HFCheckpoint
-        from orz.models.engine import ModelEngine, OptimConfig
+        from orz.models.megatron_engine import ModelEngine, OptimConfig
         from orz.models.parallel import init_model_parallel
 
         cfg = self.spec.cfg
@@ -147,7 +147,7 @@ class MegatronWorker(FaultSite):
                                 adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
-        self.engine = ModelEngine(ckpt.arch, self.spec.critic, optim, dtype, self.spec.recompute,
+        self.engine = ModelEngine(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
                                   self.spec.vocab_divisible_by, self.spec.deterministic,
                                   self.spec.moe_aux_loss_coef if self.spec.train else 0.0)
         self.engine.load_hf(ckpt)

@@ -200,8 +200,8 @@ class RayPPOTrainer:
                                       + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         rm = cfg.reward.model
         role_args = {"actor": {}, "ref": {"train": False},
-                     "critic": {"critic": True, "model_path": cfg.model.critic_path or cfg.model.path},
-                     "reward_model": {"critic": True, "train": False, "model_path": rm.path}}
+                     "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
+                     "reward_model": {"value_head": True, "train": False, "model_path": rm.path}}
         longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))
                       for _, staged in stage_configs(cfg))
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,

@@ -31,7 +31,7 @@ def world():
 
 def _engine(path, optim=True):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.engine import ModelEngine, OptimConfig
+    from orz.models.megatron_engine import ModelEngine, OptimConfig
 
     ckpt = HFCheckpoint(path)
     engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-5) if optim else None, dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from orz.models.arch import ModelArch, ModelConfigError
-from orz.models.builder import build_actor, build_critic, transformer_config, use_transformer_engine
+from orz.models.builder import build_actor, build_value_model, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
 from orz.models.convert import (
     HF_SCORE,
@@ -54,7 +54,7 @@ class OptimConfig:
     use_distributed_optimizer: bool = False  # ZeRO-1: fp32 masters and Adam moments sharded over DP
 
 
-def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
+def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int) -> Layout:
     return Layout(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
@@ -62,7 +62,7 @@ def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         padded_vocab=padded_vocab,
         te=use_transformer_engine(),
-        critic=critic,
+        value_head=value_head,
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
@@ -71,12 +71,12 @@ def rank_layout(arch: ModelArch, critic: bool, padded_vocab: int) -> Layout:
 
 
 class ModelEngine:
-    """One rank's stage of an actor or critic, wrapped in Megatron DDP, with its optimizer."""
+    """One rank's stage of a model (an LM head, or a value head), wrapped in Megatron DDP, with its optimizer."""
 
     def __init__(
         self,
         arch: ModelArch,
-        critic: bool = False,
+        value_head: bool = False,
         optim: OptimConfig | None = None,
         dtype: torch.dtype | None = None,
         recompute: bool = False,
@@ -94,10 +94,10 @@ class ModelEngine:
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
         # stages exchange each activation's shape before sending it (cheap: 3 integers).
         self.config.variable_seq_lengths = pp > 1
-        build = build_critic if critic else build_actor
+        build = build_value_model if value_head else build_actor
         module = build(arch, self.config, make_vocab_size_divisible_by)
         self.padded_vocab = arch.padded_vocab_size(tp, make_vocab_size_divisible_by)
-        self.layout = rank_layout(arch, critic, self.padded_vocab)
+        self.layout = rank_layout(arch, value_head, self.padded_vocab)
         self.module = module
         self.optimizer = None
         if optim is not None:
@@ -136,7 +136,7 @@ class ModelEngine:
     def load_hf(self, ckpt: HFCheckpoint) -> None:
         """Copies this rank's shard of an HF checkpoint into the model. A value head takes a
         sequence-classification checkpoint's scalar `score` head (a reward model; OpenRLHF also
-        starts critics from one), and keeps its zero initialisation otherwise."""
+        starts value models from one), and keeps its zero initialisation otherwise."""
         expected = hf_to_megatron(ckpt.get, self.arch, self.layout)
         own = self.local_state()
         trainable = {r.megatron for r in param_rules(self.arch, self.layout)}
@@ -151,7 +151,7 @@ class ModelEngine:
                         f"model expects {tuple(own[name].shape)}"
                     )
                 own[name].copy_(tensor)
-            if self.layout.critic and self.layout.last_stage and HF_SCORE in ckpt.keys():
+            if self.layout.value_head and self.layout.last_stage and HF_SCORE in ckpt.keys():
                 score = ckpt.get(HF_SCORE)
                 if tuple(score.shape) != (1, self.arch.hidden_size):
                     raise ModelConfigError(f"{ckpt.dir}: {HF_SCORE} has shape {tuple(score.shape)}; a reward "
