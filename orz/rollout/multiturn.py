@@ -18,7 +18,7 @@ far, so the trainer sees exactly the tokens that were sampled (re-tokenising the
 merge tokens across a turn boundary).
 
 No barrier across the batch: every engine runs one `serve` session that takes each sample's next
-turn as soon as its environment has answered (environments run in a thread pool, bounded by
+turn as soon as its environment has answered (environments run in daemon threads, bounded by
 env_timeout_s), while it keeps decoding the others. An engine that dies is restarted (re-synced
 by the fleet) and the turns it held are asked again of the new one; the conversations so far
 are kept by this driver.
@@ -29,7 +29,6 @@ import itertools
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -144,7 +143,11 @@ class _Run:
         self.r, self.sampling, self.min_version = rollout, sampling, min_version
         self.n, self.session = sampling.n, next(_sessions)
         self.events: queue.Queue = queue.Queue()
-        self.pool = ThreadPoolExecutor(rollout.env_threads, thread_name_prefix="orz-env")
+        # Environment calls run in daemon threads: one that never returns cannot keep the process
+        # alive (a ThreadPoolExecutor's threads are joined at exit).
+        self.calls: queue.Queue = queue.Queue()
+        for i in range(rollout.env_threads):
+            threading.Thread(target=self._env_worker, name=f"orz-env-{i}", daemon=True).start()
         self.engines = len(rollout.fleet.engines)
         self.conversations: dict[int, Conversation] = {}
         self.rows: dict[int, dict] = {}
@@ -257,10 +260,18 @@ class _Run:
             self._call_env(key, "step", sample["text"])
 
     # ---- environments ------------------------------------------------------------------------
+    def _env_worker(self) -> None:
+        """Runs environment calls until close(); each answer, or the exception raised, becomes an event."""
+        while (call := self.calls.get()) is not None:
+            method, key, function = call
+            try:
+                answer = function()
+            except Exception as err:  # noqa: BLE001 - a user's environment: the loop scores the sample 0
+                answer = err
+            self.events.put((method, key, answer))
+
     def _call_env(self, key: int, method: str, argument) -> None:
-        """env.reset(row) or env.step(turn text) in the pool; its answer comes back as an event."""
-        if method == "reset":
-            self.instances[key] = None
+        """env.reset(row) or env.step(turn text) in a worker thread; its answer comes back as an event."""
         self.deadlines[key] = time.monotonic() + self.r.limits.env_timeout_s
 
         def call():
@@ -268,28 +279,28 @@ class _Run:
             try:
                 if method == "reset":
                     self.instances[key] = self.r.envs[self.conversations[key].env]()
-                result = getattr(self.instances[key], method)(argument)
-                return result, time.perf_counter() - start
+                return getattr(self.instances[key], method)(argument)
             finally:
                 self.conversations[key].env_seconds += time.perf_counter() - start
 
-        future: Future = self.pool.submit(call)
-        future.add_done_callback(lambda done: self.events.put((method, key, done)))
+        self.calls.put((method, key, call))
 
-    def _env_answered(self, method: str, key: int, done: Future) -> None:
+    def _env_answered(self, method: str, key: int, answer) -> None:
         if key not in self.deadlines:  # timed out before it answered: ended already
             return
         del self.deadlines[key]
         c = self.conversations[key]
-        try:
-            result = done.result()[0]
-            step = as_step_result(result) if method == "step" else None
-        except Exception as err:  # noqa: BLE001 - a user's environment: the sample scores 0, the run goes on
-            c.env_error = f"{method}: {type(err).__name__}: {err}"[:300]
+        if method == "step" and not isinstance(answer, Exception):
+            try:
+                answer = as_step_result(answer)
+            except TypeError as err:
+                answer = err
+        if isinstance(answer, Exception):  # a user's environment: the sample scores 0, the run goes on
+            c.env_error = f"{method}: {type(answer).__name__}: {answer}"[:300]
             return self._end(key, c.finish_reason or "stop")
-        if step is None:
+        if method == "reset":
             return self._ask_model(key)
-        self._after_step(key, step)
+        self._after_step(key, answer)
 
     def _after_step(self, key: int, step: StepResult) -> None:
         c, limits = self.conversations[key], self.r.limits
@@ -333,7 +344,8 @@ class _Run:
     def close(self) -> None:
         for engine in self.r.fleet.engines:
             engine.submit.remote(self.session, None)
-        self.pool.shutdown(wait=False, cancel_futures=True)  # a hung environment's thread is left to end
+        for _ in range(self.r.env_threads):
+            self.calls.put(None)  # a hung environment's thread is left to end (a daemon)
 
 
 def env_scores(conversations: list[Conversation], verifier_scores: torch.Tensor, weights: dict[str, float]) -> torch.Tensor:
