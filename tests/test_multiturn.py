@@ -3,7 +3,6 @@ tokens out of the actor's loss, refusals before start, and one tiny `orz train` 
 and a user environment by import path, side by side) whose dumps are checked token by token."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
