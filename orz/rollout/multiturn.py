@@ -19,13 +19,14 @@ merge tokens across a turn boundary).
 
 No barrier across the batch: every engine runs one `serve` session that takes each sample's next
 turn as soon as its environment has answered (environments run in daemon threads, bounded by
-env_timeout_s), while it keeps decoding the others. An engine that dies is restarted (re-synced
-by the fleet) and the turns it held are asked again of the new one; the conversations so far
-are kept by this driver.
+env_timeout_s), while it keeps decoding the others. An engine that dies, or holds turns and sends
+nothing for rollout.request_timeout_s, is restarted (re-synced by the fleet) and the turns it held
+are asked again of the new one; the conversations so far are kept by this driver.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -44,6 +45,7 @@ from orz.rollout.fleet import EngineFleet
 MODEL, ENV = "model", "env"  # a turn's origin
 _TURN_SEED_STRIDE = 2**20  # turn t of a sample samples from seed + t·2^20 (turn 0: the single-turn seed)
 _sessions = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,7 +154,8 @@ class _Run:
         self.conversations: dict[int, Conversation] = {}
         self.rows: dict[int, dict] = {}
         self.instances: dict[int, Environment] = {}
-        self.asked: dict[int, tuple] = {}  # key -> the request of its turn in flight at an engine
+        self.asked: set[int] = set()  # conversations whose turn is in flight at an engine
+        self.heard = [time.monotonic()] * self.engines  # when each engine last sent a turn (or was given work)
         self.deadlines: dict[int, float] = {}  # key -> when its environment call times out
         self.epochs = [0] * self.engines  # a restarted engine's stream starts a new epoch
         self.restarts = 0
@@ -181,12 +184,16 @@ class _Run:
             if not any(self.left.values()):
                 return
             self._time_out_envs()
+            if self.events.empty():  # what has arrived first: an engine's turns may be waiting in the queue
+                self._watch_engines()
             try:
                 kind, who, value = self.events.get(timeout=self._wait_s())
             except queue.Empty:
                 continue
             if kind == "turn":
                 engine, epoch = who
+                if epoch == self.epochs[engine]:
+                    self.heard[engine] = time.monotonic()
                 if epoch == self.epochs[engine] and value["index"] in self.asked:
                     self._model_turn(value)
             elif kind == "failed":
@@ -195,12 +202,16 @@ class _Run:
                 self._env_answered(kind, who, value)
 
     def _wait_s(self) -> float | None:
-        return max(0.0, min(self.deadlines.values()) - time.monotonic()) if self.deadlines else None
+        """Until the next environment deadline or the next engine that may be declared hung."""
+        timeout = self.r.fleet.cfg.request_timeout_s
+        deadlines = [*self.deadlines.values(), *(self.heard[e] + timeout for e in self._busy_engines())]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     # ---- engines -----------------------------------------------------------------------------
     def _open(self, engine_id: int) -> None:
         """Starts engine `engine_id`'s serve session and a thread that forwards what it yields."""
         engine, epoch = self.r.fleet.engines[engine_id], self.epochs[engine_id]
+        self.heard[engine_id] = time.monotonic()
         stream = engine.serve.options(num_returns="streaming").remote(self.session, asdict(self.sampling),
                                                                      self.min_version)
 
@@ -223,9 +234,14 @@ class _Run:
         turn = c.model_turns
         stop = [*self.sampling.stop, *self.r.stops.get(c.env, [])]
         request = (key, context, self.sampling.seed + key + turn * _TURN_SEED_STRIDE, max_tokens, stop)
-        self.asked[key] = request
-        engine = self.r.fleet.engines[c.index % self.engines]  # a prompt's samples share an engine's prefix cache
-        engine.submit.remote(self.session, [request])
+        engine_id = c.index % self.engines  # a prompt's samples share an engine (and its prefix cache)
+        if engine_id not in self._busy_engines():
+            self.heard[engine_id] = time.monotonic()  # idle until now: its clock starts with this turn
+        self.asked.add(key)
+        self.r.fleet.engines[engine_id].submit.remote(self.session, [request])
+
+    def _busy_engines(self) -> set[int]:
+        return {self.conversations[key].index % self.engines for key in self.asked}
 
     def _engine_failed(self, engine_id: int, epoch: int, err: Exception) -> None:
         """A dead engine is restarted and re-synced (EngineFleet.restart) and asked again for the
@@ -234,9 +250,21 @@ class _Run:
             return
         if not isinstance(err, RayActorError):
             raise err
+        self._restart(engine_id, err)
+
+    def _watch_engines(self) -> None:
+        """An engine that holds turns and has sent nothing for rollout.request_timeout_s is hung: restarted."""
+        timeout = self.r.fleet.cfg.request_timeout_s
+        for engine_id in self._busy_engines():
+            if time.monotonic() - self.heard[engine_id] > timeout:
+                self._restart(engine_id, TimeoutError(f"engine {engine_id} sent no turn for {timeout} s"))
+
+    def _restart(self, engine_id: int, cause: Exception) -> None:
+        """Restarts and re-syncs the engine (EngineFleet.restart) and asks the new one for the turns it held."""
         self.restarts += 1
         if self.restarts > self.r.max_restarts:
-            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from err
+            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from cause
+        log.warning("multi-turn rollout: engine %d failed (%s); restarting it", engine_id, cause)
         self.r.fleet.restart(engine_id)
         self.epochs[engine_id] += 1
         self._open(engine_id)
@@ -245,7 +273,7 @@ class _Run:
 
     def _model_turn(self, sample: dict) -> None:
         key = sample["index"]
-        del self.asked[key]
+        self.asked.remove(key)
         c = self.conversations[key]
         ids = sample["response_ids"]
         c.turns.append(Turn(MODEL, sample["text"], ids))
