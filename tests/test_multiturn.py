@@ -3,7 +3,7 @@ tokens out of the actor's loss, refusals before start, and one tiny `orz train` 
 and a user environment by import path, side by side) whose dumps are checked token by token."""
 import json
 import os
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -236,11 +236,12 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
 # the batch, an environment past env_timeout_s, an engine killed mid-conversation.
 class _Timed:
-    """Three turns, an observation after each; each step of a "slow" row takes 2 s, of a "hang"
-    row 4 s (past env_timeout_s=3); the first step of a "kill" row kills the engine."""
+    """Three turns, an observation after each; each step of a "slow" row takes 5 s, of a "hang"
+    row 8 s (past env_timeout_s=6); the first step of a "kill" row kills the engine, of a "stop" row
+    stops it (SIGSTOP)."""
 
     log: list = []  # (row prompt, turn, time)
-    fleet, killed = None, False
+    fleet, killed, stopped, pid = None, False, False, 0  # pid: the engine's, read before (a call would queue behind serve)
 
     def reset(self, row):
         self.prompt, self.turns = row["prompt"], 0
@@ -252,30 +253,38 @@ class _Timed:
 
         self.turns += 1
         if self.prompt == "slow":
-            time.sleep(2.0)
+            time.sleep(5.0)
         if self.prompt == "hang":
-            time.sleep(4.0)
+            time.sleep(8.0)
         if self.prompt == "kill" and not _Timed.killed:  # once: the first kill row's first step
             _Timed.killed = True
             ray.kill(_Timed.fleet.engines[0], no_restart=True)
+        if self.prompt == "stop" and not _Timed.stopped:  # hangs the engine (alive, silent)
+            _Timed.stopped = True
+            os.kill(_Timed.pid, signal.SIGSTOP)
         _Timed.log.append((self.prompt, self.turns, time.monotonic()))
         return {"observation": " 12", "done": self.turns == 3}
 
 
 @pytest.mark.slow
 def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray_cluster, tool_model):
+    """No barrier across the batch; an environment past env_timeout_s scores 0; an engine that dies
+    or hangs mid-conversation is restarted and its conversations go on."""
     import time
+
+    import ray
 
     from orz.data.tokenizers import load_tokenizer
     from orz.rollout.engine import SamplingConfig
     from orz.rollout.fleet import EngineFleet, FleetConfig
     from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, multiturn_metrics
 
-    fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1))
+    fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                                request_timeout_s=15.0))  # long enough on a loaded machine
     _Timed.fleet = fleet
     try:
         tokenizer = load_tokenizer(tool_model)
-        limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=3.0)
+        limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=6.0)
         rollout = MultiTurnRollout(fleet, tokenizer, {"timed": _Timed}, limits)
         sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
 
@@ -292,7 +301,10 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
         assert metrics["rollout/env_errors"] == metrics["rollout/env_timeouts"] == 2
         ended |= run(["kill"])  # the engine dies at the first step: restarted, the conversations go on
         assert fleet.metrics["rollout/engine_restarts"] == 1
-        assert all(c.model_turns == 3 and not c.env_error for c in ended["kill"][1])
+        _Timed.pid = ray.get(fleet.engines[0].pid.remote())
+        ended |= run(["stop"])  # the engine hangs: after request_timeout_s without a turn, restarted
+        assert fleet.metrics["rollout/engine_restarts"] == 2
+        assert all(c.model_turns == 3 and not c.env_error for name in ("kill", "stop") for c in ended[name][1])
         for _, group in ended.values():
             for c in group:
                 assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask)

@@ -143,7 +143,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     context = context_length(cfg, multi_turn)
     if arch is not None and context > arch.max_position_embeddings:
         sizes = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len else
-                 f"data.prompt_max_tokens + rollout.max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens")
+                 "data.prompt_max_tokens + rollout.max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens")
         if not multi_turn:
             sizes = (f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
                      f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''}")

@@ -5,7 +5,7 @@
     env.step(turn_text) -> StepResult | {"observation": str | None, "reward": float | None, "done": bool}
 
 `step` receives the text the engine decoded for the model's last turn (its stop string
-included), may block (it runs in the driver's thread pool, bounded by rollout.env_timeout_s),
+included), may block (it runs in a worker thread of the driver, bounded by rollout.env_timeout_s),
 and returns what the model reads next (None: nothing), a reward (summed over the sample's turns,
 None: 0) and whether the sample ends. A user's environment needs no import from orz: a plain dict
 is accepted. "python" names the built-in tool environment (python_tool.py).

@@ -18,18 +18,18 @@ far, so the trainer sees exactly the tokens that were sampled (re-tokenising the
 merge tokens across a turn boundary).
 
 No barrier across the batch: every engine runs one `serve` session that takes each sample's next
-turn as soon as its environment has answered (environments run in a thread pool, bounded by
-env_timeout_s), while it keeps decoding the others. An engine that dies is restarted (re-synced
-by the fleet) and the turns it held are asked again of the new one; the conversations so far
-are kept by this driver.
+turn as soon as its environment has answered (environments run in daemon threads, bounded by
+env_timeout_s), while it keeps decoding the others. An engine that dies, or holds turns and sends
+nothing for rollout.request_timeout_s, is restarted (re-synced by the fleet) and the turns it held
+are asked again of the new one; the conversations so far are kept by this driver.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -45,6 +45,7 @@ from orz.rollout.fleet import EngineFleet
 MODEL, ENV = "model", "env"  # a turn's origin
 _TURN_SEED_STRIDE = 2**20  # turn t of a sample samples from seed + t·2^20 (turn 0: the single-turn seed)
 _sessions = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,12 +145,17 @@ class _Run:
         self.r, self.sampling, self.min_version = rollout, sampling, min_version
         self.n, self.session = sampling.n, next(_sessions)
         self.events: queue.Queue = queue.Queue()
-        self.pool = ThreadPoolExecutor(rollout.env_threads, thread_name_prefix="orz-env")
+        # Environment calls run in daemon threads: one that never returns cannot keep the process
+        # alive (a ThreadPoolExecutor's threads are joined at exit).
+        self.calls: queue.Queue = queue.Queue()
+        for i in range(rollout.env_threads):
+            threading.Thread(target=self._env_worker, name=f"orz-env-{i}", daemon=True).start()
         self.engines = len(rollout.fleet.engines)
         self.conversations: dict[int, Conversation] = {}
         self.rows: dict[int, dict] = {}
         self.instances: dict[int, Environment] = {}
-        self.asked: dict[int, tuple] = {}  # key -> the request of its turn in flight at an engine
+        self.asked: set[int] = set()  # conversations whose turn is in flight at an engine
+        self.heard = [time.monotonic()] * self.engines  # when each engine last sent a turn (or was given work)
         self.deadlines: dict[int, float] = {}  # key -> when its environment call times out
         self.epochs = [0] * self.engines  # a restarted engine's stream starts a new epoch
         self.restarts = 0
@@ -178,12 +184,16 @@ class _Run:
             if not any(self.left.values()):
                 return
             self._time_out_envs()
+            if self.events.empty():  # what has arrived first: an engine's turns may be waiting in the queue
+                self._watch_engines()
             try:
                 kind, who, value = self.events.get(timeout=self._wait_s())
             except queue.Empty:
                 continue
             if kind == "turn":
                 engine, epoch = who
+                if epoch == self.epochs[engine]:
+                    self.heard[engine] = time.monotonic()
                 if epoch == self.epochs[engine] and value["index"] in self.asked:
                     self._model_turn(value)
             elif kind == "failed":
@@ -192,12 +202,16 @@ class _Run:
                 self._env_answered(kind, who, value)
 
     def _wait_s(self) -> float | None:
-        return max(0.0, min(self.deadlines.values()) - time.monotonic()) if self.deadlines else None
+        """Until the next environment deadline or the next engine that may be declared hung."""
+        timeout = self.r.fleet.cfg.request_timeout_s
+        deadlines = [*self.deadlines.values(), *(self.heard[e] + timeout for e in self._busy_engines())]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     # ---- engines -----------------------------------------------------------------------------
     def _open(self, engine_id: int) -> None:
         """Starts engine `engine_id`'s serve session and a thread that forwards what it yields."""
         engine, epoch = self.r.fleet.engines[engine_id], self.epochs[engine_id]
+        self.heard[engine_id] = time.monotonic()
         stream = engine.serve.options(num_returns="streaming").remote(self.session, asdict(self.sampling),
                                                                      self.min_version)
 
@@ -220,9 +234,14 @@ class _Run:
         turn = c.model_turns
         stop = [*self.sampling.stop, *self.r.stops.get(c.env, [])]
         request = (key, context, self.sampling.seed + key + turn * _TURN_SEED_STRIDE, max_tokens, stop)
-        self.asked[key] = request
-        engine = self.r.fleet.engines[c.index % self.engines]  # a prompt's samples share an engine's prefix cache
-        engine.submit.remote(self.session, [request])
+        engine_id = c.index % self.engines  # a prompt's samples share an engine (and its prefix cache)
+        if engine_id not in self._busy_engines():
+            self.heard[engine_id] = time.monotonic()  # idle until now: its clock starts with this turn
+        self.asked.add(key)
+        self.r.fleet.engines[engine_id].submit.remote(self.session, [request])
+
+    def _busy_engines(self) -> set[int]:
+        return {self.conversations[key].index % self.engines for key in self.asked}
 
     def _engine_failed(self, engine_id: int, epoch: int, err: Exception) -> None:
         """A dead engine is restarted and re-synced (EngineFleet.restart) and asked again for the
@@ -231,9 +250,21 @@ class _Run:
             return
         if not isinstance(err, RayActorError):
             raise err
+        self._restart(engine_id, err)
+
+    def _watch_engines(self) -> None:
+        """An engine that holds turns and has sent nothing for rollout.request_timeout_s is hung: restarted."""
+        timeout = self.r.fleet.cfg.request_timeout_s
+        for engine_id in self._busy_engines():
+            if time.monotonic() - self.heard[engine_id] > timeout:
+                self._restart(engine_id, TimeoutError(f"engine {engine_id} sent no turn for {timeout} s"))
+
+    def _restart(self, engine_id: int, cause: Exception) -> None:
+        """Restarts and re-syncs the engine (EngineFleet.restart) and asks the new one for the turns it held."""
         self.restarts += 1
         if self.restarts > self.r.max_restarts:
-            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from err
+            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from cause
+        log.warning("multi-turn rollout: engine %d failed (%s); restarting it", engine_id, cause)
         self.r.fleet.restart(engine_id)
         self.epochs[engine_id] += 1
         self._open(engine_id)
@@ -242,7 +273,7 @@ class _Run:
 
     def _model_turn(self, sample: dict) -> None:
         key = sample["index"]
-        del self.asked[key]
+        self.asked.remove(key)
         c = self.conversations[key]
         ids = sample["response_ids"]
         c.turns.append(Turn(MODEL, sample["text"], ids))
@@ -257,10 +288,18 @@ class _Run:
             self._call_env(key, "step", sample["text"])
 
     # ---- environments ------------------------------------------------------------------------
+    def _env_worker(self) -> None:
+        """Runs environment calls until close(); each answer, or the exception raised, becomes an event."""
+        while (call := self.calls.get()) is not None:
+            method, key, function = call
+            try:
+                answer = function()
+            except Exception as err:  # noqa: BLE001 - a user's environment: the loop scores the sample 0
+                answer = err
+            self.events.put((method, key, answer))
+
     def _call_env(self, key: int, method: str, argument) -> None:
-        """env.reset(row) or env.step(turn text) in the pool; its answer comes back as an event."""
-        if method == "reset":
-            self.instances[key] = None
+        """env.reset(row) or env.step(turn text) in a worker thread; its answer comes back as an event."""
         self.deadlines[key] = time.monotonic() + self.r.limits.env_timeout_s
 
         def call():
@@ -268,28 +307,28 @@ class _Run:
             try:
                 if method == "reset":
                     self.instances[key] = self.r.envs[self.conversations[key].env]()
-                result = getattr(self.instances[key], method)(argument)
-                return result, time.perf_counter() - start
+                return getattr(self.instances[key], method)(argument)
             finally:
                 self.conversations[key].env_seconds += time.perf_counter() - start
 
-        future: Future = self.pool.submit(call)
-        future.add_done_callback(lambda done: self.events.put((method, key, done)))
+        self.calls.put((method, key, call))
 
-    def _env_answered(self, method: str, key: int, done: Future) -> None:
+    def _env_answered(self, method: str, key: int, answer) -> None:
         if key not in self.deadlines:  # timed out before it answered: ended already
             return
         del self.deadlines[key]
         c = self.conversations[key]
-        try:
-            result = done.result()[0]
-            step = as_step_result(result) if method == "step" else None
-        except Exception as err:  # noqa: BLE001 - a user's environment: the sample scores 0, the run goes on
-            c.env_error = f"{method}: {type(err).__name__}: {err}"[:300]
+        if method == "step" and not isinstance(answer, Exception):
+            try:
+                answer = as_step_result(answer)
+            except TypeError as err:
+                answer = err
+        if isinstance(answer, Exception):  # a user's environment: the sample scores 0, the run goes on
+            c.env_error = f"{method}: {type(answer).__name__}: {answer}"[:300]
             return self._end(key, c.finish_reason or "stop")
-        if step is None:
+        if method == "reset":
             return self._ask_model(key)
-        self._after_step(key, step)
+        self._after_step(key, answer)
 
     def _after_step(self, key: int, step: StepResult) -> None:
         c, limits = self.conversations[key], self.r.limits
@@ -333,7 +372,8 @@ class _Run:
     def close(self) -> None:
         for engine in self.r.fleet.engines:
             engine.submit.remote(self.session, None)
-        self.pool.shutdown(wait=False, cancel_futures=True)  # a hung environment's thread is left to end
+        for _ in range(self.r.env_threads):
+            self.calls.put(None)  # a hung environment's thread is left to end (a daemon)
 
 
 def env_scores(conversations: list[Conversation], verifier_scores: torch.Tensor, weights: dict[str, float]) -> torch.Tensor:
