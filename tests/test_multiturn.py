@@ -148,8 +148,9 @@ def tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tools")
     rows = _rows(out / "rows.jsonl", ["python", "python", "python", "echo", "broken"])
+    heldout = _rows(out / "heldout.jsonl", ["echo", "echo"])
     train(load_config(None, [
-        *tiny_run(out, "grpo", iterations=2, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
+        *tiny_run(out, "grpo", iterations=2, model=tool_model), f"data.train=[{rows}]", f"data.eval={{echo: {heldout}}}",
         "trainer.prompts_per_iteration=5", "rollout.stop=[]", "rollout.max_new_tokens=24", "rollout.max_turns=3",
         "rollout.max_observation_tokens=48", "rollout.envs={echo: 'turn_envs:Echo', broken: 'turn_envs:Broken'}",
         "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}",
@@ -159,7 +160,25 @@ def tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
     draws = [[json.loads(line) for line in (samples / f"iter_{i:06d}_draws.jsonl").read_text().splitlines()]
              for i in (1, 2)]
     trained = [[json.loads(line) for line in (samples / f"iter_{i:06d}.jsonl").read_text().splitlines()] for i in (1, 2)]
-    return history(out)[1:], draws, trained
+    evaluations = [[json.loads(line) for line in path.read_text().splitlines()]
+                   for path in sorted(out.glob("eval/eval_greedy_iter_*/samples.jsonl"))]
+    return history(out)[1:], draws, trained, evaluations
+
+
+@pytest.mark.slow
+def test_the_trainers_evaluation_runs_the_rows_environment(tool_run, tool_model):
+    """The held-out rows name Echo, which is never done: evaluated the way the run trains, each
+    sample alternates model turns and Echo's " ok:" up to rollout.max_turns (3), before and after."""
+    from orz.data.tokenizers import load_tokenizer
+
+    ok = load_tokenizer(tool_model).encode(" ok:", add_special_tokens=False)
+    evaluations = tool_run[3]
+    assert len(evaluations) == 2  # before training and after
+    for records in evaluations:
+        assert len(records) == 2
+        for record in records:
+            assert [turn["origin"] for turn in record["turns"]] == ["model", "env", "model", "env", "model"]
+            assert all(turn["ids"] == ok for turn in record["turns"] if turn["origin"] == "env")
 
 
 def _model_text(sample) -> str:
@@ -173,7 +192,7 @@ def _calls_code(turn) -> bool:
 
 @pytest.mark.slow
 def test_turns_tools_errors_and_scores_as_the_dumps_say(tool_run):
-    rows, draws, _ = tool_run
+    rows, draws, _, _ = tool_run
     for row, drawn in zip(rows, draws):
         turns = [sum(turn["origin"] == "model" for turn in sample["turns"]) for sample in drawn]
         assert row["rollout/turns_mean"] == pytest.approx(sum(turns) / len(turns))
@@ -213,7 +232,7 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
     "\n<output>" into one token: it differs."""
     from orz.data.tokenizers import load_tokenizer
 
-    rows, draws, trained = tool_run
+    rows, draws, trained, _ = tool_run
     tokenizer, boundaries = load_tokenizer(tool_model), 0
     close = tokenizer.convert_tokens_to_ids("</code>")
     for row, drawn, batch in zip(rows, draws, trained):
