@@ -13,7 +13,7 @@ import torch
 from orz.config import ConfigError, load_config
 from orz.ppo import run_rules
 from orz.ppo.core_algos import actor_loss
-from orz.ppo.replay_buffer import experience_from_rollouts
+from orz.ppo.experience import experience_from_rollouts
 from orz.rollout.envs import StepResult, as_step_result
 from orz.rollout.python_tool import PythonTool, closed_block
 

@@ -21,7 +21,7 @@ from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
-from orz.ppo.replay_buffer import MiniBatch, experience_from_rollouts
+from orz.ppo.experience import MiniBatch, experience_from_rollouts
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
 
@@ -315,7 +315,7 @@ def _update_with_and_without_old(rank, world, role, model):
 
 
 def _whole(minibatches: list[MiniBatch]):
-    from orz.ppo.replay_buffer import Experience
+    from orz.ppo.experience import Experience
 
     return Experience.concat([mb.experience for mb in minibatches])
 

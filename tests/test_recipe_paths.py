@@ -235,7 +235,7 @@ def test_a_sample_more_versions_behind_than_max_staleness_is_refused():
 
     import torch
 
-    from orz.ppo.replay_buffer import experience_from_rollouts
+    from orz.ppo.experience import experience_from_rollouts
     from orz.ppo.trainer import RayPPOTrainer
 
     experience = experience_from_rollouts([[1, 2]] * 2, [[3], [4]])

@@ -7,7 +7,7 @@ import torch
 from orz.config import RoleConfig
 from orz.models.local_world import run_world
 from orz.ppo.actors import MegatronWorker, RoleSpec
-from orz.ppo.replay_buffer import experience_from_rollouts
+from orz.ppo.experience import experience_from_rollouts
 
 
 def make_reward_model(path, family="llama", num_labels=1, seed=0):

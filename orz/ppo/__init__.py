@@ -1,2 +1,2 @@
-"""PPO/GRPO: ``core_algos`` (the math, pure torch), ``replay_buffer`` (Experience and batching),
+"""PPO/GRPO: ``core_algos`` (the math, pure torch), ``experience`` (Experience and batching),
 ``actors`` (Ray worker groups around Megatron models) and ``trainer`` (the loop)."""

@@ -35,7 +35,7 @@ from orz.models.optimizer_shards import (
     shard_states,
 )
 from orz.ppo.core_algos import actor_loss, value_loss
-from orz.ppo.replay_buffer import Experience, MicroBatch, MiniBatch
+from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ One iteration, each phase timed into `timing/*`:
   2 reward      verifier scores; dynamic sampling draws more prompts when asked
   3 forward     old log-probs (actor), reference log-probs, critic values — in parallel
   4 advantages  per-token rewards (score on the last token − β·KL), the configured estimator
-  5 update      critic and actor optimizer steps over the replay buffer — in parallel
+  5 update      critic and actor optimizer steps over the experience — in parallel
   6 sync        the actor's new weights into every engine, as the next weight version
 then metrics, evaluation and checkpoints every k iterations. The trainer holds handles, not
 model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
@@ -68,7 +68,7 @@ from orz.ppo.core_algos import (
     whiten,
 )
 from orz.ppo.metrics_logger import MetricsLogger
-from orz.ppo.replay_buffer import Experience, experience_from_rollouts
+from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
 from orz.rollout.engine import Sample, SamplingConfig

@@ -1,7 +1,7 @@
-"""orz.ppo.replay_buffer: Experience layout, batching, and gradient accumulation that
+"""orz.ppo.experience: Experience layout, batching, and gradient accumulation that
 leaves the loss unchanged.
 
-    .venv/bin/python -m pytest -q tests/test_replay_buffer.py
+    .venv/bin/python -m pytest -q tests/test_experience.py
 """
 import json
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orz.ppo import core_algos as ca
-from orz.ppo.replay_buffer import Experience, MiniBatch
+from orz.ppo.experience import Experience, MiniBatch
 
 PROPERTY = settings(max_examples=30, deadline=None)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
