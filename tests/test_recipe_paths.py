@@ -372,7 +372,7 @@ def _bundles_of_live_actors() -> dict[str, list[tuple[str, int]]]:
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_staleness=1", "cannot overlap rollout with training"),
     ("rollout.transport=collective", "needs rollout.transport=object_store"),
-    ("actor.dp=2", r"actor's TP·PP·DP = 1·1·2 must equal the engines' 1 GPUs"),
+    ("actor.dp=2", r"actor's TP·PP·DP = 1·1·2 = 2 must equal the engines' 1 GPUs"),
 ])
 def test_colocation_that_cannot_take_turns_is_refused(override, message, tiny_run, tmp_path):
     overrides = [*tiny_run(tmp_path, "grpo"), "trainer.colocate=true", "rollout.transport=object_store", override]

