@@ -13,7 +13,6 @@ answers {"scores": [...]} (or "rewards", as OpenRLHF's remote reward does), with
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import numbers
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from orz.import_path import load_by_path
 from orz.reward.pool import ItemResult, KillablePool
 
 # Rewards every run knows by name, as if given in reward.custom.
@@ -38,19 +38,7 @@ def is_endpoint(spec: str) -> bool:
 def resolve(name: str, spec: str) -> Callable[..., Any]:
     """The function `spec` ("package.module:function") names; errors name the reward, the path
     and the module."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"reward.custom.{name}: {spec!r} is not 'package.module:function' nor an http(s) URL")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # an import error of any kind inside the user's module
-        raise ValueError(f"reward.custom.{name}: cannot import module {module_name!r} (from {spec!r}): "
-                         f"{type(error).__name__}: {error}") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"reward.custom.{name}: module {module_name!r} ({module.__file__}) has no function "
-                         f"{attribute!r} (from {spec!r})")
-    return function
+    return load_by_path(f"reward.custom.{name}", spec, "function", " nor an http(s) URL")
 
 
 def _is_verl(function: Callable) -> bool:

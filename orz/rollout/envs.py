@@ -12,10 +12,11 @@ is accepted. "python" names the built-in tool environment (python_tool.py).
 """
 from __future__ import annotations
 
-import importlib
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
+
+from orz.import_path import load_by_path
 
 PYTHON = "python"  # reserved: the built-in python tool
 
@@ -56,16 +57,4 @@ def as_step_result(value: Any) -> StepResult:
 
 def load_env_class(name: str, spec: str) -> Callable[[], Environment]:
     """The class `spec` ("package.module:Class") names; errors name the key, the path and the module."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"rollout.envs.{name}: {spec!r} is not 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # an import error of any kind inside the user's module
-        raise ValueError(f"rollout.envs.{name}: cannot import module {module_name!r} (from {spec!r}): "
-                         f"{type(error).__name__}: {error}") from None
-    cls = getattr(module, attribute, None)
-    if not callable(cls):
-        raise ValueError(f"rollout.envs.{name}: module {module_name!r} ({module.__file__}) has no class "
-                         f"{attribute!r} (from {spec!r})")
-    return cls
+    return load_by_path(f"rollout.envs.{name}", spec, "Class")
