@@ -66,13 +66,16 @@ def test_sharded_hf_input_and_output_load_in_transformers(tmp_path, llama):
     assert torch.equal(ref, out)
 
 
-def test_cli_verify_reports_logit_difference(llama):
-    out = subprocess.run(
-        [sys.executable, "-m", "orz.convert", "verify", "--hf", str(llama), "--tp", "2", "--pp", "1"],
-        capture_output=True, text=True, timeout=300,
-    )
+def _verify(*args: str) -> dict:
+    """`python -m orz.convert verify ARGS`'s JSON report (its last line), after a clean exit."""
+    out = subprocess.run([sys.executable, "-m", "orz.convert", "verify", *args], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cli_verify_reports_logit_difference(llama):
+    report = _verify("--hf", str(llama), "--tp", "2", "--pp", "1")
     assert report["tp"] == 2 and report["max_abs_logit_diff"] < 1e-4
 
 
@@ -217,10 +220,5 @@ def test_expert_parallel_on_a_dense_model_is_refused(tmp_path, llama, capsys):
 
 
 def test_cli_verify_at_ep2_builds_the_smallest_world(qwen3_moe):
-    out = subprocess.run(
-        [sys.executable, "-m", "orz.convert", "verify", "--hf", str(qwen3_moe), "--tp", "1", "--ep", "2"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _verify("--hf", str(qwen3_moe), "--tp", "1", "--ep", "2")
     assert (report["ep"], report["dp"]) == (2, 2) and report["max_abs_logit_diff"] < 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 from orz.models.local_world import run_world
 
-from orz.models.tiny import make_tiny_hf
+from reference_models import reference_models
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # vocab 101 is not divisible by TP=2: exercises padding. Qwen2 and Qwen3 tie their embeddings:
@@ -31,17 +31,9 @@ SEQ = 20
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    tokens = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(0))
-    for name, kwargs in MODELS.items():
-        path = make_tiny_hf(tmp_path_factory.mktemp(name), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(tokens).logits
-        out[name] = (str(path), logits, model.model.rotary_emb.inv_freq)
-    return tokens, out
+    tokens, models = reference_models(tmp_path_factory, MODELS, SEQ)
+    return tokens, {name: (path, logits, model.model.rotary_emb.inv_freq)
+                    for name, (path, model, logits) in models.items()}
 
 
 def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):

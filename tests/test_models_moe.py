@@ -7,7 +7,7 @@ import torch
 
 from orz.models.arch import read_arch
 from orz.models.local_world import run_world
-from orz.models.tiny import make_tiny_hf
+from reference_models import reference_models
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MODELS = {
@@ -24,16 +24,8 @@ SEQ = 20
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    tokens = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(0))
-    for name, kwargs in MODELS.items():
-        path = make_tiny_hf(tmp_path_factory.mktemp(name), family="qwen3_moe", num_layers=4, head_dim=32, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        with torch.no_grad():
-            out[name] = (str(path), model(tokens).logits)
-    return tokens, out
+    tokens, models = reference_models(tmp_path_factory, MODELS, SEQ, family="qwen3_moe", num_layers=4, head_dim=32)
+    return tokens, {name: (path, logits) for name, (path, _, logits) in models.items()}
 
 
 def test_arch_reads_the_expert_fields(checkpoints):

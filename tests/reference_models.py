@@ -1,0 +1,20 @@
+"""Tiny HF models built locally and transformers' own logits on them: the independent reference
+that the Megatron parity tests (test_models, test_models_moe) compare against."""
+import torch
+
+from orz.models.tiny import make_tiny_hf
+
+
+def reference_models(tmp_path_factory, models: dict[str, dict], seq: int, **common):
+    """tokens (3, seq) and, per name of `models` (make_tiny_hf's arguments, beside `common`),
+    (the model's directory, the transformers model, its fp32 logits on the tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 96, (3, seq), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, kwargs in models.items():
+        path = make_tiny_hf(tmp_path_factory.mktemp(name), **common, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            out[name] = (str(path), model, model(tokens).logits)
+    return tokens, out
