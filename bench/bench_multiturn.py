@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import ray
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
@@ -94,8 +95,6 @@ def run_multiturn(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
     rollout = MultiTurnRollout(fleet, tokenizer, {"slow": SlowTool}, limits, env_threads=len(prompts))
     sampling = SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed)
     busy = fleet.engines[0].busy_seconds.remote
-    import ray
-
     before, start = ray.get(busy()), time.perf_counter()
     groups = list(rollout.stream([(p, {"sample": i}, "slow") for i, p in enumerate(prompts)], sampling))
     seconds = time.perf_counter() - start
@@ -106,8 +105,6 @@ def run_multiturn(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
 def run_synchronous(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
     """Each turn: the batch's next turns in one generate call, then every tool call at once, then
     the next turn only when the slowest has answered."""
-    import ray
-
     tools = []
     for i in range(len(prompts)):
         tools.append(SlowTool())

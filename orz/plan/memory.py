@@ -84,12 +84,12 @@ def stage_params(arch: ModelArch, tp: int, pp: int, head: str, vocab_multiple: i
     value head).
     """
     h = arch.hidden_size
-    first_layers, last_layers = (sum(layer_params(arch, tp, i, ep, etp) for i in layers)
-                                 for layers in stage_layers(arch, pp) * (2 if pp == 1 else 1))
+    layers = [sum(layer_params(arch, tp, i, ep, etp) for i in stage) for stage in stage_layers(arch, pp)]
     vocab = arch.padded_vocab_size(tp, vocab_multiple) * h // tp
     head_params = h + 1 if head == "value" else 0 if arch.tie_word_embeddings and pp == 1 else vocab
-    first, last = first_layers + vocab, last_layers + h + head_params
-    return [first + last - first_layers] if pp == 1 else [first, last]
+    if pp == 1:
+        return [layers[0] + vocab + h + head_params]
+    return [layers[0] + vocab, layers[-1] + h + head_params]
 
 
 def matmul_params(arch: ModelArch, head: str) -> int:
