@@ -497,12 +497,12 @@ def test_moe_memory_by_hand():
 def test_moe_time_by_hand():
     from orz.plan.timing import all_to_all_s, rollout_time
 
-    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=80, gpu="H100", link_efficiency=0.5)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=80, gpu="H100", link_efficiency=0.25)
     par = TrainParallel(tp=1, dp=4, ep=2)
     # per forward pass: tokens/dp · 3 sparse layers · k=2 · 2 bytes · h=64 · (ep−1)/ep · 2 (there and back)
     tokens = 1e6
     per_pass = tokens / 4 * 3 * 2 * 2 * 64 * 0.5 * 2
-    assert all_to_all_s(TINY_MOE, cluster, par, tokens, 3) == pytest.approx(3 * per_pass / (450e9 * 0.5))
+    assert all_to_all_s(TINY_MOE, cluster, par, tokens, 3) == pytest.approx(3 * per_pass / (450e9 * 0.25))
     assert all_to_all_s(TINY_MOE, cluster, replace(par, ep=1), tokens, 3) == 0
     # decode at c sequences reads the experts its tokens route to: 1 − (1 − 2/8)^c of each layer's
     one = Workload(prompts_per_iteration=1, n_samples=1, prompt_max_tokens=32, max_new_tokens=96,
