@@ -101,8 +101,13 @@ class RolloutConfig:
     envs: dict[str, str] = field(default_factory=dict)  # name -> "package.module:Class", one instance per sample
     max_turns: int = 4  # model turns per sample; max_new_tokens bounds each
     env_timeout_s: float = 60.0  # an environment's reset or step past this ends its sample with score 0
-    tool_open: str = "<code>"  # python: a code block opens with this ...
-    tool_close: str = "</code>"  # ... and closes with this, a stop string of every turn
+    # python: "code" (a bare code block; the output comes back in <output>) | "chat" (Qwen3's and
+    # Hermes' JSON call of the python function, shown to the model through data.template=chat; the
+    # output comes back as the chat template's tool message)
+    tool_format: str = "code"
+    tool_open: str = ""  # python: a call opens with this ("": <code>, or <tool_call> for chat) ...
+    tool_close: str = ""  # ... and closes with this, a stop string of every turn ("": </code> | </tool_call>)
+    tool_format_reward: float = 0.0  # python: r to a sample whose calls (one or more) were all well formed
     tool_timeout_s: float = 10.0  # python: a code block's wall clock in the sandbox (< env_timeout_s)
     max_observation_tokens: int = 256  # an observation's tokens, its wrapping included; longer ones are cut
 

@@ -107,14 +107,14 @@ def _tool_solution(row: dict, with_tool: bool) -> Segments:
     model's turn ends with its stop string, the output follows as the environment writes it), or
     stated in one line. Both start alike, so that the base's greedy choice between them follows
     their shares (70% state it) rather than which has the likelier next character."""
-    from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
+    from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN, delimiters
 
     a, _, b = row["prompt"].removeprefix("What is ").removesuffix("?").partition(" * ")
     answer = f" {THINK_CLOSE} {ANSWER_OPEN}{row['answer']}{ANSWER_CLOSE}"
     if not with_tool:
         return [(f" The product is: {row['answer']}.{answer}", True)]
-    tools = RolloutConfig()
-    return [(f" The product is {tools.tool_open}print({a}*{b}){tools.tool_close}", True),
+    tool_open, tool_close = delimiters(RolloutConfig())
+    return [(f" The product is {tool_open}print({a}*{b}){tool_close}", True),
             (f"{OUTPUT_OPEN}{row['answer']}\n{OUTPUT_CLOSE}", False), (answer, True)]
 
 

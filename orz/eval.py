@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orz.config import ExperimentConfig, RolloutConfig
+from orz.config import DataConfig, ExperimentConfig, RolloutConfig
 from orz.data.datasets import DatasetFormatError
 from orz.models.arch import ModelConfigError
 from orz.models.checkpoint import MEGATRON_META
@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--env", metavar="python|NAME=package.module:Class",
                    help="evaluate multi-turn with this environment (rows naming their own keep it)")
     p.add_argument("--max-turns", type=int, default=RolloutConfig.max_turns, help="model turns per sample with --env")
+    p.add_argument("--tool-format", default=RolloutConfig.tool_format, choices=["code", "chat"],
+                   help="the python tool's calls: code blocks, or the chat template's JSON calls (needs --template chat)")
     args = p.parse_args(argv)
     data = {}
     for item in args.data:
@@ -88,14 +90,16 @@ def parse_args(argv: list[str] | None = None):
     out = args.out or f"runs/eval/{Path(args.model).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
     custom = dict(item.partition("=")[::2] for item in args.custom)
     rollout = None
+    if args.tool_format != RolloutConfig.tool_format and not args.env:
+        p.error("--tool-format shapes the python tool of --env python: pass --env")
     if args.env:
         name, _, spec = args.env.partition("=")
         rollout = RolloutConfig(env=name, envs={name: spec} if spec else {}, max_turns=args.max_turns,
-                                max_new_tokens=args.max_tokens)
-        problems = run_rules.range_problems(ExperimentConfig(rollout=rollout)) + \
-            run_rules.env_problems(ExperimentConfig(rollout=rollout))
+                                max_new_tokens=args.max_tokens, tool_format=args.tool_format)
+        run = ExperimentConfig(rollout=rollout, data=DataConfig(template=args.template))
+        problems = run_rules.range_problems(run) + run_rules.env_problems(run)
         if problems:
-            p.error("--env/--max-turns: " + "; ".join(problems))
+            p.error("--env/--max-turns/--tool-format: " + "; ".join(problems))
     cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,
                     args.kv_cache_gib, args.gpu_memory_utilization, args.ray_address, not args.no_progress, rollout)
     try:
@@ -142,6 +146,7 @@ def run(cli: CliConfig, cfg) -> int:
     from orz.evaluation.benchmarks import load_benchmark
     from orz.evaluation.runner import Evaluator
     from orz.rollout.fleet import EngineFleet, FleetConfig
+    from orz.rollout.python_tool import prompt_tools
 
     start = time.perf_counter()
     benchmarks = [load_benchmark(name, path) for name, path in cli.data.items()]
@@ -149,7 +154,7 @@ def run(cli: CliConfig, cfg) -> int:
     with tempfile.TemporaryDirectory(prefix=".model-", dir=cli.out) as workdir:
         model_dir, tokenizer_dir = resolve_model(cli.model, cli.tokenizer, workdir)
         tokenizer = load_tokenizer(tokenizer_dir)
-        template = make_template(cli.template, tokenizer)
+        template = make_template(cli.template, tokenizer, tools=prompt_tools(cli.rollout) if cli.rollout else ())
         engine_args = {k: v for k, v in (("max_model_len", cli.max_model_len),
                                          ("gpu_memory_utilization", cli.gpu_memory_utilization)) if v is not None}
         started_ray = not ray.is_initialized()
@@ -190,7 +195,7 @@ def _multi_turn(cli: CliConfig, fleet, tokenizer, benchmarks, model_dir: str):
     context = cli.max_model_len or read_hf_config(model_dir)["max_position_embeddings"]
     used = {r.env, *(row.env for b in benchmarks for row in b.problems)} - {""}
     limits = TurnLimits(r.max_turns, r.max_new_tokens, context, r.max_observation_tokens, r.env_timeout_s)
-    return MultiTurnRollout(fleet, tokenizer, make_envs(r, CodeScoringConfig(), used), limits, turn_stops(r))
+    return MultiTurnRollout(fleet, tokenizer, make_envs(r, CodeScoringConfig(), used, tokenizer), limits, turn_stops(r))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
 """Multi-turn rollout: the environment protocol, the python tool in the real sandbox, observation
 tokens out of the actor's loss, refusals before start, and one tiny `orz train` run (python tool
 and a user environment by import path, side by side) whose dumps are checked token by token."""
+import ast
 import json
 import os
 import signal
+import string
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from orz.config import ConfigError, load_config
+from orz.config import ConfigError, RolloutConfig, load_config
 from orz.ppo import run_rules
 from orz.ppo.core_algos import actor_loss
 from orz.ppo.experience import experience_from_rollouts
 from orz.rollout.envs import StepResult, as_step_result
-from orz.rollout.python_tool import PythonTool, closed_block
+from orz.rollout.python_tool import PYTHON_FUNCTION, PythonTool, ToolFormat, closed_block, prompt_tools, tool_format
 
 TESTS = os.path.dirname(__file__)
 sys.path.insert(0, TESTS)  # turn_envs, shaped_reward: by import path, as a user's module
@@ -26,6 +28,17 @@ from turn_envs import digit_share  # noqa: E402
 # with the start of the python tool's observation when the joined text is re-tokenised.
 TAGS = ("<think>", "<code>", "</code>", "<output>", "</output>", "</code>\n<output>")
 MERGED = "</code>\n<output>"
+# A chat template in Qwen3's layout: the tools' schemas in a system turn, a tool message as a user
+# turn in <tool_response>; what it writes around a tool message's content, read off it by hand:
+CHAT_TAGS = ("<tool_call>", "</tool_call>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n' }}</tools><|im_end|>{{ '\n' }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>{{ '\n' }}{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}")
+BEFORE_OUTPUT = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+AFTER_OUTPUT = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_step_results_from_plain_dicts():
@@ -42,16 +55,53 @@ def test_python_tool_runs_the_closed_block_in_the_sandbox():
     assert closed_block("a<code>print(1)</code>", "<code>", "</code>") == "print(1)"
     assert closed_block("a<code>print(1)", "<code>", "</code>") is None  # never closed: the turn ran out
     assert closed_block("no block</code>", "<code>", "</code>") is None
-    tool = PythonTool(Sandbox(SandboxLimits()), "<code>", "</code>", timeout_s=1.0, max_chars=40)
+    tool = PythonTool(Sandbox(SandboxLimits()), timeout_s=1.0, max_chars=40)
     ok = tool.step("so <code>print(6 * 7)</code>")
     assert ok.observation == "\n<output>\n42\n\n</output>\n" and not ok.done
-    assert ok.counts == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
+    assert ok.counts == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_format_errors": 0}
     error = tool.step("<code>1/0</code>")
     assert error.counts["tool_errors"] == 1 and "[output cut]" in error.observation  # the traceback, cut to 40
     assert len(error.observation) == 40
     hung = tool.step("<code>while True: pass</code>")
     assert "timed out after 1 s" in hung.observation and hung.counts["tool_timeouts"] == 1
     assert tool.step("the answer is 42").done  # no code: the sample ends
+
+
+def test_chat_format_calls_python_in_json_and_answers_in_the_templates_tool_message():
+    """rollout.tool_format=chat: the prompt shows the python function's schema; a JSON call runs,
+    its output comes back inside the chat template's tool message; a malformed call is answered
+    with what is wrong, counted, and takes the format reward back."""
+    from orz.data.templates import make_template
+    from orz.data.tokenizers import char_tokenizer
+    from orz.reward.sandbox import Sandbox, SandboxLimits
+
+    tokenizer = char_tokenizer([string.printable], extra_tokens=CHAT_TAGS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chat = RolloutConfig(tool_format="chat", tool_format_reward=0.5)
+    assert f"<tools>\n{json.dumps(PYTHON_FUNCTION)}\n</tools>" in make_template("chat", tokenizer,
+                                                                              tools=prompt_tools(chat)).prompt("2+2?")
+    assert "<tools>" not in make_template("chat", tokenizer, tools=prompt_tools(RolloutConfig())).prompt("2+2?")
+    tool = PythonTool(Sandbox(SandboxLimits()), 1.0, 200, tool_format(chat, tokenizer), chat.tool_format_reward)
+    ok = tool.step('I compute <tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
+    assert ok.observation == BEFORE_OUTPUT + "42\n" + AFTER_OUTPUT and not ok.done
+    assert ok.counts == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_format_errors": 0}
+    assert ok.reward == 0.5  # one call, well formed
+    as_text = tool.step('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>')
+    assert as_text.observation == BEFORE_OUTPUT + "1\n" + AFTER_OUTPUT and as_text.reward is None  # still 0.5 in all
+    for call, error in (('{"name": "python", "arguments": {"program": "1"}}', 'arguments must hold "code"'),
+                        ('{"name": "bash", "arguments": {"code": "ls"}}', 'must be {"name": "python"'),
+                        ('{"name": "python", "arguments": {"code": "print(1)"}', "not JSON")):
+        bad = tool.step(f"<tool_call>{call}</tool_call>")
+        assert bad.observation.startswith(BEFORE_OUTPUT + "error: ") and error in bad.observation
+        assert bad.counts == {"tool_calls": 1, "tool_errors": 1, "tool_timeouts": 0, "tool_format_errors": 1}
+    assert tool.rewarded == 0.0  # the first malformed call took the 0.5 back (its step's reward: -0.5)
+    assert tool.step("<code>print(1)</code>").done  # a code block is no call in the chat format
+    # The code format: a block that does not compile still runs (the model reads Python's message),
+    # and counts as malformed.
+    code = PythonTool(Sandbox(SandboxLimits()), 1.0, 400, ToolFormat(), format_reward=1.0)
+    assert code.step("<code>print(2)</code>").reward == 1.0
+    broken = code.step("<code>print(1</code>")
+    assert "SyntaxError" in broken.observation and broken.counts["tool_format_errors"] == 1 and broken.reward == -1.0
 
 
 def test_observation_tokens_carry_no_loss_and_no_gradient():
@@ -102,6 +152,13 @@ def test_refusals_before_start_name_the_keys(tmp_path):
                                                                          "data.prompt_max_tokens=64",
                                                                          "rollout.max_new_tokens=64"])
     assert "rollout.max_turns=0 is out of range" in _refusal(tmp_path, ["rollout.max_turns=0"])
+    assert "set data.template=chat (not 'think_answer')" in _refusal(tmp_path, ["rollout.env=python",
+                                                                                "rollout.tool_format=chat"])
+    assert "rollout.tool_format='json' is unknown" in _refusal(tmp_path, ["rollout.env=python",
+                                                                                 "rollout.tool_format=json"])
+    assert "rollout.tool_format_reward=-1.0 is out of range" in _refusal(tmp_path, ["rollout.tool_format_reward=-1"])
+    assert "must be two different delimiters" in _refusal(tmp_path, ["rollout.env=python",
+                                                                            "rollout.tool_open=</code>"])
     # Derived: the prompt, every turn and every observation between two.
     cfg = load_config(None, ["rollout.env=python", "data.prompt_max_tokens=10", "rollout.max_turns=3",
                              "rollout.max_new_tokens=5", "rollout.max_observation_tokens=7"])
@@ -114,8 +171,9 @@ def tool_model(tmp_path_factory):
     from orz.models.tiny import make_tiny_hf
 
     path = tmp_path_factory.mktemp("tool_llama")
-    tokenizer = char_tokenizer(["0123456789+= \n"], extra_tokens=TAGS)
+    tokenizer = char_tokenizer(["0123456789+= \n"], extra_tokens=TAGS + CHAT_TAGS)
     assert tokenizer.encode(MERGED, add_special_tokens=False) == [tokenizer.convert_tokens_to_ids(MERGED)]
+    tokenizer.chat_template = CHAT_TEMPLATE  # for the chat tool format (orz eval --template chat)
     tokenizer.save_pretrained(path)
     make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                  num_layers=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -137,6 +195,10 @@ def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])
     with pytest.raises(DatasetFormatError, match=rf"{rows}, row 2: unknown environment 'chess'"):
         check_data(cfg)
+    rows = _rows(tmp_path / "rows.jsonl", ["", ""])  # the python tool's settings where no row calls it
+    cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]", "rollout.tool_format_reward=1"])
+    with pytest.raises(ConfigError, match="rollout.tool_format_reward=1.0 shapes the python tool, which no row uses"):
+        check_data(cfg)
 
 
 # ---- end to end: one tiny run, three python rows, one user environment (Echo, never done: the
@@ -155,7 +217,8 @@ def tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
         "rollout.max_observation_tokens=48", "rollout.envs={echo: 'turn_envs:Echo', broken: 'turn_envs:Broken'}",
         "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}",
         "algorithm.dynamic_sampling=true", "algorithm.max_prompt_draws=2", "algorithm.entropy_coef=0",
-        "trainer.dump_per_token=true", "trainer.save_every=0", "trainer.export_hf=false"]))
+        "trainer.dump_per_token=true", "trainer.save_every=0", "trainer.export_hf=false",
+        "rollout.tool_format_reward=0.25"]))
     samples = out / "samples"
     draws = [[json.loads(line) for line in (samples / f"iter_{i:06d}_draws.jsonl").read_text().splitlines()]
              for i in (1, 2)]
@@ -185,14 +248,23 @@ def _model_text(sample) -> str:
     return "".join(turn["text"] for turn in sample["turns"] if turn["origin"] == "model")
 
 
-def _calls_code(turn) -> bool:
-    """A model turn that closes a code block opened in it (rechecked here with string operations)."""
-    return turn["origin"] == "model" and turn["text"].endswith("</code>") and "<code>" in turn["text"][: -len("</code>")]
+def _calls_code(turn, opens: str = "<code>", closes: str = "</code>") -> bool:
+    """A model turn that closes a block opened in it (rechecked here with string operations)."""
+    return turn["origin"] == "model" and turn["text"].endswith(closes) and opens in turn["text"][: -len(closes)]
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False
+    return True
 
 
 @pytest.mark.slow
 def test_turns_tools_errors_and_scores_as_the_dumps_say(tool_run):
     rows, draws, _, _ = tool_run
+    format_rewards = {True: 0, False: 0}  # python samples with and without the format reward
     for row, drawn in zip(rows, draws):
         turns = [sum(turn["origin"] == "model" for turn in sample["turns"]) for sample in drawn]
         assert row["rollout/turns_mean"] == pytest.approx(sum(turns) / len(turns))
@@ -208,19 +280,29 @@ def test_turns_tools_errors_and_scores_as_the_dumps_say(tool_run):
         assert row["rollout/env_errors"] == len(broken) > 0
         assert all(s["env_error"] == "step: RuntimeError: broken on purpose" and s["score"] == 0 for s in broken)
         # The verifier reads the model's own text (digit share, weight 1); Echo adds 0.5 × Σ its
-        # per-turn rewards (each model turn's digit share); tool outputs count for nothing.
-        echo_rewards = []
+        # per-turn rewards (each model turn's digit share); the python tool adds its format reward
+        # (0.25, weight 1) when the sample's calls, one or more, all parse; tool outputs count for nothing.
+        echo_rewards, malformed = [], 0
         for sample in drawn:
             assert sample["response"] == _model_text(sample)
             model_turns = [turn["text"] for turn in sample["turns"] if turn["origin"] == "model"]
             env_reward = sum(map(digit_share, model_turns)) if sample["env"] == "echo" else 0.0
             echo_rewards += [env_reward] if sample["env"] == "echo" else []
-            expected = 0.0 if sample["env"] == "broken" else digit_share(_model_text(sample)) + 0.5 * env_reward
+            if sample["env"] == "python":
+                parsed = [_parses(closed_block(turn["text"], "<code>", "</code>"))
+                          for turn in sample["turns"] if _calls_code(turn)]
+                malformed += parsed.count(False)
+                format_rewards[bool(parsed) and all(parsed)] += 1
+                env_reward = 0.25 * (bool(parsed) and all(parsed))
+            weight = 0.5 if sample["env"] == "echo" else 1.0
+            expected = 0.0 if sample["env"] == "broken" else digit_share(_model_text(sample)) + weight * env_reward
             assert sample["score"] == pytest.approx(expected, abs=1e-6)
+        assert row["rollout/tool_format_errors"] == malformed
         assert row["reward/env/echo/mean"] == pytest.approx(sum(echo_rewards) / len(echo_rewards), abs=1e-6)
         env_tokens = sum(len(turn["ids"]) for sample in drawn for turn in sample["turns"] if turn["origin"] == "env")
         assert row["rollout/env_token_frac"] == pytest.approx(env_tokens / sum(s["length"] for s in drawn))
     assert sum(row["rollout/tool_calls"] for row in rows) > 0  # the premise: the python tool ran
+    assert format_rewards[True] > 0 and format_rewards[False] > 0  # ... and some samples earned the format reward
     assert all(row["rollout/draws"] == 2 for row in rows)  # Broken's groups (all 0) were dropped, more drawn
 
 
@@ -335,26 +417,32 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
 @pytest.mark.slow
 def test_orz_eval_runs_rows_with_their_environment(ray_cluster, tool_model, tmp_path):
     """`orz eval --env echo=turn_envs:Echo`: the row without an environment of its own takes Echo
-    (three turns: it is never done), the python rows keep the python tool; the verdict and the
-    response are the model's own turns."""
+    (three turns: it is never done), the python rows keep the python tool, here in the chat format
+    (--template chat --tool-format chat): the prompt shows the python function, a turn ends where
+    a <tool_call> closes, and the call (never well formed from a random model) is answered inside
+    the chat template's tool message. The verdict and the response are the model's own turns."""
+    from orz.data.tokenizers import load_tokenizer
     from orz.eval import main
 
-    rows = _rows(tmp_path / "bench.jsonl", ["python", "", "python"])
+    rows = _rows(tmp_path / "bench.jsonl", ["python", "", "python", "python", "python"])
     out = tmp_path / "eval"
-    assert main(["--model", tool_model, "--data", f"bench={rows}", "--env", "echo=turn_envs:Echo", "--n", "8",
-                 "--max-tokens", "24", "--max-turns", "3", "--max-model-len", "512", "--kv-cache-gib", "1",
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(["--model", tool_model, "--data", f"bench={rows}", "--env", "echo=turn_envs:Echo", "--n", "16",
+                 "--max-tokens", "24", "--max-turns", "3", "--max-model-len", "1024", "--kv-cache-gib", "1",
+                 "--template", "chat", "--tool-format", "chat", "--out", str(out), "--no-progress"]) == 0
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 24
+    assert len(records) == 80
+    before = load_tokenizer(tool_model).encode(BEFORE_OUTPUT, add_special_tokens=False)
     calls = 0
     for record in records:
         turns = record["turns"]
-        assert record["response"] == _model_text(record)
+        assert record["response"] == _model_text(record) and json.dumps(PYTHON_FUNCTION) in record["prompt"]
         if record["row"] == 2:
             assert [turn["origin"] for turn in turns] == ["model", "env", "model", "env", "model"]
             assert all(turn["text"] == " <unk><unk><unk>" for turn in turns if turn["origin"] == "env")  # " ok:"
             continue
         for turn, after in zip(turns, turns[1:]):
-            assert (after["origin"] == "env") == _calls_code(turn)
-            calls += after["origin"] == "env"
-    assert calls > 0  # the premise: the python tool ran
+            assert (after["origin"] == "env") == _calls_code(turn, "<tool_call>", "</tool_call>")
+            if after["origin"] == "env":
+                calls += 1
+                assert after["ids"][:len(before)] == before  # "error: the call is not JSON" follows, as <unk>s
+    assert calls > 0  # the premise: the python tool was called

@@ -54,6 +54,7 @@ class ChatTemplate:
 
     tokenizer: Any  # a transformers tokenizer with a chat_template
     instruction: str = "Put the final answer in \\boxed{}."
+    tools: tuple[dict, ...] = ()  # OpenAI function schemas the template shows the model (rollout.tool_format=chat)
 
     def __post_init__(self):
         if not getattr(self.tokenizer, "chat_template", None):
@@ -61,7 +62,8 @@ class ChatTemplate:
 
     def prompt(self, question: str) -> str:
         messages = [{"role": "user", "content": f"{question}\n{self.instruction}"}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tools=list(self.tools) or None, tokenize=False,
+                                                  add_generation_prompt=True)
 
     def response(self, reasoning: str, answer: str) -> str:
         return boxed_response(reasoning, answer)
@@ -74,16 +76,33 @@ def encode_prompt(tokenizer: Any, template: Any, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not isinstance(template, ChatTemplate))["input_ids"]
 
 
-def make_template(name: str, tokenizer: Any = None, instruction: str = "") -> ThinkAnswerTemplate | ChatTemplate:
-    """The template called `name`: "think_answer" or "chat" (which needs the tokenizer), with
-    `instruction` in place of its default one when given (data.instruction)."""
+def make_template(name: str, tokenizer: Any = None, instruction: str = "",
+                  tools: tuple[dict, ...] = ()) -> ThinkAnswerTemplate | ChatTemplate:
+    """The template called `name`: "think_answer" or "chat" (which needs the tokenizer, and shows
+    `tools`), with `instruction` in place of its default one when given (data.instruction)."""
     if name == "think_answer":
         return ThinkAnswerTemplate(instruction) if instruction else ThinkAnswerTemplate()
     if name == "chat":
         if tokenizer is None:
             raise ValueError("the 'chat' template needs the model's tokenizer")
-        return ChatTemplate(tokenizer, instruction) if instruction else ChatTemplate(tokenizer)
+        return ChatTemplate(tokenizer, *([instruction] if instruction else []), tools=tuple(tools))
     raise ValueError(f"unknown template {name!r}; valid: ['chat', 'think_answer']")
+
+
+def tool_message_wrap(tokenizer: Any) -> tuple[str, str]:
+    """(before, after): what the chat template writes between an assistant turn's text and a tool
+    message's content, and after that content up to where the next assistant turn's text begins.
+    Read off the template itself by rendering two markers (Qwen3: "<|im_end|>\\n<|im_start|>user\\n
+    <tool_response>\\n" and "\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n")."""
+    turn, output = "\x00turn\x00", "\x00output\x00"
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": turn},
+                {"role": "tool", "content": output}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if text.count(turn) != 1 or text.count(output) != 1 or text.index(turn) > text.index(output):
+        raise ValueError("rollout.tool_format=chat needs a chat template that renders tool messages (role 'tool') "
+                         "after the assistant's turn; this tokenizer's does not")
+    between, after = text.split(turn)[1].split(output)
+    return between, after
 
 
 def reward_model_inputs(tokenizer: Any, question: str, response: str) -> tuple[list[int], list[int]]:

@@ -17,13 +17,14 @@ from fnmatch import fnmatch
 
 import torch
 
-from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, apply_overrides, stage_configs
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
 from orz.ppo.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.router import RouterConfig
 from orz.rollout.envs import PYTHON, env_names, load_env_class
+from orz.rollout.python_tool import DELIMITERS, delimiters
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -193,10 +194,25 @@ def env_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"rollout.tool_timeout_s={r.tool_timeout_s} must be below rollout.env_timeout_s="
                         f"{r.env_timeout_s}: a code block past its timeout is killed and its observation says so; "
                         "an environment past env_timeout_s ends its sample with score 0")
-    if not r.tool_open or not r.tool_close or r.tool_open == r.tool_close:
-        problems.append(f"rollout.tool_open={r.tool_open!r} and rollout.tool_close={r.tool_close!r} must be two "
-                        "different non-empty delimiters (tool_close ends a turn)")
+    if r.tool_format not in DELIMITERS:
+        return problems + [f"rollout.tool_format={r.tool_format!r} is unknown; valid: {', '.join(DELIMITERS)}"]
+    tool_open, tool_close = delimiters(r)
+    if tool_open == tool_close:
+        problems.append(f"rollout.tool_open={tool_open!r} and rollout.tool_close={tool_close!r} must be two "
+                        "different delimiters (tool_close ends a turn)")
+    if r.tool_format == "chat" and cfg.data.template != "chat":
+        problems.append(f"rollout.tool_format=chat shows the python function through the model's chat template, and "
+                        f"answers in its tool messages: set data.template=chat (not {cfg.data.template!r})")
     return problems
+
+
+def python_tool_unused(cfg: ExperimentConfig) -> list[str]:
+    """The python tool's own settings, set where no row uses the python environment."""
+    r, default = cfg.rollout, RolloutConfig()
+    return [f"rollout.{key}={getattr(r, key)!r} shapes the python tool, which no row uses (rollout.env={r.env!r}, "
+            f"and no row's env is '{PYTHON}'): set rollout.env={PYTHON}, or unset it"
+            for key in ("tool_format", "tool_open", "tool_close", "tool_format_reward")
+            if getattr(r, key) != getattr(default, key)]
 
 
 def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
@@ -319,6 +335,7 @@ _RANGES = (
     ("rollout.env_timeout_s", lambda v: v > 0, "> 0"),
     ("rollout.tool_timeout_s", lambda v: v > 0, "> 0"),
     ("rollout.max_observation_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.tool_format_reward", lambda v: v >= 0, ">= 0 (0: off)"),
     ("rollout.n_samples", lambda v: v >= 1, ">= 1"),
     ("rollout.temperature", lambda v: 0 <= v <= 2, "in [0, 2] (vLLM's range; 0: greedy)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),

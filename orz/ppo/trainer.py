@@ -72,11 +72,12 @@ from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.ppo.trackers import open_trackers
 from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
 from orz.rollout.engine import Sample, SamplingConfig
-from orz.rollout.envs import env_names
+from orz.rollout.envs import PYTHON, env_names
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.multiturn import (
     Conversation, MultiTurnRollout, TurnLimits, env_scores, envs_used, make_envs, multiturn_metrics, turn_stops,
 )
+from orz.rollout.python_tool import prompt_tools
 from orz.rollout.weight_sync import GroupSource
 from orz.stopping import StopSignals, Stopped
 
@@ -92,7 +93,7 @@ def check_data(cfg: ExperimentConfig) -> RunData:
     for _, staged in stage_configs(cfg):
         envs = env_names(staged.rollout.envs)
         d, router = staged.data, RouterConfig.from_config(staged.reward, envs=envs)
-        template = make_template(d.template, tokenizer, d.instruction)
+        template = make_template(d.template, tokenizer, d.instruction, prompt_tools(staged.rollout))
         evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
         rows = data.train(d) + evaluated
         check_verifiers(rows, router)
@@ -100,7 +101,10 @@ def check_data(cfg: ExperimentConfig) -> RunData:
         if unknown_env is not None:
             raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "
                                      f"known: {sorted(envs)} (add it to rollout.envs)")
-        problems = run_rules.multi_turn_problems(staged) if envs_used(staged.rollout, rows) else []
+        used = envs_used(staged.rollout, rows)
+        problems = run_rules.multi_turn_problems(staged) if used else []
+        if PYTHON not in used:
+            problems += run_rules.python_tool_unused(staged)
         if problems:
             raise ConfigError("\n".join(problems))
         scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
@@ -238,7 +242,7 @@ class RayPPOTrainer:
         self.stage_cfg = cfg = stage_configs(self.run_cfg)[index][1]
         self.algo = run_rules.algorithm(cfg)  # its None defaults decided
         d = cfg.data
-        self.template = make_template(d.template, self.tokenizer, d.instruction)
+        self.template = make_template(d.template, self.tokenizer, d.instruction, prompt_tools(cfg.rollout))
         if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
             self.loader = PromptLoader(self.data.train(d), cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
         if loader_state is not None:
@@ -248,7 +252,7 @@ class RayPPOTrainer:
         self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
         # Multi-turn when an environment is configured or named by a row; else today's single-turn path.
         used = envs_used(cfg.rollout, self.loader.rows)
-        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used),
+        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used, self.tokenizer),
                                           TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
                                           turn_stops(cfg.rollout)) if used else None
         self._setup_eval()

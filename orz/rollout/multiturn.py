@@ -2,7 +2,7 @@
 environment's observations until the environment says done, `max_turns` model turns, or
 `max_model_len` tokens (a truncation).
 
-    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(r, code, used), TurnLimits.of(r, max_model_len))
+    rollout = MultiTurnRollout(fleet, tokenizer, make_envs(r, code, used, tokenizer), TurnLimits.of(r, max_model_len))
     for group in rollout.stream([(prompt_ids, row.record(), env_name), ...], sampling):
         ...   # each prompt's n Conversations, as soon as all n have ended
 
@@ -89,22 +89,25 @@ class TurnLimits:
         return cls(r.max_turns, r.max_new_tokens, max_model_len, r.max_observation_tokens, r.env_timeout_s)
 
 
-def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str]) -> dict[str, Callable[[], Environment]]:
+def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str],
+              tokenizer) -> dict[str, Callable[[], Environment]]:
     """name -> a function making one sample's environment, for the names in `used`: rollout.envs'
-    classes, and `python`, whose sandbox (the code reward's limits) every sample shares. A weak
+    classes, and `python`, whose sandbox (the code reward's limits) every sample shares and whose
+    chat format reads the tokenizer's chat template. A weak
     sandbox is refused here, before any rollout, unless reward.code.allow_weak_sandbox."""
     factories = {name: load_env_class(name, spec) for name, spec in rollout.envs.items() if name in used}
     if PYTHON in used:
         from orz.reward.sandbox import Sandbox, SandboxLimits
-        from orz.rollout.python_tool import PythonTool
+        from orz.rollout.python_tool import PythonTool, tool_format
 
         sandbox = Sandbox(SandboxLimits(cpu_s=code.cpu_s, memory_mb=code.memory_mb))
         if sandbox.weak and not code.allow_weak_sandbox:
             raise RuntimeError(f"the python environment refused: the sandbox has neither a uid of its own nor "
                                f"namespaces here ({'; '.join(sandbox.weak)}); run as root, allow user namespaces, "
                                "or set reward.code.allow_weak_sandbox=true")
-        factories[PYTHON] = lambda: PythonTool(sandbox, rollout.tool_open, rollout.tool_close, rollout.tool_timeout_s,
-                                               rollout.max_observation_tokens)
+        form = tool_format(rollout, tokenizer)
+        factories[PYTHON] = lambda: PythonTool(sandbox, rollout.tool_timeout_s, rollout.max_observation_tokens, form,
+                                               rollout.tool_format_reward)
     return factories
 
 
@@ -115,7 +118,9 @@ def envs_used(rollout: RolloutConfig, rows) -> set[str]:
 
 def turn_stops(rollout: RolloutConfig) -> dict[str, list[str]]:
     """Each environment's extra stop strings: the python tool's turns end where a code block closes."""
-    return {PYTHON: [rollout.tool_close]}
+    from orz.rollout.python_tool import delimiters
+
+    return {PYTHON: [delimiters(rollout)[1]]}
 
 
 class MultiTurnRollout:
@@ -393,7 +398,7 @@ def multiturn_metrics(conversations: list[Conversation]) -> dict[str, float]:
     metrics = {
         "rollout/turns_mean": turns.mean().item(), "rollout/turns_max": turns.max().item(),
         **{f"rollout/{name}": float(sum(c.counts.get(name, 0) for c in conversations))
-           for name in ("tool_calls", "tool_errors", "tool_timeouts")},
+           for name in ("tool_calls", "tool_errors", "tool_timeouts", "tool_format_errors")},
         "rollout/env_errors": float(sum(bool(c.env_error) for c in conversations)),
         "rollout/env_timeouts": float(sum(c.env_error.startswith("timeout") for c in conversations)),
         "timing/tool": sum(c.env_seconds for c in conversations),
