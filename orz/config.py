@@ -69,6 +69,9 @@ class RoleConfig:
     use_distributed_optimizer: bool = False  # ZeRO-1 over DP (GPU; untested on CPU)
 
 
+LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}  # rollout.logprobs_mode -> vLLM's
+
+
 @dataclass
 class RolloutConfig:
     num_engines: int = 1
@@ -91,6 +94,10 @@ class RolloutConfig:
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
     sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
     max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
+    # The log-probs an engine reports with each token (vLLM's logprobs_mode): "processed", of the
+    # distribution it sampled from (after temperature, top-k, top-p: the behaviour policy), or
+    # "raw", the model's own log-softmax before them (what the trainer computes at temperature 1).
+    logprobs_mode: str = "processed"
     # Partial rollout (max_staleness > 0): when the actor's update ends before the next batch is
     # generated, the engines stop, take the new weights, and continue each unfinished response.
     partial: bool = False

@@ -29,6 +29,7 @@ def test_the_fleet_and_its_sampling_are_built_from_the_rollout_section():
     assert (fleet.transport, fleet.check, fleet.request_timeout_s, fleet.sync_timeout_s) == ("object_store", "held", 9.0, 7.0)
     assert (fleet.sleep_mode, fleet.log_dir) == (True, "logs")
     assert fleet.engine_args["max_model_len"] == 640 and fleet.engine_args["max_num_seqs"] == 16
+    assert fleet.engine_args["logprobs_mode"] == "processed_logprobs"
     rollout.max_model_len = 4096  # set by hand: it wins over the stages' longest prompt + response
     assert FleetConfig.from_config(rollout, max_model_len=640).engine_args["max_model_len"] == 4096
     sampling = SamplingConfig.from_config(rollout, seed=123)
@@ -190,6 +191,36 @@ def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperatur
         return [lp[i, p - 1 : len(s) - 1] for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
     return engine.run([ModelInputs(ids)], collect=logprobs)[0]
+
+
+def test_logprobs_mode_raw_reports_the_models_distribution_processed_the_sampled_one(fleet, weights, tiny_model):
+    """rollout.logprobs_mode: with top_k=3 an engine samples from the 3 likeliest tokens
+    renormalised. "processed" reports log-probs of that distribution, "raw" of the model's own
+    (transformers' log_softmax on the same ids); the same seed samples the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)  # the weights on disk
+    sampling = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=8, n=2, seed=5)
+    raw_fleet = EngineFleet(tiny_model, FleetConfig.from_config(RolloutConfig(logprobs_mode="raw", kv_cache_gib=1),
+                                                                max_model_len=256))
+    try:
+        raw = raw_fleet.generate(PROMPTS, sampling)
+    finally:
+        raw_fleet.shutdown()
+    processed = fleet.generate(PROMPTS, sampling)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    for r, p in zip(raw, processed):
+        assert r.response_ids == p.response_ids
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1]
+        tokens = torch.tensor(r.response_ids)
+        full = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        top3 = logits.topk(3).values
+        kept = full - (torch.logsumexp(top3, -1) - torch.logsumexp(logits, -1))  # renormalised over the top 3
+        assert torch.allclose(torch.tensor(r.logprobs), full, atol=1e-4)
+        assert torch.allclose(torch.tensor(p.logprobs), kept, atol=1e-4)
+        assert (kept - full).min() > 1e-3  # the two modes differ on every token
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -187,6 +187,11 @@ def test_a_missing_data_file_is_refused_in_one_line_before_ray_starts(tiny_model
     (["algorithm.rollout_logprobs_as_old=true", "algorithm.is_correction=true"],
      "algorithm.is_correction compares π_old with the engine's policy"),
     (["trainer.batch_invariant=true"], "trainer.batch_invariant=true asks .* which need GPUs"),
+    (["rollout.logprobs_mode=sampled"], "rollout.logprobs_mode='sampled' is unknown; valid: processed, raw"),
+    (["rollout.logprobs_mode=raw", "rollout.temperature=0.7"],
+     "rollout.logprobs_mode=raw reports log-probs before temperature, while the trainer's π_old is at "
+     "rollout.temperature=0.7"),
+    (["algorithm.rollout_logprobs_as_old=true", "rollout.top_k=5"], "algorithm.rollout_logprobs_as_old needs"),
 ])
 def test_a_mismatch_setting_that_cannot_act_is_refused_naming_its_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -197,6 +202,9 @@ def test_one_sided_bands_and_sequence_is_pass_and_batch_invariance_passes_where_
     run_rules.check(load_config(None, ["algorithm.mismatch_mask=[0.5, null]", "algorithm.mismatch_reject_geo=[null, 1.01]",
                                        "algorithm.is_level=sequence", "algorithm.is_correction=true"]), on_gpu=False)
     run_rules.check(load_config(None, ["trainer.batch_invariant=true"]), on_gpu=True)
+    # raw log-probs are the model's whole distribution: the engine's are π_old's under top-k too
+    run_rules.check(load_config(None, ["algorithm.rollout_logprobs_as_old=true", "rollout.top_k=5",
+                                       "rollout.logprobs_mode=raw"]), on_gpu=False)
 
 
 def test_trainer_planner_and_slurm_check_give_one_placement_verdict():

@@ -17,7 +17,9 @@ from fnmatch import fnmatch
 
 import torch
 
-from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs
+from orz.config import (
+    LOGPROBS_MODES, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
+)
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
 from orz.ppo.placement import Layout, Sizes, role_problems, roles
@@ -106,9 +108,16 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
     problems = range_problems(cfg)
     estimator(a)
-    if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0):
+    if r.logprobs_mode not in LOGPROBS_MODES:
+        problems.append(f"rollout.logprobs_mode={r.logprobs_mode!r} is unknown; valid: {', '.join(LOGPROBS_MODES)}")
+    if r.logprobs_mode == "raw" and r.temperature != 1:
+        problems.append(f"rollout.logprobs_mode=raw reports log-probs before temperature, while the trainer's π_old "
+                        f"is at rollout.temperature={r.temperature}: they would describe two policies; use "
+                        "logprobs_mode=processed, or temperature 1")
+    if a.rollout_logprobs_as_old and (r.top_p < 1 or r.top_k > 0) and r.logprobs_mode == "processed":
         problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
-                        f"{r.top_k}): the engine reports log-probs of the truncated distribution")
+                        f"{r.top_k}), or rollout.logprobs_mode=raw: the engine reports log-probs of the truncated "
+                        "distribution")
     if a.policy_loss not in POLICY_LOSSES:
         problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; valid: {', '.join(POLICY_LOSSES.names())}")
     elif a.policy_loss != "ppo" and a.dual_clip is not None:

@@ -28,7 +28,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from orz.bundles import Bundles
-from orz.config import RolloutConfig
+from orz.config import LOGPROBS_MODES, RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
 from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, GroupSpec, WeightSource
 
@@ -58,7 +58,8 @@ class FleetConfig:
         """The fleet of a run's `rollout` section. max_model_len: what its context must hold when
         rollout.max_model_len is 0 (the longest prompt + response of any stage)."""
         r = rollout
-        engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs}
+        engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs,
+                       "logprobs_mode": LOGPROBS_MODES[r.logprobs_mode]}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
         return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
