@@ -1,4 +1,5 @@
-"""Math reward throughput: MathReward's killable pool against math-verify called in-line.
+"""Math reward throughput: MathReward's killable pool, through the reward router as the trainer
+scores, against math-verify called in-line.
 
     .venv/bin/python bench/bench_math_reward.py [--responses 10000] [--workers 2] [--timeout-s 2] [--smoke]
 
@@ -33,10 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import emit, machine, parse_args  # noqa: E402
 
-from orz.data.datasets import load_rows  # noqa: E402
+from orz.data.datasets import Row, load_rows  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
 from orz.data.answers import extract_answer  # noqa: E402
-from orz.reward.math import MathReward, MathRewardConfig, is_equivalent  # noqa: E402
+from orz.reward.math import MathRewardConfig, is_equivalent  # noqa: E402
+from orz.reward.router import RewardRouter, RouterConfig, reward_metrics  # noqa: E402
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 PATHOLOGICAL = [
@@ -124,14 +126,15 @@ def main() -> None:
     cfg = MathRewardConfig(num_workers=args.workers, timeout_s=args.timeout_s)
     totals = dict.fromkeys(["pool_wall", "pool_cpu", "inline_wall", "inline_cpu", "inline_n", "inline_right"], 0.0)
     rounds = []
-    with MathReward(cfg) as reward:
-        reward.score([r"\boxed{1}"] * args.workers, ["1"] * args.workers)  # workers started and warm
+    rows = [Row("", "math", (truth,)) for truth in truths]
+    with RewardRouter(RouterConfig(math=cfg), rows) as reward:
+        reward.score([r"\boxed{1}"] * args.workers, rows[:args.workers])  # workers started and warm (the verdicts aside)
         is_equivalent("\\frac{1}{2}", "0.5")  # the in-line side warms up the same way
         step = -(-args.responses // args.rounds)
         for begin in range(0, args.responses, step):
             part = slice(begin, begin + step)
             start, start_cpu = time.perf_counter(), time.process_time()
-            _, metrics = reward.score(responses[part], truths[part], finish[part])
+            metrics = reward_metrics(reward.score(responses[part], rows[part], finish[part]))
             totals["pool_wall"] += time.perf_counter() - start
             totals["pool_cpu"] += time.process_time() - start_cpu + metrics["reward/verify_cpu_s"]
             rounds.append(metrics)

@@ -174,8 +174,7 @@ def side_trl(args, base: Path, out: Path, mode: str) -> dict:
             finish.append("stop" if done else "length")
         # real generated tokens: up to the stop string / EOS (TRL masks after EOS)
         gen["tokens"].append(sum(len(ids) for ids in completion_ids))
-        scores, _ = reward_pool.score(texts, list(answer), finish)
-        return scores
+        return [reward_pool.reward_of(r) for r in reward_pool.judge(texts, list(answer), finish)]
 
     micro = min(64, args.prompts * args.samples // args.steps_per_iteration)
     accumulation = args.prompts * args.samples // args.steps_per_iteration // micro
@@ -255,7 +254,7 @@ def heldout_accuracy(model_dir: str, args, tokenizer_dir: str | None = None) -> 
             finish.append("stop" if ended or stopped else "length")
     reward = MathReward(MathRewardConfig(num_workers=1))
     try:
-        scores, _ = reward.score(texts, [r["answer"] for r in rows], finish)
+        scores = [reward.reward_of(r) for r in reward.judge(texts, [r["answer"] for r in rows], finish)]
     finally:
         reward.close()
     return sum(scores) / len(scores)

@@ -164,9 +164,9 @@ def hostile_results(strict_reward, outside):
     names = list(HOSTILE)
     responses = [fenced(HOSTILE[n].format(**outside)) for n in names] + [fenced(CORRECT)]
     start = time.monotonic()
-    scores, metrics = strict_reward.score(responses, [ONE_TEST] * len(responses))
+    judgements = strict_reward.judge(responses, [ONE_TEST] * len(responses))
     elapsed = time.monotonic() - start
-    return dict(zip(names + ["correct"], scores)), metrics, elapsed
+    return dict(zip(names + ["correct"], [j.score for j in judgements])), judgements, elapsed
 
 
 ESCAPES = [n for n in HOSTILE if n != "leaves_a_daemon"]
@@ -179,9 +179,9 @@ def test_escape_scores_zero(hostile_results, name):
 
 
 def test_hostile_neighbours_do_not_disturb_a_correct_solution(hostile_results):
-    scores, metrics, elapsed = hostile_results
+    scores, judgements, elapsed = hostile_results
     assert scores["correct"] == 1.0
-    assert metrics["code/timeouts"] >= 2  # the loop/sleep/fork bombs hit the wall clock
+    assert sum(j.timeouts for j in judgements) >= 2  # the loop/sleep/fork bombs hit the wall clock
     assert elapsed < 4 * LIMITS.wall_s + 10  # 14 solutions, 8 at a time; none hangs the batch
 
 
@@ -280,9 +280,10 @@ def _uids_in_use():
 
 def test_correct_and_wrong_solutions(reward):
     responses = [fenced(ADD_SOURCE), fenced("print(3)\n"), "no code block", fenced(ADD_SOURCE)]
-    scores, metrics = reward.score(responses, [ADD] * 4, ["stop", "stop", "stop", "length"])
-    assert scores == [1.0, 0.0, 0.0, 0.0]
-    assert metrics["code/extraction_failure_rate"] == pytest.approx(1 / 4)
+    judgements = reward.judge(responses, [ADD] * 4, ["stop", "stop", "stop", "length"])
+    assert [j.score for j in judgements] == [1.0, 0.0, 0.0, 0.0]
+    assert [j.code is None for j in judgements] == [False, False, True, False]  # the truncated one's code is read, not run
+    assert judgements[3].tests_run == 0
 
 
 def test_pass_fraction_scoring():

@@ -1,4 +1,4 @@
-"""MathReward: ORZ's scoring rules, metrics, pathological inputs, threads, Ray, real benchmark answers."""
+"""MathReward: ORZ's scoring rules, what it judged, pathological inputs, threads, Ray, real benchmark answers."""
 import json
 import os
 import threading
@@ -9,6 +9,11 @@ import pytest
 from orz.reward.math import MathReward, MathRewardConfig
 
 TIMEOUT_S = 2.0  # short, for the pathological inputs; `patient` is for right answers on a busy machine
+
+
+def scores(reward, responses, truths, finish_reasons=None) -> list[float]:
+    """The rewards of the responses, through the verifier's one entry point (judge), as the router scores them."""
+    return [reward.reward_of(result) for result in reward.judge(responses, truths, finish_reasons)]
 
 
 @pytest.fixture(scope="module")
@@ -31,31 +36,30 @@ def test_right_and_finished_scores_one(patient):
         r"no answer at all",
         r"<think>half</think> <answer>\boxed{\frac{1}{2}}</answer>",  # right but cut off
     ]
-    scores, metrics = patient.score(responses, ["1/2"] * 5, ["stop"] * 4 + ["length"])
-    assert scores == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert metrics["reward/accuracy"] == pytest.approx(2 / 5)
-    assert metrics["reward/truncated_rate"] == pytest.approx(1 / 5)
-    assert metrics["reward/extraction_failure_rate"] == pytest.approx(1 / 4)
-    assert metrics["reward/timeouts"] == 0
+    results = patient.judge(responses, ["1/2"] * 5, ["stop"] * 4 + ["length"])
+    assert [patient.reward_of(r) for r in results] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert results[4] is None  # truncated: not verified
+    assert [r.status for r in results[:4]] == ["ok"] * 4
+    assert [(r.value.correct, r.value.extracted) for r in results[:4]] == [(True, True), (True, True), (False, True),
+                                                                          (False, False)]
 
 
 def test_call_without_finish_reasons_means_all_finished(reward):
-    assert reward([r"\boxed{3}", r"\boxed{4}"], ["3", "3"]) == [1.0, 0.0]
+    assert scores(reward, [r"\boxed{3}", r"\boxed{4}"], ["3", "3"]) == [1.0, 0.0]
 
 
 def test_mismatched_batch_is_an_error(reward):
     with pytest.raises(ValueError, match="2 responses, 1 ground truths"):
-        reward.score(["a", "b"], ["1"], ["stop", "stop"])
+        reward.judge(["a", "b"], ["1"], ["stop", "stop"])
 
 
 def test_format_reward_is_added_for_orz_template():
     cfg = MathRewardConfig(num_workers=1, timeout_s=TIMEOUT_S, format_reward=0.5)
     with MathReward(cfg) as reward:
-        scores, metrics = reward.score(
-            ["x </think> <answer>7</answer>", "x </think> <answer>8</answer>", r"\boxed{7}"], ["7"] * 3
-        )
-    assert scores == [1.5, 0.5, 1.0]
-    assert metrics["reward/format_rate"] == pytest.approx(2 / 3)
+        results = reward.judge(["x </think> <answer>7</answer>", "x </think> <answer>8</answer>", r"\boxed{7}"],
+                               ["7"] * 3)
+        assert [reward.reward_of(r) for r in results] == [1.5, 0.5, 1.0]
+    assert [r.value.well_formatted for r in results] == [True, True, False]
 
 
 def test_pathological_inputs_score_zero_within_the_timeout(reward):
@@ -66,20 +70,20 @@ def test_pathological_inputs_score_zero_within_the_timeout(reward):
         r"\boxed{" + "9" * 200_000 + "}",
     ]
     start = time.monotonic()
-    scores, metrics = reward.score(hostile + [r"\boxed{7}"], ["7"] * 5)
+    results = reward.judge(hostile + [r"\boxed{7}"], ["7"] * 5)
     elapsed = time.monotonic() - start
-    assert scores == [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert [reward.reward_of(r) for r in results] == [0.0, 0.0, 1.0, 0.0, 1.0]
     # Each hostile item costs at most one timeout; two workers share them.
     assert elapsed < 2 * TIMEOUT_S + 6.0  # slack for a busy machine; unbounded without the pool
-    assert metrics["reward/timeouts"] + metrics["reward/errors"] >= 1
-    assert reward([r"\boxed{5}"], ["5"]) == [1.0]  # the pool keeps serving
+    assert sum(r.status in ("timeout", "error") for r in results) >= 1
+    assert scores(reward, [r"\boxed{5}"], ["5"]) == [1.0]  # the pool keeps serving
 
 
 def test_scores_from_many_threads(patient):
     results = {}
 
     def score(k):
-        results[k] = patient([rf"\boxed{{{k}}}", rf"\boxed{{{k + 1}}}"], [str(k), str(k)])
+        results[k] = scores(patient, [rf"\boxed{{{k}}}", rf"\boxed{{{k + 1}}}"], [str(k), str(k)])
 
     threads = [threading.Thread(target=score, args=(k,)) for k in range(4)]
     for t in threads:
@@ -96,10 +100,10 @@ def test_real_benchmark_answers(patient, shared_data):
         with open(os.path.join(shared_data, name)) as f:
             rows += json.load(f)[::stride]
     truths = [row["final_answer"] for row in rows]
-    right = patient([rf"<think>...</think> <answer>\boxed{{{t}}}</answer>" for t in truths], truths)
+    right = scores(patient, [rf"<think>...</think> <answer>\boxed{{{t}}}</answer>" for t in truths], truths)
     assert sum(right) == len(truths), [t for t, s in zip(truths, right) if s != 1.0]
     aime = truths[:30]
-    wrong = patient([rf"\boxed{{{int(t) + 1}}}" for t in aime], aime)
+    wrong = scores(patient, [rf"\boxed{{{int(t) + 1}}}" for t in aime], aime)
     assert sum(wrong) == 0
 
 
@@ -113,7 +117,7 @@ def test_inside_a_ray_actor(ray_cluster):
             self.reward = MathReward(MathRewardConfig(num_workers=1, timeout_s=1.0))
 
         def score(self, responses, truths):
-            return self.reward(responses, truths)
+            return [self.reward.reward_of(r) for r in self.reward.judge(responses, truths)]
 
     scorer = Scorer.remote()
     responses = [r"\boxed{\frac12}", r"\boxed{2^{2^{2^{100}}}}", r"\boxed{3}"]

@@ -61,10 +61,10 @@ bomb_limits = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=512, processes=16) 
 with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
         CodeReward(CodeRewardConfig(max_parallel=1, limits=bomb_limits)) as bomb_reward:
     isolation = reward.sandbox.isolation
-    scores, metrics = reward.score(job["responses"], [tests] * len(job["responses"]))
+    judgements = reward.judge(job["responses"], [tests] * len(job["responses"]))
     before = tasks()
     resource.setrlimit(resource.RLIMIT_NPROC, (before + 64, before + 64))  # the user's ulimit -u
-    bomb = threading.Thread(target=bomb_reward.score, args=([job["bomb"]], [tests]))
+    bomb = threading.Thread(target=bomb_reward.judge, args=([job["bomb"]], [tests]))
     bomb.start()
     deadline = time.monotonic() + 20  # a loaded machine (the whole suite) ramps the bomb up slowly
     starts = []
@@ -77,8 +77,9 @@ with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
     bomb.join()
     locked = reward.run_tests(job["locks_its_directory"], tests).score  # leaves a `chmod 0` directory
     left = os.listdir(reward.sandbox.workdir_root)
-print(json.dumps({"isolation": isolation, "controls": controls, "scores": scores, "starts_during_bomb": starts,
-                  "timeouts": metrics["code/timeouts"], "locked": locked, "left_in_workdirs": left}))
+print(json.dumps({"isolation": isolation, "controls": controls, "scores": [j.score for j in judgements],
+                  "starts_during_bomb": starts, "timeouts": sum(j.timeouts for j in judgements), "locked": locked,
+                  "left_in_workdirs": left}))
 """
 # A host service on a Unix socket under /run (where systemd --user and D-Bus listen), reached
 # through libc, past the harness's audit hook: only hiding /run stops it.

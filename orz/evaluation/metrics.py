@@ -13,6 +13,8 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """1 - C(n-c, k) / C(n, k): the chance that k of the n samples, drawn without replacement,
@@ -89,16 +91,8 @@ def mean(values: Sequence[float]) -> float:
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """The q-quantile with linear interpolation between ranks (numpy's default); 0 for none."""
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must be in [0, 1], got {q}")
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """numpy's q-quantile (linear interpolation between ranks); 0 for no values."""
+    return float(np.quantile(values, q)) if len(values) else 0.0
 
 
 def benchmark_figures(

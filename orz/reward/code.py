@@ -1,8 +1,7 @@
 """Code reward: Python solutions judged against test cases in the sandbox.
 
     reward = CodeReward(CodeRewardConfig(scoring="all_pass"))
-    judgements = reward.judge(responses, [row.tests, ...], finish_reasons)   # per response
-    scores, metrics = reward.score(responses, tests, finish_reasons)
+    judgements = reward.judge(responses, [row.tests, ...], finish_reasons)   # per response: .score, .code, ...
 
 Three test modes (orz.data.datasets.CodeTests): stdin/stdout (the solution is a script),
 call-based (a function, or a method of LeetCode's `class Solution`, on JSON arguments), and checks
@@ -129,19 +128,6 @@ class CodeReward:
                              f"sets, {len(finish_reasons)} finish reasons")
         return list(self._threads.map(lambda args: self._judge_response(*args),
                                       zip(responses, tests, finish_reasons)))
-
-    def score(self, responses: Sequence[str], tests: Sequence[CodeTests],
-              finish_reasons: Sequence[str | None] | None = None) -> tuple[list[float], dict[str, float]]:
-        """Per-response rewards and batch metrics."""
-        judgements = self.judge(responses, tests, finish_reasons)
-        n = max(len(judgements), 1)
-        scores = [j.score for j in judgements]
-        return scores, {
-            "code/score_mean": sum(scores) / n,
-            "code/all_pass_rate": sum(s == 1.0 for s in scores) / n,
-            "code/extraction_failure_rate": sum(j.code is None for j in judgements) / n,
-            "code/timeouts": float(sum(j.timeouts for j in judgements)),
-        }
 
     def run_tests(self, solution: str, tests: CodeTests) -> CodeJudgement:
         """The judgement of one solution's source code (no extraction)."""

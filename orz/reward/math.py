@@ -2,7 +2,8 @@
 math-verify (latex2sympy2_extended + sympy), in a pool of killable workers.
 
     reward = MathReward(MathRewardConfig(num_workers=2))
-    scores, metrics = reward.score(responses, ground_truths, finish_reasons)
+    results = reward.judge(responses, ground_truths, finish_reasons)   # the router's entry point
+    scores = [reward.reward_of(r) for r in results]
 
 A response scores 1 only when its answer is right and it finished (vLLM finish reason "stop"); a
 truncated response scores 0, as in ORZ. Parsing and comparing run in worker processes with a hard
@@ -21,7 +22,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 
 from orz.data.answers import DEFAULT_EXTRACTION, EXTRACTORS, extract_answer
 from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE
-from orz.reward.pool import ItemResult, KillablePool, quantile
+from orz.reward.pool import ItemResult, KillablePool
 
 # math-verify warns once that its own timeout is off; it is off on purpose (it uses SIGALRM, which
 # only works in the main thread), and the pool's kill is the timeout.
@@ -175,38 +176,6 @@ class MathReward:
         if outcome is None or outcome.status != "ok":
             return 0.0
         return float(outcome.value.correct) + self.cfg.format_reward * outcome.value.well_formatted
-
-    def score(
-        self,
-        responses: Sequence[str],
-        ground_truths: Sequence[str | Sequence[str]],
-        finish_reasons: Sequence[str | None] | None = None,
-    ) -> tuple[list[float], dict[str, float]]:
-        """Per-response rewards and batch metrics. `finish_reasons` are vLLM's ("stop", "length",
-        ...); None means every response finished. Truncated responses are not verified."""
-        results = self.judge(responses, ground_truths, finish_reasons)
-        outcomes = [r for r in results if r is not None]
-        return [self.reward_of(r) for r in results], self._metrics(len(responses), outcomes)
-
-    def __call__(self, responses, ground_truths, finish_reasons=None) -> list[float]:
-        return self.score(responses, ground_truths, finish_reasons)[0]
-
-    def _metrics(self, batch_size: int, outcomes: list[ItemResult]) -> dict[str, float]:
-        verdicts = [o.value for o in outcomes if o.status == "ok"]
-        n = max(batch_size, 1)
-        n_finished = max(len(outcomes), 1)
-        return {
-            "reward/accuracy": sum(v.correct for v in verdicts) / n,
-            "reward/truncated_rate": (batch_size - len(outcomes)) / n,
-            "reward/extraction_failure_rate": sum(not v.extracted for v in verdicts) / n_finished,
-            "reward/format_rate": sum(v.well_formatted for v in verdicts) / n_finished,
-            "reward/timeouts": float(sum(o.status == "timeout" for o in outcomes)),
-            "reward/crashes": float(sum(o.status == "crash" for o in outcomes)),
-            "reward/errors": float(sum(o.status == "error" for o in outcomes)),
-            **{f"reward/verify_s_{name}": quantile([o.seconds for o in outcomes], q)
-               for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
-            "reward/verify_cpu_s": sum(o.cpu_seconds for o in outcomes),
-        }
 
     def close(self) -> None:
         self.pool.close()

@@ -374,9 +374,3 @@ def _recv_or_none(conn: mp_connection.Connection) -> Any:
         return conn.recv()
     except EOFError:
         return None
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The q-quantile by rank (no interpolation), as the verify-time metrics report it; 0 for no values."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

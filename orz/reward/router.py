@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from orz.config import RewardConfig
 from orz.data.answers import extract_answer
 from orz.data.datasets import BUILTIN_VERIFIERS, DatasetFormatError, Row
@@ -32,7 +34,6 @@ from orz.reward import custom
 from orz.reward.choice import extract_choice
 from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
 from orz.reward.math import MathReward, MathRewardConfig
-from orz.reward.pool import quantile
 from orz.reward.sandbox import SandboxLimits
 
 # The reward-model role's score (added by the trainer, which runs that role); a row whose verifier
@@ -290,7 +291,7 @@ def reward_metrics(verdicts: Sequence[Verdict]) -> dict[str, float]:
         "reward/truncated_rate": 1 - len(finished) / max(len(verdicts), 1),
         "reward/extraction_failure_rate": _mean([v.extracted is None for v in finished if v.verifier in BUILTIN_VERIFIERS]),
         **_failures("reward", verdicts, None),
-        **{f"reward/verify_s_{name}": quantile([v.seconds for v in finished], q)
+        **{f"reward/verify_s_{name}": float(np.quantile([v.seconds for v in finished], q)) if finished else 0.0
            for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "reward/verify_cpu_s": sum(v.cpu_s for v in verdicts),
     }
