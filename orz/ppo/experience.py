@@ -129,7 +129,8 @@ class Experience:
 
     @classmethod
     def concat(cls, parts: Sequence[Experience]) -> Experience:
-        """Rows of all ``parts`` in order; (B, S) and (B, T) fields are right-padded to the widest with 0."""
+        """Rows of all ``parts`` in order; (B, S) and (B, T) fields are right-padded to the widest with 0.
+        The trainer builds one Experience per batch; the tests join batches with it (a buffer of two)."""
         if not parts:
             raise ValueError("concat needs at least one Experience")
         columns: dict[str, Any] = {}

@@ -285,9 +285,6 @@ class VLLMEngine(FaultSite):
     def held_digests(self) -> dict[str, str]:
         return self.llm.collective_rpc("orz_held_digests")[0]
 
-    def held_weights(self) -> dict[str, torch.Tensor]:
-        return self.llm.collective_rpc("orz_held_weights")[0]
-
     def collective_rpc(self, fn, args: tuple = ()):
         """Runs fn(worker, *args) on every worker of this engine (debugging, fault injection)."""
         return self.llm.collective_rpc(fn, args=args)

@@ -230,8 +230,10 @@ class EngineFleet:
         for i in hung_ids:
             self._replace(i)
         return self.sync(source, version, ids, attempt + 1)
+
     def verify(self) -> None:
-        """Reads back what every engine holds and compares it with the last sync's digests."""
+        """Reads back what every engine holds and compares it with the last sync's digests, on
+        demand (bench_weight_sync checks that what it timed landed; a run checks in `sync`)."""
         if not self.sent_digests:
             raise WeightSyncError("no digests of the last sync to verify against: sync with check != 'off'")
         ids = list(range(len(self.engines)))
