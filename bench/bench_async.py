@@ -38,7 +38,7 @@ from common import (  # noqa: E402
 )
 
 from orz.demo import rl_config  # noqa: E402
-from orz.ppo.trainer import main as train  # noqa: E402
+from orz.train import run as train  # noqa: E402
 
 
 class CpuMeter:

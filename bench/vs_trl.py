@@ -94,7 +94,7 @@ def side_orz(args, base: Path, out: Path, staleness: int) -> dict:
 
     set_threads(1)
     from orz.demo import BaseModelSpec, rl_config
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
 
     spec = BaseModelSpec()
     cfg = rl_config(base, spec, out, [

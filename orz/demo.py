@@ -258,7 +258,7 @@ def accuracy_without_tool(cfg: ExperimentConfig) -> float:
 
 def main(argv: list[str]) -> dict:
     """argv: [--task arithmetic|tools] and key=value overrides of the RL config."""
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
 
     start = time.time()
     task = "arithmetic"

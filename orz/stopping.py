@@ -1,4 +1,4 @@
-"""How a run stops on SIGINT (Ctrl-C) and SIGTERM: orz.ppo.trainer.main installs StopSignals for
+"""How a run stops on SIGINT (Ctrl-C) and SIGTERM: orz.train.run installs StopSignals for
 the run's length; the first signal raises Stopped in the main thread, the run shuts every role and
 its own Ray cluster down, and `orz train` prints one line and exits 128 + the signal (130, 143).
 

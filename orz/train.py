@@ -1,11 +1,21 @@
-"""Train from a YAML preset (or a playground recipe) and `key.sub=value` overrides.
+"""Train from a YAML preset (or a playground recipe) and `key.sub=value` overrides, and the life
+of the process around a run: refusals before Ray starts, signals, restarts after a lost worker.
 
     python -m orz.train --config configs/tiny_grpo.yaml trainer.iterations=50 actor.lr=1e-5
     python playground/orz_7b_ppo.py model.path=/models/Qwen2.5-7B data.train=[/data/orz_math_57k.json]
+    run(cfg)    # from Python: the result's iterations, seconds, plot, first and last metrics
+
+Torch, Ray and Megatron's helpers are imported when a run starts (seconds), so that a refused
+command line answers at once and Ctrl-C during the imports ends quietly.
 """
 import argparse
+import contextlib
 import json
+import re
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from orz.config import ConfigError, ExperimentConfig, load_config
 from orz.stopping import Stopped
@@ -25,7 +35,7 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        from orz.ppo.trainer import main as train  # seconds: torch, Ray, Megatron's helpers
+        import orz.ppo.trainer  # noqa: F401  seconds: torch, Ray, Megatron's helpers
     except KeyboardInterrupt:
         print("orz: stopped by Ctrl-C (SIGINT) before the run started", file=sys.stderr)
         return 130
@@ -33,7 +43,7 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
     from orz.models.arch import ModelConfigError
 
     try:
-        result = train(cfg)
+        result = run(cfg)
     except (ConfigError, DatasetFormatError, ModelConfigError) as err:  # refused before anything started
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -43,6 +53,128 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
     print(json.dumps(result, default=str))
     # 75 (EX_TEMPFAIL): stopped by SIGUSR1 with a checkpoint; scripts/slurm requeues the job.
     return 75 if result.get("preempted") else 0
+
+
+
+def run(cfg: ExperimentConfig) -> dict:
+    """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
+    SIGTERM and Ctrl-C raise Stopped once every role is shut down, and the local Ray cluster too if
+    this call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
+    start on and across restarts, ends the run after the current iteration with a checkpoint."""
+    import ray
+
+    from orz.faults import Fault
+    from orz.logs import output_to, quiet_driver
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.ppo import checkpoints, run_rules
+    from orz.ppo.trainer import console
+    from orz.stopping import StopSignals
+
+    stop = threading.Event()
+    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
+    if signals:
+        signal.signal(signal.SIGUSR1, lambda *_: stop.set())
+        signals.install()
+    progress = {"iterations": None}  # of the trainer in use, for Stopped
+    owns_ray = False
+    try:
+        try:
+            try:
+                Fault.parse(cfg.trainer.fault)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            arch = HFCheckpoint(cfg.model.path).arch
+            run_rules.check(cfg, arch)  # before Ray or any worker starts
+            resume_from = latest_checkpoint(cfg)
+            if resume_from is not None:
+                saved = checkpoints.saved_state(resume_from)["config"]
+                problems = run_rules.resume_problems(cfg, saved, arch)
+                if problems:
+                    raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
+            data = run_rules.check_data(cfg)
+            t = cfg.trainer
+            log_dir = Path(t.output_dir) / "logs"
+            if not t.verbose:
+                console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
+            owns_ray = not ray.is_initialized()
+            if owns_ray:
+                # "local": a new cluster even where `ray start` left its address in /tmp/ray.
+                local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
+                with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
+                    ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
+                             configure_logging=False, **local)
+            if signals:
+                signals.install()
+            with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
+                return _train_with_restarts(cfg, data, stop, signals, progress)
+        except KeyboardInterrupt:
+            if signals:
+                signals.caught()
+            latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
+            raise Stopped(signals.signum if signals and signals.signum else signal.SIGINT, progress["iterations"],
+                          str(latest.parent / latest.read_text().strip()) if latest.is_file() else None) from None
+        finally:
+            if owns_ray and ray.is_initialized():
+                ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
+    finally:
+        if signals:
+            signals.restore()
+
+
+def _train_with_restarts(cfg: ExperimentConfig, data, stop: threading.Event, signals, progress: dict) -> dict:
+    """RayPPOTrainer(...).fit(), rebuilt from the last checkpoint after a lost Megatron worker."""
+    from rich.markup import escape
+
+    from orz.ppo.trainer import RayPPOTrainer, console
+
+    resume_from, restarts = latest_checkpoint(cfg), 0
+    while True:
+        trainer = None
+        try:
+            trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
+            return trainer.fit(stop) | {"restarts": restarts}
+        except KeyboardInterrupt:
+            if signals:
+                signals.caught()  # before the shutdown below, which must not be interrupted
+            raise
+        except Exception as err:
+            if trainer is None:
+                raise
+            lost = trainer.lost_workers()
+            if not lost:  # an exception, not a lost process: starting again would raise it again
+                console.print(f"[bold red]orz: iteration {trainer.iteration + 1} failed[/] in its {trainer.phase} "
+                              f"phase: {escape(_origin(err))}; the run stops, its traceback follows. The last checkpoint: "
+                              f"{trainer.last_checkpoint or 'none'}")
+                raise
+            if restarts == cfg.trainer.max_restarts:
+                raise
+            restarts += 1
+            resume_from = trainer.last_checkpoint
+            console.print(f"[bold red]orz: {', '.join(lost)} died[/] in iteration {trainer.iteration + 1} "
+                          f"({type(err).__name__}); restart {restarts} of at most {cfg.trainer.max_restarts}, "
+                          f"from {resume_from or 'the start'}")
+        finally:
+            if trainer is not None:
+                progress["iterations"] = trainer.iteration
+                trainer.shutdown()
+
+
+def _origin(err: BaseException) -> str:
+    """The error's first line and, when a Ray actor raised it, which actor (its repr: the name of
+    its log, `actor-0`, `engine-0`) in which method, from the line Ray puts over its traceback."""
+    import ray
+
+    cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+    what = f"{type(cause or err).__name__}: {cause or err}".splitlines()[0]
+    actor = re.search(r"ray::([\w.]+)\(\).*?repr=([^)]+)\)", str(err)) if cause is not None else None
+    return f"{what} (raised in {actor[2]}, {actor[1]})" if actor else what
+
+
+def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
+    """The checkpoint to resume from: output_dir/checkpoints/latest's, when trainer.resume."""
+    from orz.ppo import checkpoints
+
+    return checkpoints.latest(Path(cfg.trainer.output_dir) / "checkpoints") if cfg.trainer.resume else None
 
 
 if __name__ == "__main__":

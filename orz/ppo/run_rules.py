@@ -20,13 +20,15 @@ import torch
 from orz.config import (
     LOGPROBS_MODES, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
 )
+from orz.data.datasets import DatasetFormatError, RunData
+from orz.data.templates import encode_prompt, make_template
 from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
 from orz.ppo.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
-from orz.reward.router import RouterConfig
-from orz.rollout.envs import PYTHON, env_names, load_env_class
-from orz.rollout.python_tool import DELIMITERS, delimiters
+from orz.reward.router import MODEL, RouterConfig, check_verifiers
+from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
+from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -424,3 +426,41 @@ def range_problems(cfg: ExperimentConfig) -> list[str]:
         if value is not None and not valid(value):
             problems.append(f"{key}={value} is out of range: it must be {text}")
     return problems
+
+
+def check_data(cfg: ExperimentConfig) -> RunData:
+    """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
+    whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
+    read, for the trainer. Evaluation prompts must fit data.prompt_max_tokens (the engines'
+    context is sized from it): training skips a longer prompt, evaluation refuses it."""
+    from orz.data.tokenizers import load_tokenizer  # transformers: seconds, only when a run starts
+
+    data, tokenizer = RunData(cfg.trainer.seed), load_tokenizer(cfg.model.path)
+    for _, staged in stage_configs(cfg):
+        envs = env_names(staged.rollout.envs)
+        d, router = staged.data, RouterConfig.from_config(staged.reward, envs=envs)
+        template = make_template(d.template, tokenizer, d.instruction, prompt_tools(staged.rollout))
+        evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
+        rows = data.train(d) + evaluated
+        check_verifiers(rows, router)
+        unknown_env = next((r for r in rows if r.env and r.env not in envs), None)
+        if unknown_env is not None:
+            raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "
+                                     f"known: {sorted(envs)} (add it to rollout.envs)")
+        used = envs_used(staged.rollout, rows)
+        problems = multi_turn_problems(staged) if used else []
+        if PYTHON not in used:
+            problems += python_tool_unused(staged)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
+        if scored_by_model is not None and not staged.reward.model.path:
+            raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
+                                     "(the reward model's score alone), but reward.model.path is not set")
+        for row in evaluated:
+            length = len(encode_prompt(tokenizer, template, row.prompt))
+            if length > d.prompt_max_tokens:
+                raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
+                                         f"data.prompt_max_tokens={d.prompt_max_tokens}, which sizes the engines' "
+                                         "context; an evaluation set is never trimmed: raise data.prompt_max_tokens")
+    return data

@@ -1,29 +1,25 @@
-"""RayPPOTrainer: the single controller of a PPO/GRPO run.
+"""RayPPOTrainer: the single controller of a PPO/GRPO run: setup, `fit` and `step`.
 
-    main(cfg)   # = RayPPOTrainer(cfg, resume_from=latest_checkpoint(cfg)).fit(), restarted on a lost worker
+    RayPPOTrainer(cfg, resume_from=checkpoint).fit()     # orz.train.run: the process around it
 
 One iteration, each phase timed into `timing/*`:
-  1 rollout     prompts -> vLLM fleet -> samples (n per prompt)
+  1 rollout     prompts -> vLLM fleet -> samples (n per prompt)     experience_builder.py
   2 reward      verifier scores; dynamic sampling draws more prompts when asked
   3 forward     old log-probs (actor), reference log-probs, critic values — in parallel
   4 advantages  per-token rewards (score on the last token − β·KL), the configured estimator
   5 update      critic and actor optimizer steps over the experience — in parallel
   6 sync        the actor's new weights into every engine, as the next weight version
-then metrics, evaluation and checkpoints every k iterations. The trainer holds handles, not
-model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
+then metrics, evaluation and checkpoints (checkpoints.py) every k iterations. The trainer holds
+handles, not model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
 
 A Megatron worker that dies (its node lost, OOM-killed) fails the iteration it was in: nothing of
-that iteration is logged or checkpointed; `main` then rebuilds every role and the fleet and
-resumes from the last checkpoint (trainer.max_restarts times at most). A dead vLLM engine is
+that iteration is logged or checkpointed; orz.train.run then rebuilds every role and the fleet
+and resumes from the last checkpoint (trainer.max_restarts times at most). A dead vLLM engine is
 the fleet's business: it restarts it and re-issues its requests.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import re
-import shutil
-import signal
 import threading
 import time
 from collections import deque
@@ -33,95 +29,41 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.bundles import Bundles
-from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
-from orz.data.datasets import DatasetFormatError, Row, RunData
-from orz.data.sampler import PromptLoader
-from orz.data.templates import encode_prompt, make_template, reward_model_inputs
+from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
+from orz.data.datasets import RunData
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
-from orz.logs import output_to, quiet_driver
-from orz.models.checkpoint import HFCheckpoint, atomic_dir
-from orz.ppo import placement, run_rules
+from orz.ppo import checkpoints, placement, run_rules
 from orz.ppo.actors import ActorSettings, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
     FixedKLController,
     IS_LEVELS,
-    dynamic_sampling_filter,
     estimate_advantages,
     kl_in_score,
     kl_penalty,
     masked_mean,
     mismatch_keep_mask,
     mismatch_metrics,
-    overlong_penalty,
     reward_on_last_token,
     whiten,
 )
+from orz.ppo.experience import Experience
+from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
-from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.ppo.trackers import open_trackers
-from orz.reward.router import MODEL, RewardRouter, RouterConfig, Verdict, check_verifiers, reward_metrics
-from orz.rollout.engine import Sample, SamplingConfig
-from orz.rollout.envs import PYTHON, env_names
 from orz.rollout.fleet import EngineFleet, FleetConfig
-from orz.rollout.multiturn import (
-    Conversation, MultiTurnRollout, TurnLimits, env_scores, envs_used, make_envs, multiturn_metrics, turn_stops,
-)
-from orz.rollout.python_tool import prompt_tools
+from orz.rollout.envs import envs_used
 from orz.rollout.weight_sync import GroupSource
-from orz.stopping import StopSignals, Stopped
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
-
-
-def check_data(cfg: ExperimentConfig) -> RunData:
-    """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
-    whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
-    read, for the trainer. Evaluation prompts must fit data.prompt_max_tokens (the engines'
-    context is sized from it): training skips a longer prompt, evaluation refuses it."""
-    data, tokenizer = RunData(cfg.trainer.seed), load_tokenizer(cfg.model.path)
-    for _, staged in stage_configs(cfg):
-        envs = env_names(staged.rollout.envs)
-        d, router = staged.data, RouterConfig.from_config(staged.reward, envs=envs)
-        template = make_template(d.template, tokenizer, d.instruction, prompt_tools(staged.rollout))
-        evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
-        rows = data.train(d) + evaluated
-        check_verifiers(rows, router)
-        unknown_env = next((r for r in rows if r.env and r.env not in envs), None)
-        if unknown_env is not None:
-            raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "
-                                     f"known: {sorted(envs)} (add it to rollout.envs)")
-        used = envs_used(staged.rollout, rows)
-        problems = run_rules.multi_turn_problems(staged) if used else []
-        if PYTHON not in used:
-            problems += run_rules.python_tool_unused(staged)
-        if problems:
-            raise ConfigError("\n".join(problems))
-        scored_by_model = next((r for r in rows if r.verifier == MODEL), None)
-        if scored_by_model is not None and not staged.reward.model.path:
-            raise DatasetFormatError(scored_by_model.source, scored_by_model.number, "its verifier is 'model' "
-                                     "(the reward model's score alone), but reward.model.path is not set")
-        for row in evaluated:
-            length = len(encode_prompt(tokenizer, template, row.prompt))
-            if length > d.prompt_max_tokens:
-                raise DatasetFormatError(row.source, row.number, f"its prompt is {length} tokens, above "
-                                         f"data.prompt_max_tokens={d.prompt_max_tokens}, which sizes the engines' "
-                                         "context; an evaluation set is never trimmed: raise data.prompt_max_tokens")
-    return data
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (disk full, unwritable directory); nothing was lost."""
 
 
 class Timer:
@@ -133,12 +75,6 @@ class Timer:
         start = time.perf_counter()
         yield
         self.seconds[f"timing/{phase}"] = time.perf_counter() - start
-
-
-def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
-    """output_dir/checkpoints/latest's checkpoint, when trainer.resume and there is one."""
-    latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
-    return latest.parent / latest.read_text().strip() if cfg.trainer.resume and latest.is_file() else None
 
 
 class RayPPOTrainer:
@@ -158,22 +94,23 @@ class RayPPOTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
         self.iteration, self.version, self.restarts = 0, 0, restarts
-        self.pending: deque[tuple[Experience, dict]] = deque()  # generated batches not yet trained on
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")  # max_staleness > 0
+        # Batches generated ahead (max_staleness > 0: by a background thread while the actor trains), not yet trained on.
+        self.batches_ahead: deque[tuple[Experience, dict]] = deque()
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")
         self.last_checkpoint = resume_from
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.data = RunData(cfg.trainer.seed) if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
-        self.reward, self.evaluators, self.loader = None, {}, None
+        self.evaluators = {}
         self.fault = Fault.parse(cfg.trainer.fault)  # main has refused a malformed one
         self.phase = "start"  # what the iteration in flight is doing (named if it fails)
         self._setup_roles()
         self._setup_controllers()
-        state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None else None
+        state = checkpoints.saved_state(resume_from) if resume_from is not None else None
         self._enter_stage(stage_at(cfg, state["iteration"])[0] if state else 0, loader_state=state and state["loader"])
         if resume_from is not None:
-            self._resume(resume_from, state)
+            self._resume(resume_from)
         t = cfg.trainer
         trackers = open_trackers(t.loggers, self.out, t.run_name or self.out.name, t.project, to_dict(cfg),
                                  resume=resume_from is not None)
@@ -221,10 +158,8 @@ class RayPPOTrainer:
             self.fleet = start_fleet() if fleet is None else fleet.result()
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
-        # The reward model reads text in its own tokens when its vocabulary is not the policy's.
-        rm_tokenizer = load_tokenizer(rm.path) if self.reward_model else None
-        self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != self.tokenizer.get_vocab() else None
         self.weights = GroupSource(self.actor)
+        self.experiences = ExperienceBuilder(cfg, self.fleet, self.tokenizer, self.data, self.reward_model, self.out)
 
     def _setup_controllers(self):
         a = self.run_cfg.algorithm  # controller settings are run-wide (run_rules._RUN_ONLY)
@@ -237,24 +172,10 @@ class RayPPOTrainer:
         data, template, reward and evaluation are rebuilt from its config, the roles take its LR,
         schedule and micro-batching. Nothing is in flight here: batches are never generated ahead
         across a stage boundary (step)."""
-        previous = self.stage_cfg if self.loader is not None else None
         self.stage_index = index
         self.stage_cfg = cfg = stage_configs(self.run_cfg)[index][1]
         self.algo = run_rules.algorithm(cfg)  # its None defaults decided
-        d = cfg.data
-        self.template = make_template(d.template, self.tokenizer, d.instruction, prompt_tools(cfg.rollout))
-        if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
-            self.loader = PromptLoader(self.data.train(d), cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
-        if loader_state is not None:
-            self.loader.load_state_dict(loader_state)
-        if self.reward is not None:
-            self.reward.close()
-        self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
-        # Multi-turn when an environment is configured or named by a row; else today's single-turn path.
-        used = envs_used(cfg.rollout, self.loader.rows)
-        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used, self.tokenizer),
-                                          TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
-                                          turn_stops(cfg.rollout)) if used else None
+        self.experiences.enter_stage(cfg, self.algo, loader_state)
         self._setup_eval()
         roles = placement.roles(cfg)
         for name, group in self._named_groups():
@@ -308,14 +229,14 @@ class RayPPOTrainer:
     def step(self, show=lambda phase: None) -> dict:
         """One iteration. With trainer.max_staleness = k > 0 the engines generate (and the pool
         scores) batch i + k in a background thread while the actor trains on batch i; the sync
-        waits for them. Batches already generated wait in `self.pending` (and in checkpoints)."""
+        waits for them. Batches already generated wait in `self.batches_ahead` (and in checkpoints)."""
         timer, k = Timer(), self.run_cfg.trainer.max_staleness
         self._arm_fault()
         with timer("step"):
             show("rollout")
-            while len(self.pending) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
-                self.pending.append(self._rollout_and_reward(self.iteration + len(self.pending), self.version))
-            experience, metrics = self.pending.popleft()
+            while len(self.batches_ahead) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
+                self.batches_ahead.append(self.experiences.build(self.iteration + len(self.batches_ahead), self.version))
+            experience, metrics = self.batches_ahead.popleft()
             metrics |= self._staleness(experience, k)
             colocated = self.run_cfg.trainer.colocate  # the roles' turn: the engines sleep until the sync
             if colocated:
@@ -343,7 +264,7 @@ class RayPPOTrainer:
             with timer("wait_rollout"):
                 if prefetch is not None:
                     show("waiting for the next batch")
-                    self.pending.append(prefetch.result())
+                    self.batches_ahead.append(prefetch.result())
             if colocated:
                 with timer("wake_up"):
                     self.fleet.wake_up()
@@ -351,7 +272,7 @@ class RayPPOTrainer:
                 sync = self._sync(timer, show)
         metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
         # What ran at once this iteration: the background rollout beside the actor's work.
-        generating = self.pending[-1][1]["timing/rollout"] if prefetch is not None else 0.0
+        generating = self.batches_ahead[-1][1]["timing/rollout"] if prefetch is not None else 0.0
         train = timer.seconds["timing/train"]
         metrics |= {"timing/overlap_rollout_train": min(generating, train),
                     "timing/idle_engines": train - min(generating, train),
@@ -379,7 +300,7 @@ class RayPPOTrainer:
         elif fault.role == "engine":
             self.fleet.arm_fault(fault.message("every vLLM engine's generation"))
         else:
-            self.reward.arm_fault(fault.message("the reward router's scoring"))
+            self.experiences.reward.arm_fault(fault.message("the reward router's scoring"))
 
     def _sync(self, timer: Timer, show) -> dict:
         """The actor's new weights into every engine, as the next version."""
@@ -389,9 +310,9 @@ class RayPPOTrainer:
             return self.fleet.sync(self.weights, self.version)
 
     def _prefetch(self, batch: int, version: int) -> tuple[Experience, dict]:
-        """_rollout_and_reward in the background; once it is done the workers may take every core."""
+        """The batch built in the background; once it is done the workers may take every core."""
         try:
-            return self._rollout_and_reward(batch, version)
+            return self.experiences.build(batch, version)
         finally:  # before the result is set: the next iteration's share comes after this one
             self._share_cores(engines_generate=False)
 
@@ -413,135 +334,6 @@ class RayPPOTrainer:
         return {"rollout/staleness_mean": float(staleness.float().mean()), "rollout/staleness_max": float(staleness.max())}
 
     # ---- phases ------------------------------------------------------------------------------
-    def _sampling(self, batch: int, draw: int) -> SamplingConfig:
-        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
-        # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,
-        # no two draws of the run (up to 64 per batch) share one.
-        seed = ((self.run_cfg.trainer.seed * 2**20 + batch) * 2**6 + draw) * 2**24
-        return SamplingConfig.from_config(self.stage_cfg.rollout, seed)
-
-    def _prompt_ids(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
-        out = []
-        for row in rows:
-            ids = encode_prompt(self.tokenizer, self.template, row.prompt)
-            if len(ids) <= self.stage_cfg.data.prompt_max_tokens:
-                out.append((row, ids))
-        return out
-
-    def _generate_and_score(self, prompts: list[tuple[Row, list[int]]], sampling: SamplingConfig,
-                            min_version: int) -> tuple[list[Sample], list[Verdict], float]:
-        """The samples of every prompt in prompt order, their verdicts, and the seconds scoring took
-        after the last sample: each prompt's group goes to the reward router as soon as its samples
-        finish, so scoring overlaps generation."""
-        pending = []
-        if self.multiturn is not None:
-            env = self.stage_cfg.rollout.env
-            groups = self.multiturn.stream([(ids, row.record(), row.env or env) for row, ids in prompts], sampling,
-                                           min_version)
-        else:
-            groups = self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
-                                       interruptible=self.stage_cfg.rollout.partial)
-        for group in groups:
-            row = prompts[group[0].index][0]
-            pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
-                                                      [s.finish_reason for s in group])))
-        start = time.perf_counter()
-        pending.sort(key=lambda item: item[0][0].index)
-        scored = [(group, verdicts.result()) for group, verdicts in pending]
-        samples, verdicts = [s for group, _ in scored for s in group], [v for _, vs in scored for v in vs]
-        return samples, verdicts, time.perf_counter() - start
-
-    def _rollout_and_reward(self, batch: int, min_version: int) -> tuple[Experience, dict]:
-        """Batch `batch` (its iteration index) from engines holding weights >= min_version: one
-        draw of prompts; with dynamic sampling, more draws until the kept groups fill the batch,
-        which is then cut, by whole groups, to prompts_per_iteration × n_samples. `reward/*` are
-        over every draw; a sample dump of this batch also lists every draw's samples, kept or not."""
-        start = time.perf_counter()
-        algo, n = self.algo, self.stage_cfg.rollout.n_samples
-        target = self.stage_cfg.trainer.prompts_per_iteration * n
-        kept, judged, drawn, dropped, first_group, model_score_sum, reward_wait = [], [], [], 0, 0, 0.0, 0.0
-        for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
-            prompts = self._prompt_ids(next(self.loader))
-            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(batch, draw), min_version)
-            judged += verdicts
-            reward_wait += wait
-            scores = torch.tensor([v.score for v in verdicts])
-            if self.multiturn is not None:
-                scores = env_scores(samples, scores, self.stage_cfg.reward.weights)
-            if self.reward_model is not None:
-                model_scores = self._model_scores(samples, [prompts[s.index][0] for s in samples])
-                model_score_sum += model_scores.sum().item()
-                scores = scores + self.stage_cfg.reward.weights.get(MODEL, 1.0) * model_scores
-            group = torch.tensor([first_group + s.index for s in samples])
-            first_group += len(prompts)
-            keep = torch.ones(len(samples), dtype=torch.bool)
-            if algo.dynamic_sampling:
-                keep, n_dropped = dynamic_sampling_filter(scores, group)
-                dropped += n_dropped
-            this_draw = list(zip(samples, scores.tolist(), group.tolist(), keep.tolist()))
-            drawn += [(draw, *item) for item in this_draw]
-            kept += [(sample, score, g) for sample, score, g, k in this_draw if k]
-            if len(kept) >= target:
-                break
-        kept = kept[:target]  # groups are whole and in order, and target is a multiple of n
-        if not kept:
-            raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
-        every = self.run_cfg.trainer.dump_samples_every
-        if every and (batch + 1) % every == 0:
-            self._dump_draws(batch, drawn, {id(s) for s, _, _ in kept})
-        samples = [sample for sample, _, _ in kept]
-        scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
-        experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                              [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
-                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None)
-        lengths = experience.response_mask.sum(1)
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
-        every_score = torch.tensor([score for _, _, score, _, _ in drawn])
-        if algo.overlong_buffer:
-            max_new, buffer, factor = self.stage_cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor
-            scores = scores + overlong_penalty(lengths, max_new, buffer, factor)
-            every_length = torch.tensor([len(s.response_ids) for _, s, _, _, _ in drawn])
-            every_score = every_score + overlong_penalty(every_length, max_new, buffer, factor)
-        experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
-                             info={"response_length": lengths, "truncated": truncated,
-                                   "weight_version": torch.tensor([s.weight_version for s in samples])})
-        metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
-            "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
-            "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
-            "rollout/samples": float(len(samples)),
-            # What the engines report they generated with (the fleet refuses anything older).
-            "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
-            # Partial rollout: responses continued by newer weights than they started with.
-            "rollout/partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
-        }
-        if self.multiturn is not None:
-            metrics |= multiturn_metrics([sample for _, sample, _, _, _ in drawn])  # over every draw, like reward/*
-        if self.reward_model is not None:
-            metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*
-        if algo.dynamic_sampling:
-            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draw + 1),
-                        "rollout/short_batch": float(len(samples) < target)}
-        metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
-        metrics["timing/reward_wait"] = reward_wait  # scoring that generation did not hide
-        return experience, metrics
-
-    def _model_scores(self, samples: list[Sample], rows: list[Row]) -> torch.Tensor:
-        """(B,) the reward model's score of each sample. When the reward model's vocabulary differs
-        from the policy's, it reads the text in its own tokens (re-tokenized, as verl does): the
-        question and response in its own chat template if it has one, else the policy's prompt."""
-        prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-        tok = self.rm_tokenizer
-        if tok is not None and getattr(tok, "chat_template", None):
-            prompts, responses = map(list, zip(*(reward_model_inputs(tok, row.prompt, s.text)
-                                                 for row, s in zip(rows, samples))))
-        elif tok is not None:
-            texts = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
-            prompts = [tok(t)["input_ids"] for t in texts]
-            responses = [tok(s.text, add_special_tokens=False)["input_ids"] or [tok.eos_token_id] for s in samples]
-        view = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses],
-                                        pad_id=(tok or self.tokenizer).pad_token_id or 0)
-        return self.reward_model.scores_async(ray.put(view)).get().sum(1)
-
     def _forward(self, experience: Experience) -> Experience:
         """The passes before the update. π_old is read here only where something needs it before
         the update: the KL against the reference, or a mismatch mask or rejection, which decide
@@ -634,20 +426,10 @@ class RayPPOTrainer:
         return experience, metrics
 
     def _trained_groups(self) -> list[WorkerGroup]:
-        return [group for group in (self.actor, self.critic) if group is not None]
+        return list(self._trained_named().values())
 
-    def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
-        """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
-        dynamic-sampling filter saw it, its group, and whether it went into the batch."""
-        (self.out / "samples").mkdir(exist_ok=True)
-        with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
-            for draw, sample, score, group, keep in drawn:
-                record = {"draw": draw, "group": group, "response": sample.text, "score": score,
-                          "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep}
-                if isinstance(sample, Conversation):  # every turn in order: origin "model" or "env", text, ids
-                    record |= {"turns": [vars(turn) for turn in sample.turns], "env": sample.env,
-                               "env_reward": sample.env_reward, "env_error": sample.env_error}
-                out.write(json.dumps(record) + "\n")
+    def _trained_named(self) -> dict[str, WorkerGroup]:
+        return {name: group for name, group in (("actor", self.actor), ("critic", self.critic)) if group is not None}
 
     def _dump(self, experience: Experience) -> None:
         """samples/iter_N.jsonl; with trainer.dump_per_token, every token's figures, and the IS
@@ -672,8 +454,9 @@ class RayPPOTrainer:
             evaluator.close()
         benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.data.eval_sets(cfg.data).items()]
         # A run with environments is evaluated the way it trains: rows take their own environment, else rollout.env.
-        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.template, benchmarks, settings,
-                                             progress=False, turns=self.multiturn, env=cfg.rollout.env)
+        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.experiences.template, benchmarks,
+                                             settings, progress=False, turns=self.experiences.multiturn,
+                                             env=cfg.rollout.env)
                            for prefix, settings in eval_settings(cfg, self.run_cfg.trainer.seed).items()} \
             if benchmarks else {}
 
@@ -689,53 +472,23 @@ class RayPPOTrainer:
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------
-    @property
-    def _ckpt_root(self) -> Path:
-        return self.out / "checkpoints"
-
     def save_checkpoint(self) -> Path:
-        """Writes iter_N atomically (orz.models.checkpoint.atomic_dir: a temporary directory renamed
-        when every role and the trainer state are on disk), then replaces `latest`. A crash or a
-        full disk never leaves a checkpoint that looks complete, and the previous one stays."""
-        root = self._ckpt_root
-        final = root / f"iter_{self.iteration:06d}"
-        try:
-            with atomic_dir(final) as tmp:
-                refs = self.actor.save_async(str(tmp / "actor"))
-                if self.critic:
-                    refs += self.critic.save_async(str(tmp / "critic"))
-                ray.get(refs)
-                state = {
-                    "iteration": self.iteration, "version": self.version, "loader": self.loader.state_dict(),
-                    "kl_ctl": self.kl_ctl.state_dict(),
-                    "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
-                    "config": to_dict(self.run_cfg),
-                }
-                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-                # Batches generated ahead (max_staleness > 0) by weights no checkpoint holds.
-                torch.save(list(self.pending), tmp / "pending_batches.pt")
-            pointer = root / "latest.tmp"
-            pointer.write_text(final.name)
-            pointer.replace(root / "latest")
-            self.last_checkpoint = final
-        except (OSError, ray.exceptions.RayTaskError) as err:
-            previous = (root / "latest").read_text() if (root / "latest").is_file() else "none"
-            raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
-                                  f"({previous}) is intact") from err
-        for old in sorted(root.glob("iter_*"))[: -self.run_cfg.trainer.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        """checkpoints/iter_N of the trained roles, the trainer's state and the batches generated ahead."""
+        state = {
+            "iteration": self.iteration, "version": self.version, "loader": self.experiences.loader.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(), "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
+            "config": to_dict(self.run_cfg),
+        }
+        self.last_checkpoint = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
+                                                self.batches_ahead, self.run_cfg.trainer.keep_checkpoints)
+        return self.last_checkpoint
 
-    def _resume(self, ckpt: Path, state: dict) -> None:
-        """Roles, weight version and controllers from `ckpt`; the stage and its loader position
-        were restored by _enter_stage."""
-        refs = self.actor.load_async(str(ckpt / "actor"))
-        if self.critic:
-            refs += self.critic.load_async(str(ckpt / "critic"))
-        ray.get(refs)
+    def _resume(self, ckpt: Path) -> None:
+        """Roles, weight version, controllers and the batches generated ahead from `ckpt`; the
+        stage and its loader position were restored by _enter_stage."""
+        state, ahead = checkpoints.load(ckpt, self._trained_named())
         self.iteration, self.version = state["iteration"], state["version"]
-        if (ckpt / "pending_batches.pt").is_file():
-            self.pending = deque(torch.load(ckpt / "pending_batches.pt", weights_only=False))
+        self.batches_ahead = deque(ahead)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
@@ -756,7 +509,7 @@ class RayPPOTrainer:
     def shutdown(self) -> None:
         self._background.shutdown(wait=True, cancel_futures=True)  # a batch in flight uses the fleet
         self.logger.close(plot=False)
-        self.reward.close()
+        self.experiences.close()
         for evaluator in self.evaluators.values():
             evaluator.close()
         self.fleet.shutdown()
@@ -775,102 +528,3 @@ def _summary(metrics: dict) -> str:
     keys = (("reward/mean", "reward"), ("eval/accuracy_greedy", "eval"), ("response/length_mean", "len"),
             ("timing/step", "s"))
     return "  ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics)
-
-
-def main(cfg: ExperimentConfig) -> dict:
-    """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
-    SIGTERM and Ctrl-C raise Stopped once every role is shut down, and the local Ray cluster too if
-    this call started it: no agent or worker process of the run is left behind. SIGUSR1, from the
-    start on and across restarts, ends the run after the current iteration with a checkpoint."""
-    stop = threading.Event()
-    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
-    if signals:
-        signal.signal(signal.SIGUSR1, lambda *_: stop.set())
-        signals.install()
-    progress = {"iterations": None}  # of the trainer in use, for Stopped
-    owns_ray = False
-    try:
-        try:
-            try:
-                Fault.parse(cfg.trainer.fault)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-            arch = HFCheckpoint(cfg.model.path).arch
-            run_rules.check(cfg, arch)  # before Ray or any worker starts
-            resume_from = latest_checkpoint(cfg)
-            if resume_from is not None:
-                saved = json.loads((resume_from / "trainer_state.json").read_text())["config"]
-                problems = run_rules.resume_problems(cfg, saved, arch)
-                if problems:
-                    raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
-            data = check_data(cfg)
-            t = cfg.trainer
-            log_dir = Path(t.output_dir) / "logs"
-            if not t.verbose:
-                console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
-            owns_ray = not ray.is_initialized()
-            if owns_ray:
-                # "local": a new cluster even where `ray start` left its address in /tmp/ray.
-                local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
-                with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
-                    ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
-                             configure_logging=False, **local)
-            if signals:
-                signals.install()
-            with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
-                return _train_with_restarts(cfg, data, stop, signals, progress)
-        except KeyboardInterrupt:
-            if signals:
-                signals.caught()
-            latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
-            raise Stopped(signals.signum if signals and signals.signum else signal.SIGINT, progress["iterations"],
-                          str(latest.parent / latest.read_text().strip()) if latest.is_file() else None) from None
-        finally:
-            if owns_ray and ray.is_initialized():
-                ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
-    finally:
-        if signals:
-            signals.restore()
-
-
-def _train_with_restarts(cfg: ExperimentConfig, data: RunData, stop: threading.Event,
-                         signals: StopSignals | None, progress: dict) -> dict:
-    resume_from, restarts = latest_checkpoint(cfg), 0
-    while True:
-        trainer = None
-        try:
-            trainer = RayPPOTrainer(cfg, resume_from, restarts, data)
-            return trainer.fit(stop) | {"restarts": restarts}
-        except KeyboardInterrupt:
-            if signals:
-                signals.caught()  # before the shutdown below, which must not be interrupted
-            raise
-        except Exception as err:
-            if trainer is None:
-                raise
-            lost = trainer.lost_workers()
-            if not lost:  # an exception, not a lost process: starting again would raise it again
-                console.print(f"[bold red]orz: iteration {trainer.iteration + 1} failed[/] in its {trainer.phase} "
-                              f"phase: {escape(_origin(err))}; the run stops, its traceback follows. The last checkpoint: "
-                              f"{trainer.last_checkpoint or 'none'}")
-                raise
-            if restarts == cfg.trainer.max_restarts:
-                raise
-            restarts += 1
-            resume_from = trainer.last_checkpoint
-            console.print(f"[bold red]orz: {', '.join(lost)} died[/] in iteration {trainer.iteration + 1} "
-                          f"({type(err).__name__}); restart {restarts} of at most {cfg.trainer.max_restarts}, "
-                          f"from {resume_from or 'the start'}")
-        finally:
-            if trainer is not None:
-                progress["iterations"] = trainer.iteration
-                trainer.shutdown()
-
-
-def _origin(err: BaseException) -> str:
-    """The error's first line and, when a Ray actor raised it, which actor (its repr: the name of
-    its log, `actor-0`, `engine-0`) in which method, from the line Ray puts over its traceback."""
-    cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
-    what = f"{type(cause or err).__name__}: {cause or err}".splitlines()[0]
-    actor = re.search(r"ray::([\w.]+)\(\).*?repr=([^)]+)\)", str(err)) if cause is not None else None
-    return f"{what} (raised in {actor[2]}, {actor[1]})" if actor else what

@@ -21,6 +21,11 @@ from orz.import_path import load_by_path
 PYTHON = "python"  # reserved: the built-in python tool
 
 
+def envs_used(rollout, rows) -> set[str]:
+    """The environments a stage's rows use (a row's own, else rollout.env); empty: single turn."""
+    return {row.env or rollout.env for row in rows} - {""}
+
+
 def env_names(envs: dict[str, str]) -> set[str]:
     """Every environment a run knows (rollout.envs and the built-in one): reward.weights may weigh them."""
     return {PYTHON, *envs}

@@ -111,11 +111,6 @@ def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str],
     return factories
 
 
-def envs_used(rollout: RolloutConfig, rows) -> set[str]:
-    """The environments a stage's rows use (a row's own, else rollout.env); empty: single turn."""
-    return {row.env or rollout.env for row in rows} - {""}
-
-
 def turn_stops(rollout: RolloutConfig) -> dict[str, list[str]]:
     """Each environment's extra stop strings: the python tool's turns end where a code block closes."""
     from orz.rollout.python_tool import delimiters

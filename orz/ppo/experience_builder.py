@@ -1,0 +1,221 @@
+"""Experience building: each batch's samples from the engines, their scores, and the Experience
+the trainer's passes start from.
+
+    builder = ExperienceBuilder(cfg, fleet, tokenizer, data, reward_model, out)
+    builder.enter_stage(stage_cfg, algo)                  # the stage's data, template, reward, environments
+    experience, metrics = builder.build(batch, min_version)
+
+A batch is one draw of prompts; with dynamic sampling, more draws until the kept groups fill it,
+and it is then cut, by whole groups, to prompts_per_iteration × n_samples. Each prompt's group
+goes to the reward router as soon as its samples finish (one turn, or every turn with its
+environment: rollout/multiturn.py), so scoring overlaps generation. The score of a sample is its
+verifier's (+ its environment's rewards, + the reward model's, weighted), then the overlong
+penalty. `reward/*`, `response/*` and `rollout/*` figures are over every draw, kept or not.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import torch
+
+from orz.config import ExperimentConfig
+from orz.data.datasets import Row, RunData
+from orz.data.sampler import PromptLoader
+from orz.data.templates import encode_prompt, make_template, reward_model_inputs
+from orz.data.tokenizers import load_tokenizer
+from orz.ppo import run_rules
+from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
+from orz.ppo.experience import Experience, experience_from_rollouts
+from orz.reward.router import MODEL, RewardRouter, Verdict, reward_metrics
+from orz.rollout.engine import Sample, SamplingConfig
+from orz.rollout.envs import env_names, envs_used
+from orz.rollout.fleet import EngineFleet
+from orz.rollout.multiturn import (
+    Conversation, MultiTurnRollout, TurnLimits, env_scores, make_envs, multiturn_metrics, turn_stops,
+)
+from orz.rollout.python_tool import prompt_tools
+
+
+class ExperienceBuilder:
+    """Samples and scores the batches of a run; `cfg` is the current stage's config (enter_stage)."""
+
+    def __init__(self, run_cfg: ExperimentConfig, fleet: EngineFleet, tokenizer, data: RunData, reward_model,
+                 out: Path):
+        """reward_model: the reward-model role's WorkerGroup, or None; out: the run's directory (sample dumps)."""
+        self.run_cfg, self.fleet, self.tokenizer, self.data, self.out = run_cfg, fleet, tokenizer, data, out
+        self.reward_model = reward_model
+        # The reward model reads text in its own tokens when its vocabulary is not the policy's.
+        rm_tokenizer = load_tokenizer(run_cfg.reward.model.path) if reward_model else None
+        self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != tokenizer.get_vocab() else None
+        self.cfg: ExperimentConfig | None = None
+        self.reward: RewardRouter | None = None
+        self.loader: PromptLoader | None = None
+
+    def enter_stage(self, cfg: ExperimentConfig, algo, loader_state: dict | None = None) -> None:
+        """The stage's template, prompt loader (kept when its data and batch size are the previous
+        stage's; at `loader_state` when resuming), reward router and environments (multi-turn when
+        an environment is configured or named by a row; else single turn)."""
+        previous, d = self.cfg, cfg.data
+        self.cfg, self.algo = cfg, algo
+        self.template = make_template(d.template, self.tokenizer, d.instruction, prompt_tools(cfg.rollout))
+        if previous is None or (previous.data, previous.trainer.prompts_per_iteration) != (d, cfg.trainer.prompts_per_iteration):
+            self.loader = PromptLoader(self.data.train(d), cfg.trainer.prompts_per_iteration, self.run_cfg.trainer.seed)
+        if loader_state is not None:
+            self.loader.load_state_dict(loader_state)
+        if self.reward is not None:
+            self.reward.close()
+        self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
+        used = envs_used(cfg.rollout, self.loader.rows)
+        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used, self.tokenizer),
+                                          TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
+                                          turn_stops(cfg.rollout)) if used else None
+
+    def build(self, batch: int, min_version: int) -> tuple[Experience, dict]:
+        """Batch `batch` (its iteration index) from engines holding weights >= min_version (see
+        the module docstring); a sample dump of this batch also lists every draw's samples."""
+        start = time.perf_counter()
+        algo, n = self.algo, self.cfg.rollout.n_samples
+        target = self.cfg.trainer.prompts_per_iteration * n
+        kept, judged, drawn, dropped, first_group, model_score_sum, reward_wait = [], [], [], 0, 0, 0.0, 0.0
+        for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
+            prompts = self._prompt_ids(next(self.loader))
+            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(batch, draw), min_version)
+            judged += verdicts
+            reward_wait += wait
+            scores = torch.tensor([v.score for v in verdicts])
+            if self.multiturn is not None:
+                scores = env_scores(samples, scores, self.cfg.reward.weights)
+            if self.reward_model is not None:
+                model_scores = self._model_scores(samples, [prompts[s.index][0] for s in samples])
+                model_score_sum += model_scores.sum().item()
+                scores = scores + self.cfg.reward.weights.get(MODEL, 1.0) * model_scores
+            group = torch.tensor([first_group + s.index for s in samples])
+            first_group += len(prompts)
+            keep = torch.ones(len(samples), dtype=torch.bool)
+            if algo.dynamic_sampling:
+                keep, n_dropped = dynamic_sampling_filter(scores, group)
+                dropped += n_dropped
+            this_draw = list(zip(samples, scores.tolist(), group.tolist(), keep.tolist()))
+            drawn += [(draw, *item) for item in this_draw]
+            kept += [(sample, score, g) for sample, score, g, k in this_draw if k]
+            if len(kept) >= target:
+                break
+        kept = kept[:target]  # groups are whole and in order, and target is a multiple of n
+        if not kept:
+            raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
+        every = self.run_cfg.trainer.dump_samples_every
+        if every and (batch + 1) % every == 0:
+            self._dump_draws(batch, drawn, {id(s) for s, _, _ in kept})
+        samples = [sample for sample, _, _ in kept]
+        scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
+        experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                              [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
+                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None)
+        lengths = experience.response_mask.sum(1)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
+        every_score = torch.tensor([score for _, _, score, _, _ in drawn])
+        if algo.overlong_buffer:
+            max_new, buffer, factor = self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor
+            scores = scores + overlong_penalty(lengths, max_new, buffer, factor)
+            every_length = torch.tensor([len(s.response_ids) for _, s, _, _, _ in drawn])
+            every_score = every_score + overlong_penalty(every_length, max_new, buffer, factor)
+        experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
+                             info={"response_length": lengths, "truncated": truncated,
+                                   "weight_version": torch.tensor([s.weight_version for s in samples])})
+        metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
+            "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
+            "rollout/samples": float(len(samples)),
+            # What the engines report they generated with (the fleet refuses anything older).
+            "rollout/sample_weight_version": float(min(s.weight_version for s in samples)),
+            # Partial rollout: responses continued by newer weights than they started with.
+            "rollout/partial_samples": float(sum(len(set(s.token_versions)) > 1 for s in samples)),
+        }
+        if self.multiturn is not None:
+            metrics |= multiturn_metrics([sample for _, sample, _, _, _ in drawn])  # over every draw, like reward/*
+        if self.reward_model is not None:
+            metrics["reward/model/mean"] = model_score_sum / max(len(judged), 1)  # over every draw, like reward/*
+        if algo.dynamic_sampling:
+            metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draw + 1),
+                        "rollout/short_batch": float(len(samples) < target)}
+        metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
+        metrics["timing/reward_wait"] = reward_wait  # scoring that generation did not hide
+        return experience, metrics
+
+    def close(self) -> None:
+        if self.reward is not None:
+            self.reward.close()
+
+    # ---- the parts of a batch ----------------------------------------------------------------
+    def _sampling(self, batch: int, draw: int) -> SamplingConfig:
+        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
+        # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,
+        # no two draws of the run (up to 64 per batch) share one.
+        seed = ((self.run_cfg.trainer.seed * 2**20 + batch) * 2**6 + draw) * 2**24
+        return SamplingConfig.from_config(self.cfg.rollout, seed)
+
+    def _prompt_ids(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
+        """The rows whose templated prompt fits data.prompt_max_tokens, with its ids (longer ones are skipped)."""
+        out = []
+        for row in rows:
+            ids = encode_prompt(self.tokenizer, self.template, row.prompt)
+            if len(ids) <= self.cfg.data.prompt_max_tokens:
+                out.append((row, ids))
+        return out
+
+    def _generate_and_score(self, prompts: list[tuple[Row, list[int]]], sampling: SamplingConfig,
+                            min_version: int) -> tuple[list[Sample], list[Verdict], float]:
+        """The samples of every prompt in prompt order, their verdicts, and the seconds scoring took
+        after the last sample: each prompt's group goes to the reward router as soon as its samples
+        finish, so scoring overlaps generation."""
+        pending = []
+        if self.multiturn is not None:
+            env = self.cfg.rollout.env
+            groups = self.multiturn.stream([(ids, row.record(), row.env or env) for row, ids in prompts], sampling,
+                                           min_version)
+        else:
+            groups = self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
+                                       interruptible=self.cfg.rollout.partial)
+        for group in groups:
+            row = prompts[group[0].index][0]
+            pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
+                                                      [s.finish_reason for s in group])))
+        start = time.perf_counter()
+        pending.sort(key=lambda item: item[0][0].index)
+        scored = [(group, verdicts.result()) for group, verdicts in pending]
+        samples, verdicts = [s for group, _ in scored for s in group], [v for _, vs in scored for v in vs]
+        return samples, verdicts, time.perf_counter() - start
+
+    def _model_scores(self, samples: list[Sample], rows: list[Row]) -> torch.Tensor:
+        """(B,) the reward model's score of each sample. When the reward model's vocabulary differs
+        from the policy's, it reads the text in its own tokens (re-tokenized, as verl does): the
+        question and response in its own chat template if it has one, else the policy's prompt."""
+        prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+        tok = self.rm_tokenizer
+        if tok is not None and getattr(tok, "chat_template", None):
+            prompts, responses = map(list, zip(*(reward_model_inputs(tok, row.prompt, s.text)
+                                                 for row, s in zip(rows, samples))))
+        elif tok is not None:
+            texts = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+            prompts = [tok(t)["input_ids"] for t in texts]
+            responses = [tok(s.text, add_special_tokens=False)["input_ids"] or [tok.eos_token_id] for s in samples]
+        view = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses],
+                                        pad_id=(tok or self.tokenizer).pad_token_id or 0)
+        return self.reward_model.scores_async(ray.put(view)).get().sum(1)
+
+    def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
+        """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
+        dynamic-sampling filter saw it, its group, and whether it went into the batch."""
+        (self.out / "samples").mkdir(exist_ok=True)
+        with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
+            for draw, sample, score, group, keep in drawn:
+                record = {"draw": draw, "group": group, "response": sample.text, "score": score,
+                          "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep}
+                if isinstance(sample, Conversation):  # every turn in order: origin "model" or "env", text, ids
+                    record |= {"turns": [vars(turn) for turn in sample.turns], "env": sample.env,
+                               "env_reward": sample.env_reward, "env_error": sample.env_error}
+                out.write(json.dumps(record) + "\n")
