@@ -9,6 +9,7 @@ import pytest
 
 from orz.config import DataConfig
 from orz.data.datasets import COMMON_IMPORTS, CodeTests, DatasetFormatError, RunData, load_rows, load_source
+from jsonl_files import write_jsonl
 
 CONVERSATION = [{"from": "human", "value": "What is 2+2?"},
                 {"from": "assistant", "ground_truth": {"value": "4"}}]
@@ -26,13 +27,8 @@ def load_prompts(path):
     return [(r.prompt, r.answer) for r in rows]
 
 
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_jsonl_with_every_row_format(tmp_path):
-    assert load_prompts(_write_jsonl(tmp_path / "p.jsonl", [CONVERSATION, EVALUATION, FLAT, VERL])) == EXPECTED
+    assert load_prompts(write_jsonl(tmp_path / "p.jsonl", [CONVERSATION, EVALUATION, FLAT, VERL])) == EXPECTED
 
 
 def test_json_list(tmp_path):
@@ -62,7 +58,7 @@ def test_parquet_flat_and_verl(tmp_path):
     ("just a string", "must be an object"),
 ])
 def test_bad_row_names_file_row_and_problem(tmp_path, bad_row, problem):
-    path = _write_jsonl(tmp_path / "bad.jsonl", [FLAT, FLAT, bad_row])
+    path = write_jsonl(tmp_path / "bad.jsonl", [FLAT, FLAT, bad_row])
     with pytest.raises(DatasetFormatError) as error:
         load_prompts(path)
     assert (error.value.path, error.value.row) == (str(path), 3)
@@ -130,7 +126,7 @@ def test_skywork_or1_parquet_loads_as_shipped(tmp_path):
 
 
 def test_a_row_may_name_a_custom_verifier(tmp_path):
-    path = _write_jsonl(tmp_path / "custom.jsonl", [
+    path = write_jsonl(tmp_path / "custom.jsonl", [
         {"prompt": "Say hi.", "verifier": "greeting", "answer": "hi", "data_source": "chat"},
         {"prompt": "Anything.", "verifier": "brevity"},
     ])
@@ -149,7 +145,7 @@ def test_a_row_may_name_a_custom_verifier(tmp_path):
     ({"tests": "nothing"}, "code tests need 'inputs' and 'outputs'"),
 ])
 def test_bad_code_truths_name_the_row(tmp_path, truth, problem):
-    path = _write_jsonl(tmp_path / "code.jsonl", [_skywork("c", json.dumps(truth), "code")])
+    path = write_jsonl(tmp_path / "code.jsonl", [_skywork("c", json.dumps(truth), "code")])
     with pytest.raises(DatasetFormatError, match=problem) as error:
         load_rows(path)
     assert error.value.row == 1
@@ -167,7 +163,7 @@ def test_synthetic_sources_split_and_name_their_verifier():
 
 
 def test_a_runs_data_sections_are_read_once_at_their_splits_sizes(tmp_path):
-    flat = _write_jsonl(tmp_path / "flat.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    flat = write_jsonl(tmp_path / "flat.jsonl", [{"prompt": "1+1?", "answer": "2"}])
     data = DataConfig(train=["synthetic:code", str(flat)], eval={"held": "synthetic:code", "flat": str(flat)},
                       synthetic_train_size=30, synthetic_eval_size=10, synthetic_digits=(1, 2))
     run = RunData(seed=3)

@@ -17,6 +17,7 @@ from orz.evaluation.runner import EvalConfig, Evaluator
 from orz.reward.router import RouterConfig
 from orz.models.arch import ModelConfigError
 from orz.rollout.engine import Sample
+from jsonl_files import write_jsonl
 
 TAG = " a </think> <answer>{}</answer>"
 ADD = "```python\na, b = map(int, input().split())\nprint(a {} b)\n```"
@@ -65,8 +66,7 @@ def _write_benchmarks(tmp_path):
     }
     paths = {}
     for name, rows in files.items():
-        paths[name] = tmp_path / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[name] = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     return paths
 
 
@@ -228,9 +228,8 @@ def test_a_megatron_checkpoint_is_converted_for_the_engines(tiny_model, tmp_path
 def test_cli_writes_table_json_jsonl_equal_to_the_evaluator_called_directly(ray_cluster, tiny_model, tmp_path):
     from orz.rollout.fleet import EngineFleet, FleetConfig
 
-    arith = tmp_path / "arith.jsonl"
-    arith.write_text("".join(json.dumps({"prompt": f"{a} + {b} = ?", "answer": str(a + b)}) + "\n"
-                             for a, b in ((1, 2), (30, 12), (7, 7))))
+    arith = write_jsonl(tmp_path / "arith.jsonl", [{"prompt": f"{a} + {b} = ?", "answer": str(a + b)}
+                                                    for a, b in ((1, 2), (30, 12), (7, 7))])
     choice = tmp_path / "choice.json"
     choice.write_text(json.dumps([{"question": "2 + 2 = ?", "choices": ["3", "4", "5"], "answer": "B"},
                                   {"question": "1 + 0 = ?", "choices": ["1", "0"], "answer": 0}]))

@@ -11,6 +11,7 @@ import pytest
 from orz.data.datasets import CodeTests, DatasetFormatError, parse_rows
 from orz.evaluation.benchmarks import benchmark_from_rows, load_benchmark
 from orz.reward.choice import extract_choice
+from jsonl_files import write_jsonl
 
 GPQA_ROW = {"Question": "Which particle is a lepton?", "Correct Answer": "electron",
             "Incorrect Answer 1": "proton", "Incorrect Answer 2": "neutron", "Incorrect Answer 3": "pion"}
@@ -19,7 +20,7 @@ GPQA_ROW = {"Question": "Which particle is a lepton?", "Correct Answer": "electr
 def _write(tmp_path, name, rows):
     path = tmp_path / name
     if name.endswith(".jsonl"):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(path, rows)
     else:
         path.write_text(json.dumps(rows))
     return path

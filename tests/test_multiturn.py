@@ -21,6 +21,7 @@ from orz.rollout.python_tool import PYTHON_FUNCTION, PythonTool, ToolFormat, clo
 
 TESTS = os.path.dirname(__file__)
 sys.path.insert(0, TESTS)  # turn_envs, shaped_reward: by import path, as a user's module
+from jsonl_files import write_jsonl  # noqa: E402
 from turn_envs import digit_share  # noqa: E402
 
 # A tokenizer of few characters (the prompts' other characters read as <unk>), so that a random
@@ -182,9 +183,8 @@ def tool_model(tmp_path_factory):
 
 
 def _rows(path: Path, envs: list[str]) -> str:
-    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i), "env": env}) + "\n"
-                            for i, env in enumerate(envs, start=1)))
-    return str(path)
+    return str(write_jsonl(path, [{"prompt": f"{i}+{i}", "answer": str(2 * i), "env": env}
+                                  for i, env in enumerate(envs, start=1)]))
 
 
 def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool_model, tmp_path):

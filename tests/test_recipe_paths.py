@@ -18,6 +18,7 @@ import pytest
 from orz.config import ConfigError, load_config
 from orz.data.datasets import DatasetFormatError
 from orz.train import run as train
+from jsonl_files import write_jsonl
 from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run
 
 pytestmark = pytest.mark.slow
@@ -295,8 +296,7 @@ def test_an_eval_prompt_longer_than_prompt_max_tokens_is_refused_naming_its_row(
     """Training skips a prompt above data.prompt_max_tokens; an evaluation set is never trimmed,
     so such a prompt would fail inside vLLM mid-run: it stops the run before anything starts."""
     rows = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "1 + 1 = " * 40, "answer": "2"}]
-    path = tmp_path / "long.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
     overrides = [*tiny_run(tmp_path / "run", "grpo"), f"data.eval={{long: '{path}'}}"]
     with pytest.raises(DatasetFormatError, match=rf"{path}, row 2: its prompt is \d+ tokens, above "
                                                  r"data.prompt_max_tokens=64"):
