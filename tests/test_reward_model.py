@@ -6,7 +6,7 @@ import torch
 
 from orz.config import RoleConfig
 from orz.models.local_world import run_world
-from orz.ppo.actors import MegatronWorker, RoleSpec
+from orz.ppo.workers import MegatronWorker, RoleSpec
 from orz.ppo.experience import experience_from_rollouts
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from orz.config import load_config
-from orz.ppo.actors import WorkerGroup
+from orz.ppo.workers import WorkerGroup
 from orz.train import run as train
 from run_history import check_resumed, history as _history, kill_run, processes_of_run, ray_sessions, \
     resume_problems, title

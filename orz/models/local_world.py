@@ -3,7 +3,7 @@
     results = run_world(fn, 4, arg)   # fn(rank, world_size, arg) on ranks 0..3; their returns
 
 Used by `python -m orz.convert verify`, the demo's pre-training and the multi-rank tests (the
-trainer's roles are Ray actors instead, see orz.ppo.actors). The ranks find each other through
+trainer's roles are Ray actors instead, see orz.ppo.workers). The ranks find each other through
 MASTER_ADDR/MASTER_PORT on loopback; `init_model_parallel` then joins them.
 """
 import multiprocessing as mp

@@ -1,5 +1,5 @@
 """A run's checkpoints: output_dir/checkpoints/iter_N holds each trained role's shards (written by
-its own workers, which re-shard them on load: actors.py), trainer_state.json (iteration, weight
+its own workers, which re-shard them on load: workers.py), trainer_state.json (iteration, weight
 version, loader position, controllers, the run's config) and the batches generated ahead
 (trainer.max_staleness > 0), whose weights no checkpoint holds. `latest` names the newest
 complete one; the oldest go beyond trainer.keep_checkpoints.

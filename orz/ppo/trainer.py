@@ -10,7 +10,7 @@ One iteration, each phase timed into `timing/*`:
   5 update      critic and actor optimizer steps over the experience — in parallel
   6 sync        the actor's new weights into every engine, as the next weight version
 then metrics, evaluation and checkpoints (checkpoints.py) every k iterations. The trainer holds
-handles, not model tensors: the roles are Ray worker groups (actors.py), the math is core_algos.py.
+handles, not model tensors: the roles are Ray worker groups (workers.py), the math is core_algos.py.
 
 A Megatron worker that dies (its node lost, OOM-killed) fails the iteration it was in: nothing of
 that iteration is logged or checkpointed; orz.train.run then rebuilds every role and the fleet
@@ -40,7 +40,7 @@ from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
 from orz.ppo import checkpoints, placement, run_rules
-from orz.ppo.actors import ActorSettings, RoleSpec, WorkerGroup
+from orz.ppo.workers import ActorSettings, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,

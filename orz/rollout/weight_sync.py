@@ -323,7 +323,7 @@ class TensorSource:
 
 
 class GroupSource:
-    """A trainer role's worker group (the actor's: orz.ppo.actors.WorkerGroup) as a WeightSource:
+    """A trainer role's worker group (the actor's: orz.ppo.workers.WorkerGroup) as a WeightSource:
     its rank 0 broadcasts (or puts) the weights that all of its ranks gather from their shards."""
 
     def __init__(self, group):
