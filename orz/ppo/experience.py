@@ -61,6 +61,8 @@ class Experience:
     advantages: Tensor | None = _tensor("BT")        # (B, T) Aₜ
     returns: Tensor | None = _tensor("BT")           # (B, T) the critic's targets
     group_index: Tensor | None = _tensor("B")        # (B,) int64 prompt id; responses to one prompt share it
+    # MoE routing replay: the experts each token went to in each MoE layer when it was sampled
+    routed_experts: Tensor | None = _tensor("BSLK")  # (B, S, L, K) int64 expert ids, the K of each of L MoE layers
     # per-sample extras for metrics and inspection: name → (B,) tensor (response length, truncated, ...)
     info: dict[str, Tensor] = field(default_factory=dict)
 
@@ -152,8 +154,8 @@ class Experience:
         sequence_width = max(self.sequence_lengths().tolist(), default=1)
         positions = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
         response_width = max((positions * self.response_mask.bool()).amax(dim=1).tolist(), default=1)
-        widths = {"BS": sequence_width, "BT": response_width}
-        return self._map(lambda dims, value: value[:, :widths[dims]] if dims in widths else value)
+        widths = {"S": sequence_width, "T": response_width}
+        return self._map(lambda dims, value: value[:, :widths[dims[1]]] if dims[1:2] in widths else value)
 
     # -- what a model worker needs ------------------------------------------------------------
 
