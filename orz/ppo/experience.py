@@ -340,10 +340,15 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
 
 def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                              rollout_logprobs: Sequence[Sequence[float]] | None = None,
-                             pad_id: int = 0, loss_masks: Sequence[Sequence[int]] | None = None) -> Experience:
+                             pad_id: int = 0, loss_masks: Sequence[Sequence[int]] | None = None,
+                             routed_experts: Sequence[Any] | None = None,
+                             moe_layers: Sequence[int] = ()) -> Experience:
     """An Experience with the token fields (and the engine's log-probs) of B rollouts, in the
     module's layout: ``sequences`` = prompt + response right-padded, ``response_mask`` over T: 1 on
-    every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens)."""
+    every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens).
+    ``routed_experts``: each row's (tokens, layers, K) expert ids from the engine, of which the
+    ``moe_layers`` columns are kept; positions it does not cover (the last token, never fed back)
+    hold -1, which replay routes to experts 0..K−1 (no token reads a last token's output)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
@@ -362,6 +367,13 @@ def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: 
         logprobs = torch.zeros(batch, resp_width)
         for row, values in enumerate(rollout_logprobs):
             logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    routes = None
+    if routed_experts is not None:
+        k = routed_experts[0].shape[-1]
+        routes = torch.full((batch, width, len(moe_layers), k), -1, dtype=torch.long)
+        for row, values in enumerate(routed_experts):
+            kept = torch.as_tensor(values)[:width, list(moe_layers)].long()  # (tokens, L, K)
+            routes[row, : len(kept)] = kept
     return Experience(sequences=sequences, attention_mask=attention_mask,
                       prompt_lengths=torch.tensor([len(p) for p in prompt_ids]),
-                      response_mask=response_mask, rollout_logprobs=logprobs)
+                      response_mask=response_mask, rollout_logprobs=logprobs, routed_experts=routes)

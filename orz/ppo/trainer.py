@@ -203,7 +203,7 @@ class RayPPOTrainer:
         self.bundles = Bundles.create(layout.num_engines, sum(role.cpus_per_worker for role in roles.values())
                                       + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         rm = cfg.reward.model
-        role_args = {"actor": {}, "ref": {"train": False},
+        role_args = {"actor": {"routing_replay": r.routing_replay}, "ref": {"train": False},
                      "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"value_head": True, "train": False, "model_path": rm.path}}
         longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))
@@ -493,7 +493,8 @@ class RayPPOTrainer:
         scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                               [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
-                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None)
+                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None,
+                                              **self._routes(samples))
         lengths = experience.response_mask.sum(1)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
         every_score = torch.tensor([score for _, _, score, _, _ in drawn])
@@ -635,6 +636,14 @@ class RayPPOTrainer:
 
     def _trained_groups(self) -> list[WorkerGroup]:
         return [group for group in (self.actor, self.critic) if group is not None]
+
+    def _routes(self, samples: list) -> dict:
+        """experience_from_rollouts' routing-replay arguments: the engines' routes of each sample,
+        kept at the model's MoE layers (rollout.routing_replay; GPU only, untested here)."""
+        if not self.run_cfg.rollout.routing_replay:
+            return {}
+        return dict(routed_experts=[s.routed_experts for s in samples],
+                    moe_layers=HFCheckpoint(self.run_cfg.model.path).arch.moe.layers)
 
     def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
         """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
