@@ -62,7 +62,7 @@ def _replay_world(rank, world, path):
     from orz.config import AlgorithmConfig, RoleConfig
     from orz.models.inputs import ModelInputs
     from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec
-    from orz.ppo.experience import MiniBatch
+    from orz.ppo.experience import MicroBatch, MiniBatch
 
     role = RoleConfig(dp=2, ep=2, lr=LR, clip_grad=0.0, micro_batch_size=3)
     worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
@@ -104,6 +104,15 @@ def _replay_world(rank, world, path):
     actor_same_weights_lp = worker.logprobs(rollout)
 
     engine.train_step([ModelInputs(x) for x in previous], loss)  # the trainer is one step off them
+    # one step off, the actor's micro-batched pass (sorted, trimmed, padded rows) against this
+    # rank's rows in one whole micro-batch, replayed and not
+    shard = MiniBatch.of(rollout).shard(rank, world).experience
+    whole = [ModelInputs(shard.sequences, MicroBatch(shard, {}, torch.arange(4)), worker._routes(shard))]
+    engine.model.eval()
+    with torch.no_grad():
+        whole_replay_lp = engine.run(whole, collect=lambda logits, b: worker._token_logprobs(logits, b, 1.0, False)[0])
+    actor_off = {"replay": worker.logprobs(rollout)[1], "free": worker.logprobs(replace(rollout, routed_experts=None))[1],
+                 "whole_replay": whole_replay_lp[0]}
     free_lp, free_routes = logprobs()
     replay_lp, own_under_replay = logprobs(recorded)
     used_under_replay = list(used)
@@ -119,7 +128,7 @@ def _replay_world(rank, world, path):
         expected_used=[_one_hot(r, arch.moe.num_experts) for r in recorded],
         engine_lp=engine_lp, same_weights_lp=same_weights_lp, free_lp=free_lp, replay_lp=replay_lp,
         actor_engine_lp=actor_engine_lp, actor_same_weights_lp=actor_same_weights_lp,
-        actor_metrics=update and update.metrics,
+        actor_off=actor_off, actor_metrics=update and update.metrics,
     )
 
 
@@ -159,6 +168,9 @@ def test_routes_travel_with_the_experience_through_the_actors_micro_batches(repl
     for r in replay_ranks:
         (rank, replayed), (_, recorded) = r["actor_same_weights_lp"], r["actor_engine_lp"]
         assert replayed.shape == recorded.shape == (4, 9) and torch.equal(replayed, recorded)
+        off = r["actor_off"]  # one step off: the micro-batched replay is the whole batch's, and not the free run's
+        assert torch.allclose(off["replay"], off["whole_replay"], atol=1e-5)
+        assert (off["replay"] - off["free"]).abs().max() > 1e-3
     agreement = [r["actor_metrics"]["mismatch/routing_agreement"] for r in replay_ranks if r["actor_metrics"]]
     assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the update, one step off, replays
 
