@@ -259,8 +259,10 @@ class ModelEngine:
 
         def forward_step(data_iterator, model):
             padded, batch = next(data_iterator)
-            if self.routes is not None:
-                self.routes.record() if padded.routes is None else self.routes.replay(padded.routes)
+            if self.routes is not None and padded.routes is not None:
+                self.routes.replay(padded.routes)
+            elif self.routes is not None:
+                self.routes.record()
             output = model(padded.input_ids, padded.position_ids, None)
             if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only
                 return output, partial(_padding_only, collect is not None)

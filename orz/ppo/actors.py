@@ -206,12 +206,14 @@ class MegatronWorker(FaultSite):
         return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience)) for mb in micro_batches]
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
+        """(B, S, L, K) the recorded routes to replay, -1 on padding; None: the routers choose."""
         if self.engine.routes is None or exp.routed_experts is None:
             return None
         return exp.routed_experts.masked_fill(~exp.attention_mask.bool()[:, :, None, None], -1)
 
     def _routing_agreement(self, micro_batches: list[MicroBatch]) -> float:
-        """mismatch/routing_agreement of the last run's forwards: every stage counts its MoE layers."""
+        """mismatch/routing_agreement (core_algos.routing_agreement_counts) of the last run's forwards:
+        same / total over real tokens and MoE layers, each stage counting its own (a collective)."""
         counts = sum(routing_agreement_counts(mb.experience.routed_experts, chosen,  # this stage's layers, real tokens
                                               (chosen >= 0).all(-1) & mb.experience.attention_mask.bool()[:, :, None])
                      for mb, chosen in zip(micro_batches, self.engine.chosen_routes))
@@ -280,10 +282,9 @@ class MegatronWorker(FaultSite):
             inputs = self._inputs(micro)
             out = self.engine.train_step(inputs, threaded_loss)
             self.scheduler.step(increment=1)
-            replayed = inputs[0].routes is not None
-            agreement = self._routing_agreement(micro) if replayed else None
+            agreement = self._routing_agreement(micro) if inputs[0].routes is not None else None
             step = combine_metrics(out["metrics"]) if self._reports else {}
-            if self._reports and replayed:
+            if self._reports and agreement is not None:
                 step["mismatch/routing_agreement"] = agreement
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]

@@ -642,6 +642,9 @@ class RayPPOTrainer:
         kept at the model's MoE layers (rollout.routing_replay; GPU only, untested here)."""
         if not self.run_cfg.rollout.routing_replay:
             return {}
+        if any(s.routed_experts is None for s in samples):
+            raise RuntimeError("rollout.routing_replay=true, and an engine returned a sample without routed experts "
+                               "(vLLM's enable_return_routed_experts off, or not on Model Runner V2)")
         return dict(routed_experts=[s.routed_experts for s in samples],
                     moe_layers=HFCheckpoint(self.run_cfg.model.path).arch.moe.layers)
 

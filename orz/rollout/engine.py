@@ -254,7 +254,7 @@ class VLLMEngine(FaultSite):
         response.logprobs += [step[token].logprob for step, token in zip(completion.logprobs, ids)]
         response.versions += [self.weight_version] * len(ids)
         response.text += completion.text  # a continuation's text is decoded after its prompt + response so far
-        if getattr(completion, "routed_experts", None) is not None:  # set on the finishing output only
+        if completion.routed_experts is not None:  # set on the finishing output only
             response.routed_experts = completion.routed_experts
         if completion.finish_reason is not None:
             response.finish_reason = "length" if completion.finish_reason == "length" else "stop"
