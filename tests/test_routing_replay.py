@@ -8,6 +8,7 @@ the experts' all-gather pads micro-batches across replicas) runs every check."""
 import os
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,24 @@ def test_routing_agreement_by_hand():
     assert routing_agreement_counts(recorded, chosen, torch.tensor([[[1, 1], [1, 0]]])).tolist() == [3.0, 3.0]
     with pytest.raises(ValueError, match=r"mask \(1, 2\) must be \(B, S, L\)"):
         routing_agreement_counts(recorded, chosen, torch.ones(1, 2))
+
+
+def test_engine_routes_become_experience_rows_at_the_moe_layers():
+    """The GPU engine's side, fed by hand: vLLM's (tokens, num_hidden_layers, K) per sample, of
+    which the MoE layers are kept; tokens it did not route (the last one) and padding hold -1;
+    the routes follow their rows through concat, select and trim."""
+    from orz.ppo.experience import Experience, experience_from_rollouts
+
+    # 3 hidden layers, layer 1 dense (vLLM leaves its rows 0); sample 0: 2 + 2 tokens, 3 routed; sample 1: 1 + 1, 1
+    engine = [np.array([[[0, 1], [0, 0], [2, 3]], [[1, 2], [0, 0], [3, 0]], [[2, 3], [0, 0], [0, 1]]], dtype=np.uint8),
+              np.array([[[3, 1], [0, 0], [1, 2]]], dtype=np.uint8)]
+    exp = experience_from_rollouts([[5, 6], [7]], [[8, 9], [10]], routed_experts=engine, moe_layers=(0, 2))
+    assert exp.routed_experts.tolist() == [
+        [[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]], [[-1, -1], [-1, -1]]],
+        [[[3, 1], [1, 2]], [[-1, -1], [-1, -1]], [[-1, -1], [-1, -1]], [[-1, -1], [-1, -1]]]]
+    both = Experience.concat([exp.select([1]).trim(), exp.select([0])])
+    assert both.routed_experts.shape == (2, 4, 2, 2) and torch.equal(both.routed_experts[1], exp.routed_experts[0])
+    assert torch.equal(exp.select([1]).trim().routed_experts, exp.routed_experts[1:, :2])
 
 
 # One Adam step moves every weight by about LR: 16% of the routes flip. (At 2e-3 half of them flip,
