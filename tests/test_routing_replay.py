@@ -142,8 +142,9 @@ def _replay_world(rank, world, path):
     engine.train_step([ModelInputs(x, routes=r) for x, r in zip(ids, recorded)], loss)  # the update replays too
     used_in_update = list(used)
     update = worker.train_actor([MiniBatch.of(rollout)], ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0))
+    pp = _pipelined(rank, world, path, replace(rollout, routed_experts=None))
     layers = len(arch.moe.layers)
-    return dict(
+    return dict(pp=pp, 
         recorded=recorded, free_routes=free_routes, own_under_replay=own_under_replay,
         used_under_replay=_by_micro_batch(used_under_replay, shapes, layers),
         used_in_update=_by_micro_batch(used_in_update, shapes, layers),
@@ -152,6 +153,40 @@ def _replay_world(rank, world, path):
         actor_engine_lp=actor_engine_lp, actor_same_weights_lp=actor_same_weights_lp,
         actor_off=actor_off, actor_metrics=update and update.metrics,
     )
+
+
+def _pipelined(rank, world, path, rollout):
+    """The same world at PP=2: each stage holds one MoE layer, replays it, and counts its agreement."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from orz.config import AlgorithmConfig, RoleConfig
+    from orz.models.inputs import ModelInputs
+    from orz.ppo.actors import ActorSettings, MegatronWorker, RoleSpec
+    from orz.ppo.experience import MiniBatch
+
+    role = RoleConfig(pp=2, lr=LR, clip_grad=0.0, micro_batch_size=3)
+    worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
+                            rank, world)
+    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.engine.model.eval()
+    with torch.no_grad():
+        worker.engine.run([ModelInputs(rollout.sequences)], collect=lambda logits, b: None)
+    stage_routes = worker.engine.chosen_routes[0]  # this stage's layer, -1 in the other's
+    routes = stage_routes.clone()
+    dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
+    replayed = replace(rollout, routed_experts=routes)
+    settings = ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0)
+    out = dict(stage_routes=stage_routes, engine_lp=worker.logprobs(rollout), same_weights_lp=worker.logprobs(replayed))
+    # at the recording weights, with the last stage's layer routed to the other two experts: that
+    # stage's router disagrees on every token, the first's on none, so the agreement is 1/2
+    other = (1 - torch.zeros(*routes.shape[:2], 4).scatter_(2, routes[:, :, 1], 1.0)).topk(2, dim=-1).indices
+    half = worker.train_actor([MiniBatch.of(replace(replayed, routed_experts=torch.stack([routes[:, :, 0], other], 2)))],
+                              settings)  # and this step puts the trainer one step off
+    out["half_metrics"] = half and half.metrics
+    out |= dict(free_lp=worker.logprobs(rollout), replay_lp=worker.logprobs(replayed))
+    update = worker.train_actor([MiniBatch.of(replayed)], settings)
+    return out | dict(metrics=update and update.metrics)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +230,17 @@ def test_routes_travel_with_the_experience_through_the_actors_micro_batches(repl
         assert (off["replay"] - off["free"]).abs().max() > 1e-3
     agreement = [r["actor_metrics"]["mismatch/routing_agreement"] for r in replay_ranks if r["actor_metrics"]]
     assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the update, one step off, replays
+
+
+def test_each_pipeline_stage_replays_its_own_moe_layer(replay_ranks):
+    first, last = (r["pp"] for r in replay_ranks)
+    assert (first["stage_routes"][:, :, 1] == -1).all() and (first["stage_routes"][:, :, 0] >= 0).all()
+    assert (last["stage_routes"][:, :, 0] == -1).all() and (last["stage_routes"][:, :, 1] >= 0).all()
+    assert first["engine_lp"] is None and first["metrics"] is None  # the last stage reports
+    assert torch.equal(last["same_weights_lp"][1], last["engine_lp"][1])
+    assert (last["replay_lp"][1] - last["free_lp"][1]).abs().max() > 1e-3
+    assert 0 < last["metrics"]["mismatch/routing_agreement"] < 1
+    assert last["half_metrics"]["mismatch/routing_agreement"] == 0.5  # both stages counted
 
 
 def test_replay_brings_the_trainer_closer_to_the_engine(replay_ranks):
