@@ -117,6 +117,10 @@ class RolloutConfig:
     tool_format_reward: float = 0.0  # python: r to a sample whose calls (one or more) were all well formed
     tool_timeout_s: float = 10.0  # python: a code block's wall clock in the sandbox (< env_timeout_s)
     max_observation_tokens: int = 256  # an observation's tokens, its wrapping included; longer ones are cut
+    # MoE routing replay (R3): the engines report the experts each token went to in each MoE layer
+    # (vLLM's enable_return_routed_experts: Model Runner V2, GPU only), and the actor's log-prob pass
+    # and update route through them, so the trainer's routers do not choose (docs/mismatch.md).
+    routing_replay: bool = False
 
 
 @dataclass

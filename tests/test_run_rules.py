@@ -283,3 +283,27 @@ def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_p
     from orz.models.arch import arch_from_dict
 
     assert run_rules.resume_problems(saved, to_dict(saved), arch_from_dict(MOE_ARCH)) == []  # the saved sizes resume
+
+
+@pytest.mark.parametrize("family, on_gpu, overrides, message", [
+    ("dense", True, [], r"^rollout.routing_replay=true replays the routes of a mixture of experts, and this qwen3 "
+                        r"model is dense: set it false$"),
+    ("moe", False, [], r"^rollout.routing_replay=true needs engines that report each token's experts \(vLLM's "
+                       r"enable_return_routed_experts\), which vLLM runs on Model Runner V2 only"),
+    ("moe", True, ["model.recompute=true"], r"^rollout.routing_replay=true with model.recompute=true"),
+    ("moe", True, ["rollout.partial=true", "trainer.max_staleness=1"], r"^rollout.routing_replay=true with rollout.partial"),
+])
+def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on_gpu, overrides, message, monkeypatch):
+    from orz.models.arch import arch_from_dict
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config = MOE_ARCH if family == "moe" else {k: v for k, v in MOE_ARCH.items() if "expert" not in k} | {
+        "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ConfigError, match=message):
+        run_rules.check(load_config(None, ["rollout.routing_replay=true", *overrides]), arch_from_dict(config),
+                        on_gpu=on_gpu)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ConfigError, match=r"VLLM_USE_V2_MODEL_RUNNER=0 turns it off: unset it"):
+        run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)

@@ -12,6 +12,9 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # (B, S)
     micro: Any = None
+    # (B, S, L, K) experts to route token (b, s) to in each of the L MoE layers (routing replay); -1 on
+    # padding; None: the routers choose
+    routes: torch.Tensor | None = None
 
     @property
     def position_ids(self) -> torch.Tensor:

@@ -36,6 +36,7 @@ from orz.models.convert import (
     to_hf,
 )
 from orz.models.inputs import ModelInputs
+from orz.models.routing import MoeRoutes
 
 _PADDING = object()  # the result of a micro-batch that only pads (see ModelEngine._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
@@ -83,7 +84,10 @@ class ModelEngine:
         make_vocab_size_divisible_by: int = 1,
         deterministic: bool = False,
         moe_aux_loss_coef: float = 0.0,
+        routing_replay: bool = False,
     ):
+        """routing_replay: the MoE routers take the routes of `ModelInputs.routes` when given, and
+        `chosen_routes` holds what they chose (or would have) in the last `run` (orz/models/routing.py)."""
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
@@ -99,6 +103,8 @@ class ModelEngine:
         self.padded_vocab = arch.padded_vocab_size(tp, make_vocab_size_divisible_by)
         self.layout = rank_layout(arch, value_head, self.padded_vocab)
         self.module = module
+        self.routes = MoeRoutes(module, arch) if routing_replay else None
+        self.chosen_routes: list[torch.Tensor] = []  # (B, S, L, K) per real micro-batch of the last run
         self.optimizer = None
         if optim is not None:
             ddp_config = DistributedDataParallelConfig(
@@ -249,12 +255,20 @@ class ModelEngine:
         """
         pairs = self._even_shapes(microbatches) if self.layout.ep > 1 else [(mb, mb) for mb in microbatches]
 
+        self.chosen_routes = []
+
         def forward_step(data_iterator, model):
             padded, batch = next(data_iterator)
+            if self.routes is not None and padded.routes is not None:
+                self.routes.replay(padded.routes)
+            elif self.routes is not None:
+                self.routes.record()
             output = model(padded.input_ids, padded.position_ids, None)
             if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only
                 return output, partial(_padding_only, collect is not None)
             b, s = batch.input_ids.shape  # the last stage's (B, S, V/TP) cut back to this micro-batch
+            if self.routes is not None:
+                self.chosen_routes.append(self.routes.chosen(tuple(padded.input_ids.shape), b, s))
             if collect is not None:
                 return output, lambda out, non_loss_data=False: collect(out[:b, :s], batch)
             return output, lambda out: _loss_with_count(loss_fn, batch, out[:b, :s])
@@ -290,9 +304,13 @@ class ModelEngine:
         for i, (rows, width) in enumerate(shapes.tolist()):
             own = microbatches[i] if i < len(microbatches) else None
             ids = torch.zeros(rows, width, dtype=torch.long)
+            routes = None
+            if own is not None and own.routes is not None:
+                routes = own.routes.new_full((rows, width, *own.routes.shape[2:]), -1)
+                routes[: own.routes.shape[0], : own.routes.shape[1]] = own.routes
             if own is not None:
                 ids[: own.input_ids.shape[0], : own.input_ids.shape[1]] = own.input_ids
-            pairs.append((ModelInputs(ids), own))
+            pairs.append((ModelInputs(ids, routes=routes), own))
         return pairs
 
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:

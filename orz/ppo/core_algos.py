@@ -39,7 +39,7 @@ __all__ = [
     "register_advantage_estimator", "estimate_advantages", "reward_on_last_token", "kl_in_score", "kl_penalty",
     "aggregate", "aggregate_denominator", "ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss",
     "truncated_is_weights", "sequence_is_weights", "IS_LEVELS", "masked_mean", "check_band", "mismatch_keep_mask",
-    "mismatch_metrics", "actor_loss", "value_loss",
+    "mismatch_metrics", "routing_agreement_counts", "actor_loss", "value_loss",
     "entropy_bonus", "overlong_penalty", "dynamic_sampling_filter", "FixedKLController",
     "AdaptiveKLController", "AdaptiveEntropyController",
 ]
@@ -926,6 +926,25 @@ def mismatch_metrics(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
         "mismatch/rejected_seq_frac": dropped_whole.sum() / sequences.sum().clamp_min(1),
     }
     return {key: value.detach().float() for key, value in metrics.items()}
+
+
+def routing_agreement_counts(recorded: Tensor, chosen: Tensor, mask: Tensor) -> Tensor:
+    """How often a router chose the experts that were recorded (MoE routing replay, R3):
+
+        same  = Σ_{b,s,l} m_bsl · [set(chosen_bsl) = set(recorded_bsl)]
+        total = Σ_{b,s,l} m_bsl
+
+    recorded, chosen: (B, S, L, K) expert ids of each token's top-k in each MoE layer (order
+    within the k does not matter); mask: (B, S, L) 1 on the (token, layer) routes that count.
+    Returns float32 [same, total]: counts add over micro-batches, pipeline stages and replicas,
+    and mismatch/routing_agreement = same / total."""
+    if recorded.shape != chosen.shape or recorded.dim() != 4:
+        raise ValueError(f"recorded {tuple(recorded.shape)} and chosen {tuple(chosen.shape)} must both be (B, S, L, K)")
+    if mask.shape != recorded.shape[:3]:
+        raise ValueError(f"mask {tuple(mask.shape)} must be (B, S, L) = {tuple(recorded.shape[:3])}")
+    same = (recorded.sort(dim=-1).values == chosen.sort(dim=-1).values).all(dim=-1)  # (B, S, L)
+    real = mask.bool()
+    return torch.stack([(same & real).sum(), real.sum()]).float()
 
 
 IS_LEVELS = {"token": truncated_is_weights, "sequence": sequence_is_weights}

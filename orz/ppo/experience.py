@@ -61,6 +61,8 @@ class Experience:
     advantages: Tensor | None = _tensor("BT")        # (B, T) Aₜ
     returns: Tensor | None = _tensor("BT")           # (B, T) the critic's targets
     group_index: Tensor | None = _tensor("B")        # (B,) int64 prompt id; responses to one prompt share it
+    # MoE routing replay: the experts each token went to in each MoE layer when it was sampled
+    routed_experts: Tensor | None = _tensor("BSLK")  # (B, S, L, K) int64 expert ids, the K of each of L MoE layers
     # per-sample extras for metrics and inspection: name → (B,) tensor (response length, truncated, ...)
     info: dict[str, Tensor] = field(default_factory=dict)
 
@@ -152,8 +154,8 @@ class Experience:
         sequence_width = max(self.sequence_lengths().tolist(), default=1)
         positions = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
         response_width = max((positions * self.response_mask.bool()).amax(dim=1).tolist(), default=1)
-        widths = {"BS": sequence_width, "BT": response_width}
-        return self._map(lambda dims, value: value[:, :widths[dims]] if dims in widths else value)
+        widths = {"S": sequence_width, "T": response_width}
+        return self._map(lambda dims, value: value[:, :widths[dims[1]]] if dims[1:2] in widths else value)
 
     # -- what a model worker needs ------------------------------------------------------------
 
@@ -338,10 +340,15 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
 
 def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                              rollout_logprobs: Sequence[Sequence[float]] | None = None,
-                             pad_id: int = 0, loss_masks: Sequence[Sequence[int]] | None = None) -> Experience:
+                             pad_id: int = 0, loss_masks: Sequence[Sequence[int]] | None = None,
+                             routed_experts: Sequence[Any] | None = None,
+                             moe_layers: Sequence[int] = ()) -> Experience:
     """An Experience with the token fields (and the engine's log-probs) of B rollouts, in the
     module's layout: ``sequences`` = prompt + response right-padded, ``response_mask`` over T: 1 on
-    every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens)."""
+    every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens).
+    ``routed_experts``: each row's (tokens, layers, K) expert ids from the engine, of which the
+    ``moe_layers`` columns are kept; positions it does not cover (the last token, never fed back)
+    hold -1, which replay routes to experts 0..K−1 (no token reads a last token's output)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
@@ -360,6 +367,13 @@ def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: 
         logprobs = torch.zeros(batch, resp_width)
         for row, values in enumerate(rollout_logprobs):
             logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    routes = None
+    if routed_experts is not None:
+        k = routed_experts[0].shape[-1]
+        routes = torch.full((batch, width, len(moe_layers), k), -1, dtype=torch.long)
+        for row, values in enumerate(routed_experts):
+            kept = torch.as_tensor(values)[:width, list(moe_layers)].long()  # (tokens, L, K)
+            routes[row, : len(kept)] = kept
     return Experience(sequences=sequences, attention_mask=attention_mask,
                       prompt_lengths=torch.tensor([len(p) for p in prompt_ids]),
-                      response_mask=response_mask, rollout_logprobs=logprobs)
+                      response_mask=response_mask, rollout_logprobs=logprobs, routed_experts=routes)

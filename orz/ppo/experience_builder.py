@@ -27,6 +27,7 @@ from orz.data.datasets import Row, RunData
 from orz.data.sampler import PromptLoader
 from orz.data.templates import encode_prompt, make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
+from orz.models.checkpoint import HFCheckpoint
 from orz.ppo import run_rules
 from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
 from orz.ppo.experience import Experience, experience_from_rollouts
@@ -114,7 +115,8 @@ class ExperienceBuilder:
         scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                               [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
-                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None)
+                                              loss_masks=[s.loss_mask for s in samples] if self.multiturn else None,
+                                              **self._routes(samples))
         lengths = experience.response_mask.sum(1)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
         every_score = torch.tensor([score for _, _, score, _, _ in drawn])
@@ -206,6 +208,17 @@ class ExperienceBuilder:
         view = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses],
                                         pad_id=(tok or self.tokenizer).pad_token_id or 0)
         return self.reward_model.scores_async(ray.put(view)).get().sum(1)
+
+    def _routes(self, samples: list[Sample]) -> dict:
+        """experience_from_rollouts' routing-replay arguments: the engines' routes of each sample,
+        kept at the model's MoE layers (rollout.routing_replay; GPU only, untested here)."""
+        if not self.run_cfg.rollout.routing_replay:
+            return {}
+        if any(s.routed_experts is None for s in samples):
+            raise RuntimeError("rollout.routing_replay=true, and an engine returned a sample without routed experts "
+                               "(vLLM's enable_return_routed_experts off, or not on Model Runner V2)")
+        return dict(routed_experts=[s.routed_experts for s in samples],
+                    moe_layers=HFCheckpoint(self.run_cfg.model.path).arch.moe.layers)
 
     def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
         """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the

