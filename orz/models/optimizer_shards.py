@@ -1,11 +1,15 @@
 """A role's optimizer state by parameter name, and its checkpoint at another layout: fp32
 masters and Adam moments, saved by parameter name and flat range, re-cut for another DP size and
-re-sharded for another TP/PP (through `convert.reshard`); and the model weights re-sharded too.
+re-sharded for another TP/PP/EP (through `convert.reshard`); and the model weights re-sharded too.
 
 On disk (one role): `mp_rank_TT_PPP/model.safetensors` (written by DP rank 0) and
 `mp_rank_TT_PPP/optim_dp_NN_I.pt`: DP rank NN's pieces of its I-th optimizer, a list of
 {name, range, tensors} in the optimizer's order. With the distributed optimizer every DP rank
 writes the flat range it holds; without it DP rank 0 writes whole tensors (replicas are equal).
+A mixture of experts at EP > 1 writes `mp_rank_TT_PPP_EEE`: EP rank EEE's experts (local names)
+beside a copy of TP rank TT's dense tensors, from each rank of the first expert-DP replica; so a
+dense tensor's pieces may lie in several directories of its TP rank, an expert's in several of
+its EP rank (whole experts only: ETP 1 re-shards).
 """
 from collections import defaultdict
 from dataclasses import replace
