@@ -377,13 +377,15 @@ def moe(tmp_path_factory):
 
 
 def _resume_step_two(rank, world, role, model, ckpt, resave):
-    """Loads `ckpt` (saved after step 1 at another layout), saves it again at this layout into
-    `resave` (when given), and takes step 2."""
+    """Loads `ckpt` (saved after step 1 at another layout) and takes step 2; with `resave`, saves
+    it again at this layout there and a fresh worker loads that (the same layout) first."""
     w = _worker(rank, world, role, "float32", model)
     w.load(ckpt)
     if resave:
         w.save(resave)
         dist.barrier()
+        w = _worker(rank, world, role, "float32", model)
+        w.load(resave)
     metrics = _step(w, world, _minibatches()[1])
     weights = dict(w.engine.hf_tensors())
     return (metrics, weights) if rank == 0 else None
@@ -399,7 +401,8 @@ MOE_LAYOUTS = {  # with the distributed optimizer: its shards of the experts and
 def test_a_moe_resumes_at_another_ep_and_another_dp_with_its_experts_resharded(moe, tmp_path):
     """Experts and their Adam moments follow EP ranks, the dense ones TP ranks: DP=2 at EP=1 saves
     after step 1 and takes step 2 (the reference); DP=2 at EP=2 resumes from it (EP 1 → 2),
-    saves again, and takes step 2; DP=4 at EP=2 resumes from that (DP 2 → 4 at the same EP, each
+    saves again, resumes from that at its own layout (each rank's own shard, found in its EP
+    rank's directory), and takes step 2; DP=4 at EP=2 resumes from that (DP 2 → 4 at the same EP, each
     dense weight's moments gathered from both EP ranks' directories). Each step 2 is the
     reference's within 1e-5. (TP=2 with experts trains only with sequence parallelism: GPU.)"""
     out = run_world(_two_steps, 2, MOE_LAYOUTS["dp2_ep1"], "float32", moe, str(tmp_path / "ep1"), timeout=300)[0]
