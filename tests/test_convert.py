@@ -195,6 +195,32 @@ def test_moe_round_trip_tp2_pp2_ep2_etp2_is_bit_exact(tmp_path, qwen3_moe):
         assert torch.equal(original[key], back[key]), key
 
 
+@pytest.mark.parametrize("saved,target", [((1, 1, 2), (1, 1, 1)), ((1, 1, 1), (1, 1, 2)), ((2, 2, 2), (1, 1, 4)),
+                                          ((1, 2, 4), (2, 1, 2))])
+def test_moe_reshard_gives_what_the_target_layout_reads_from_hf(qwen3_moe, saved, target):
+    """Every rank of `target` (TP, PP, EP) re-sharded from `saved`'s shards (the dense part by
+    TP rank, the experts by EP rank) equals its shard cut from the HF weights directly."""
+    from orz.models.convert import Layout, hf_to_megatron, reshard
+
+    arch, hf = read_arch(qwen3_moe), _all_tensors(qwen3_moe)
+
+    def layout(tp, pp, ep, tp_rank=0, pp_rank=0, ep_rank=0):
+        return Layout(tp, pp, tp_rank, pp_rank, padded_vocab=arch.padded_vocab_size(tp, 8), ep=ep, ep_rank=ep_rank)
+
+    tp, pp, ep = saved
+    dense = {(t, p): hf_to_megatron(hf.__getitem__, arch, layout(*saved, t, p)) for t in range(tp) for p in range(pp)}
+    experts = {(e, p): hf_to_megatron(hf.__getitem__, arch, layout(*saved, 0, p, e)) for e in range(ep) for p in range(pp)}
+    for t in range(target[0]):
+        for p in range(target[1]):
+            for e in range(target[2]):
+                got = reshard(lambda tr, pr, name: dense[tr, pr][name], arch, layout(*saved), layout(*target, t, p, e),
+                              read_expert=lambda er, _, pr, name: experts[er, pr][name])
+                expected = hf_to_megatron(hf.__getitem__, arch, layout(*target, t, p, e))
+                assert got.keys() == expected.keys()
+                for name, tensor in expected.items():
+                    assert torch.equal(got[name], tensor), (t, p, e, name)
+
+
 @pytest.mark.parametrize(
     "edit,ep,message",
     [

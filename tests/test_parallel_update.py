@@ -366,3 +366,49 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_an
     with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
                                            r"state in Megatron's own format.*resume at the saved TP and PP"):
         run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, str(ckpt))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-MoE: 4 experts, top-2, both layers sparse."""
+    return str(make_tiny_hf(tmp_path_factory.mktemp("moe"), family="qwen3_moe", vocab_size=64, hidden_size=64,
+                            head_dim=32, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=2,
+                            moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)))
+
+
+def _resume_step_two(rank, world, role, model, ckpt, resave):
+    """Loads `ckpt` (saved after step 1 at another layout) and takes step 2; with `resave`, saves
+    it again at this layout there and a fresh worker loads that (the same layout) first."""
+    w = _worker(rank, world, role, "float32", model)
+    w.load(ckpt)
+    if resave:
+        w.save(resave)
+        dist.barrier()
+        w = _worker(rank, world, role, "float32", model)
+        w.load(resave)
+    metrics = _step(w, world, _minibatches()[1])
+    weights = dict(w.engine.hf_tensors())
+    return (metrics, weights) if rank == 0 else None
+
+
+MOE_LAYOUTS = {  # with the distributed optimizer: its shards of the experts and of the dense weights
+    "dp2_ep1": RoleConfig(lr=1e-3, dp=2, micro_batch_size=3, use_distributed_optimizer=True),
+    "dp2_ep2": RoleConfig(lr=1e-3, dp=2, ep=2, micro_batch_size=3, use_distributed_optimizer=True),
+    "dp4_ep2": RoleConfig(lr=1e-3, dp=4, ep=2, micro_batch_size=3, use_distributed_optimizer=True),
+}
+
+
+def test_a_moe_resumes_at_another_ep_and_another_dp_with_its_experts_resharded(moe, tmp_path):
+    """Experts and their Adam moments follow EP ranks, the dense ones TP ranks: DP=2 at EP=1 saves
+    after step 1 and takes step 2 (the reference); DP=2 at EP=2 resumes from it (EP 1 → 2),
+    saves again, resumes from that at its own layout (each rank's own shard, found in its EP
+    rank's directory), and takes step 2; DP=4 at EP=2 resumes from that (DP 2 → 4 at the same EP, each
+    dense weight's moments gathered from both EP ranks' directories). Each step 2 is the
+    reference's within 1e-5. (TP=2 with experts trains only with sequence parallelism: GPU.)"""
+    out = run_world(_two_steps, 2, MOE_LAYOUTS["dp2_ep1"], "float32", moe, str(tmp_path / "ep1"), timeout=300)[0]
+    reference = {"metrics": out["metrics"], "weights": out["weights"]}
+    for layout, ckpt, resave in (("dp2_ep2", "ep1", "ep2"), ("dp4_ep2", "ep2", "")):
+        role = MOE_LAYOUTS[layout]
+        metrics, weights = run_world(_resume_step_two, role.dp, role, moe, str(tmp_path / ckpt),
+                                     resave and str(tmp_path / resave), timeout=300)[0]
+        assert _unlike_step_two(metrics, weights, reference) == [], layout

@@ -1,6 +1,7 @@
-"""The reward-model role: an HF sequence-classification checkpoint (Llama, Qwen2, Qwen3) loaded as a
-Megatron role with its scalar head, its score read at each sequence's last token, equal to
-transformers' own score at TP 1 and 2 and at PP 2; a head that is not scalar is refused by name."""
+"""The reward-model role: an HF sequence-classification checkpoint (Llama, Llama with 3.1's RoPE
+scaling, Qwen2, Qwen3) loaded as a Megatron role with its scalar head, its score read at each
+sequence's last token, equal to transformers' own score at TP 1 and 2 and at PP 2; a head that is
+not scalar is refused by name."""
 import pytest
 import torch
 
@@ -14,13 +15,17 @@ def make_reward_model(path, family="llama", num_labels=1, seed=0):
     """A random tiny sequence classifier, as `AutoModelForSequenceClassification` writes one."""
     import transformers
 
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "llama31": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForSequenceClassification")
+    # Llama 3.1's RoPE scaling, its original length 8 shorter than the sequences
+    scaled = dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0, original_max_position_embeddings=8))
     config = config_cls(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_labels=num_labels, pad_token_id=0,
                         max_position_embeddings=256, tie_word_embeddings=False,
-                        head_dim=32 if family == "qwen3" else 16)  # Qwen3's need not be hidden / heads
+                        head_dim=32 if family == "qwen3" else 16,  # Qwen3's need not be hidden / heads
+                        **(scaled if family == "llama31" else {}))
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
@@ -52,7 +57,7 @@ def _scores(rank, world, path, tp, pp=1):
     return None if out is None else (out[1], exp.response_mask)
 
 
-@pytest.mark.parametrize("family, tp, pp", [("llama", 1, 1), ("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2),
+@pytest.mark.parametrize("family, tp, pp", [("llama31", 1, 1), ("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2),
                                             ("qwen3", 2, 1)])
 def test_scores_equal_transformers_at_tp_and_pp(tmp_path, family, tp, pp):
     model = make_reward_model(tmp_path / "rm", family)

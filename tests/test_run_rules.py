@@ -257,12 +257,14 @@ def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(famil
                     arch_from_dict(MOE_ARCH), on_gpu=False)
 
 
-def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_path):
-    """orz's checkpoints re-shard experts across DP only: resuming a MoE at another EP (or TP, PP,
-    ETP) is refused by `main` before Ray or any worker starts, naming the keys and the way out."""
+def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layout_before_start(tmp_path):
+    """orz's checkpoints re-shard whole experts at any TP/PP/EP/DP, not experts split over ETP
+    ranks: resuming such a MoE at another layout is refused by `main` before Ray or any worker
+    starts, naming the keys and the way out."""
     from safetensors.torch import save_file
 
     from orz.config import to_dict
+    from orz.models.arch import arch_from_dict
     from orz.train import run as main
 
     model = tmp_path / "moe"
@@ -270,19 +272,21 @@ def test_a_moe_checkpoint_at_another_expert_layout_is_refused_before_start(tmp_p
     (model / "config.json").write_text(json.dumps(MOE_ARCH))
     save_file({}, str(model / "model.safetensors"))  # the check reads the architecture only
     out = tmp_path / "run"
-    saved = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo", "actor.ep=2", "actor.dp=2",
+    saved = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo", "actor.etp=2", "actor.dp=2",
                                f"trainer.output_dir={out}"])
     ckpt = out / "checkpoints" / "iter_000001"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"config": to_dict(saved)}, default=str))
     (out / "checkpoints" / "latest").write_text(ckpt.name)
-    resumed = load_config(None, ["actor.ep=1"], base=saved)
-    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=1 (saved 2): orz's checkpoints re-shard a "
-                                                    "mixture of experts across DP only")):
+    resumed = load_config(None, ["actor.etp=1", "actor.ep=2"], base=saved)
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=2 (saved 1), actor.etp=1 (saved 2): orz's "
+                                                    "checkpoints re-shard whole experts only (actor.etp=1 saved and "
+                                                    "resumed)")):
         main(resumed)
-    from orz.models.arch import arch_from_dict
-
-    assert run_rules.resume_problems(saved, to_dict(saved), arch_from_dict(MOE_ARCH)) == []  # the saved sizes resume
+    moe = arch_from_dict(MOE_ARCH)
+    assert run_rules.resume_problems(saved, to_dict(saved), moe) == []  # the saved sizes resume
+    whole = load_config(None, ["actor.ep=2", "actor.etp=1"], base=saved)  # whole experts: any EP and DP
+    assert run_rules.resume_problems(load_config(None, ["actor.ep=1"], base=whole), to_dict(whole), moe) == []
 
 
 @pytest.mark.parametrize("family, on_gpu, overrides, message", [

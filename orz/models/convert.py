@@ -263,27 +263,33 @@ def megatron_to_hf(
 
 
 def reshard(
-    read: Callable[[int, int, str], torch.Tensor], arch: ModelArch, saved: Layout, layout: Layout
+    read: Callable[[int, int, str], torch.Tensor], arch: ModelArch, saved: Layout, layout: Layout,
+    read_expert: Callable[[int, int, int, str], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`layout`'s state dict from tensors saved at another TP/PP layout, through the HF names
-    (any TP/PP to any other); `read(tp_rank, pp_rank, megatron_name)` reads one saved tensor.
+    """`layout`'s state dict from tensors saved at another TP/PP/EP layout, through the HF names
+    (any layout to any other); `read(tp_rank, pp_rank, megatron_name)` reads one saved tensor,
+    and for a MoE `read_expert(ep_rank, etp_rank, pp_rank, megatron_name)` one saved expert's
+    (experts follow their own grid: local expert i of EP rank e is expert e·E/EP + i).
 
     Works for any per-parameter quantity (weights, fp32 masters, Adam moments): the maps are
     slicing and concatenation only. Padded vocabulary rows are dropped and come back as zeros. A
     value head (replicated, on the last stage) is copied from the saved last stage.
     """
-    source = {}  # HF name -> (saved stage, rule)
+    source = {}  # HF name -> (saved stage, saved EP rank, rule)
     for pp_rank in range(saved.pp):
-        for rule in param_rules(arch, replace(saved, tp_rank=0, pp_rank=pp_rank)):
+        for ep_rank, rule in stage_rules(arch, replace(saved, tp_rank=0, pp_rank=pp_rank, ep_rank=0, etp_rank=0)):
             if not (rule.megatron == OUTPUT and arch.tie_word_embeddings):
-                source.update((name, (pp_rank, rule)) for name in rule.hf)
+                source.update((name, (pp_rank, ep_rank, rule)) for name in rule.hf)
     done: dict[str, dict[str, torch.Tensor]] = {}  # a rule's HF tensors, read once for q, k and v
 
     def get_hf(name: str) -> torch.Tensor:
-        pp_rank, rule = source[name]
-        key = f"{pp_rank}/{rule.megatron}"
+        pp_rank, ep_rank, rule = source[name]
+        key = f"{pp_rank}/{ep_rank}/{rule.megatron}"
         if name not in done.get(key, {}):
-            shards = [read(tp_rank, pp_rank, rule.megatron) for tp_rank in range(saved.tp)]
+            if rule.expert:
+                shards = [read_expert(ep_rank, etp_rank, pp_rank, rule.megatron) for etp_rank in range(saved.etp)]
+            else:
+                shards = [read(tp_rank, pp_rank, rule.megatron) for tp_rank in range(saved.tp)]
             done[key] = dict(zip(rule.hf, to_hf(rule, shards, arch)))
         return done[key].pop(name)
 

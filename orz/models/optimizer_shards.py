@@ -1,11 +1,15 @@
 """A role's optimizer state by parameter name, and its checkpoint at another layout: fp32
 masters and Adam moments, saved by parameter name and flat range, re-cut for another DP size and
-re-sharded for another TP/PP (through `convert.reshard`); and the model weights re-sharded too.
+re-sharded for another TP/PP/EP (through `convert.reshard`); and the model weights re-sharded too.
 
 On disk (one role): `mp_rank_TT_PPP/model.safetensors` (written by DP rank 0) and
 `mp_rank_TT_PPP/optim_dp_NN_I.pt`: DP rank NN's pieces of its I-th optimizer, a list of
 {name, range, tensors} in the optimizer's order. With the distributed optimizer every DP rank
 writes the flat range it holds; without it DP rank 0 writes whole tensors (replicas are equal).
+A mixture of experts at EP > 1 writes `mp_rank_TT_PPP_EEE`: EP rank EEE's experts (local names)
+beside a copy of TP rank TT's dense tensors, from each rank of the first expert-DP replica; so a
+dense tensor's pieces may lie in several directories of its TP rank, an expert's in several of
+its EP rank (whole experts only: ETP 1 re-shards).
 """
 from collections import defaultdict
 from dataclasses import replace
@@ -15,7 +19,6 @@ import torch
 from safetensors import safe_open
 
 from orz.models.arch import ModelArch
-from orz.models.checkpoint import rank_dir
 from orz.models.convert import EMBEDDING, Layout, reshard
 
 DDP_PREFIX = "module."  # Megatron DDP's name for the wrapped model
@@ -110,14 +113,16 @@ def _cut(pieces: list[dict], start: int, end: int) -> dict[str, torch.Tensor]:
 
 
 def _pieces_by_name(paths: list[Path]) -> dict[str, list[dict]]:
-    """Every saved DP rank's pieces of one optimizer, by parameter name, memory-mapped."""
+    """Every saved DP rank's pieces of the tensors of one rank directory (or of several that hold
+    the same tensors), by parameter name, memory-mapped; one piece per range."""
     by_name = defaultdict(list)
     for path in paths:
         for piece in torch.load(path, mmap=True):
             if "range" not in piece:
                 raise ValueError(f"{path}: optimizer shards of this age cannot be re-cut; resume at the layout "
                                  "they were saved at")
-            by_name[piece["name"]].append(piece)
+            if all(piece["range"] != other["range"] for other in by_name[piece["name"]]):  # replicas wrote copies
+                by_name[piece["name"]].append(piece)
     return by_name
 
 
@@ -130,14 +135,14 @@ def _give_each_its_own_step(optimizer) -> None:
 
 
 @torch.no_grad()  # the masters are leaves that require grad
-def load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: int | None) -> None:
+def load_shard_states(optimizer, names: dict, paths: list[Path], own: Path | None) -> None:
     """Sets this DP rank's masters and moments, at the saved TP/PP: from its own saved shard
-    (saved_dp_rank: the run keeps the saved DP size), else its range of each parameter cut from
-    every saved shard, so that a rank reads only what it holds."""
+    (`own`: the run keeps the saved DP size), else its range of each parameter cut from every
+    saved shard (`paths`), so that a rank reads only what it holds."""
     params = _shard_params(optimizer, names)
     _give_each_its_own_step(optimizer)
-    if saved_dp_rank is not None:
-        mine = torch.load(paths[saved_dp_rank])
+    if own is not None:
+        mine = torch.load(own)
         if len(mine) != len(params):
             raise ValueError(f"optimizer shard holds {len(mine)} parameters, this layout has {len(params)}")
         for param, piece in zip(params, mine):  # older checkpoints saved the tensors alone
@@ -148,53 +153,90 @@ def load_shard_states(optimizer, names: dict, paths: list[Path], saved_dp_rank: 
         _set_states(optimizer, param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
 
 
-def saved_layout(root: Path, tp: int, pp: int, layout: Layout) -> Layout:
-    """The layout a checkpoint's shards were written at (its padded vocabulary read from the
-    saved embedding); TE naming and the value-head flag are this run's."""
-    with safe_open(root / rank_dir(0, 0) / "model.safetensors", "pt") as f:
-        padded = f.get_slice(EMBEDDING).get_shape()[0] * tp
-    return replace(layout, tp=tp, pp=pp, tp_rank=0, pp_rank=0, padded_vocab=padded)
+def saved_dirs(root: Path, pp_rank: int, tp_rank: int | None = None, ep_rank: int | None = None,
+               holding: str = "model.safetensors") -> list[Path]:
+    """The saved rank directories of stage `pp_rank` that hold a file `holding`: of TP rank
+    `tp_rank` (None: any) and, in a checkpoint with experts spread over EP ranks, of EP rank
+    `ep_rank` (None: any). Directories: `mp_rank_TT_PPP`, or `mp_rank_TT_PPP_EEE` with EP > 1."""
+    tp = "??" if tp_rank is None else f"{tp_rank:02d}"
+    suffix = "*" if ep_rank is None else f"_{ep_rank:03d}"
+    return [d for d in sorted(root.glob(f"mp_rank_{tp}_{pp_rank:03d}{suffix}")) if any(d.glob(holding))]
+
+
+def _tensor_dirs(root: Path, saved: Layout, expert: bool, rank: int, pp_rank: int, holding: str) -> list[Path]:
+    """The saved directories holding TP rank `rank`'s dense tensors, or (`expert`) EP rank
+    `rank`'s experts: whole experts (ETP 1), so every TP rank's copy."""
+    if expert:
+        return saved_dirs(root, pp_rank, ep_rank=rank if saved.ep > 1 else None, holding=holding)
+    return saved_dirs(root, pp_rank, tp_rank=rank, holding=holding)
+
+
+def saved_layout(root: Path, sizes: dict, layout: Layout) -> Layout:
+    """The layout a checkpoint's shards were written at (`sizes`: its tp, pp, ep, etp; its padded
+    vocabulary read from the saved embedding); TE naming and the value-head flag are this run's."""
+    with safe_open(saved_dirs(root, 0, tp_rank=0)[0] / "model.safetensors", "pt") as f:
+        padded = f.get_slice(EMBEDDING).get_shape()[0] * sizes["tp"]
+    return replace(layout, tp=sizes["tp"], pp=sizes["pp"], ep=sizes.get("ep", 1), etp=sizes.get("etp", 1),
+                   tp_rank=0, pp_rank=0, ep_rank=0, etp_rank=0, padded_vocab=padded)
+
+
+def _reshard_saved(read, arch: ModelArch, saved: Layout, layout: Layout) -> dict[str, torch.Tensor]:
+    """reshard, with `read(expert, rank, pp_rank, name)`: one saved tensor of TP rank `rank`, or
+    (`expert`) of EP rank `rank`."""
+    return reshard(lambda t, p, name: read(False, t, p, name), arch, saved, layout,
+                   read_expert=lambda e, _, p, name: read(True, e, p, name))
 
 
 def resharded_weights(root: Path, arch: ModelArch, saved: Layout, layout: Layout) -> dict[str, torch.Tensor]:
     """This rank's model shard cut from every saved rank's `model.safetensors`, lazily."""
     files = {}
 
-    def read(tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
-        if (tp_rank, pp_rank) not in files:
-            files[tp_rank, pp_rank] = safe_open(root / rank_dir(tp_rank, pp_rank) / "model.safetensors", "pt")
-        return files[tp_rank, pp_rank].get_tensor(name)
+    def read(expert: bool, rank: int, pp_rank: int, name: str) -> torch.Tensor:
+        if (expert, rank, pp_rank) not in files:
+            directory = _tensor_dirs(root, saved, expert, rank, pp_rank, "model.safetensors")[0]
+            files[expert, rank, pp_rank] = safe_open(directory / "model.safetensors", "pt")
+        return files[expert, rank, pp_rank].get_tensor(name)
 
-    return reshard(read, arch, saved, layout)
+    return _reshard_saved(read, arch, saved, layout)
+
+
+def allocate_states(optimizer) -> None:
+    """Gives each distributed optimizer, not yet stepped, its Adam states (for load_resharded_states
+    to set): Megatron allocates them when it loads param groups, here its own. A MoE at EP 1 has
+    one optimizer and at EP > 1 a second for the experts, so the saved groups need not fit."""
+    for one in distributed_optimizers(optimizer):
+        groups = [{k: v for k, v in group.items() if k != "params"} | {"step": 0} for group in one.optimizer.param_groups]
+        one.load_state_dict({"optimizer": {"param_groups": groups}})
 
 
 @torch.no_grad()
-def load_resharded_states(optimizer, names: dict, index: int, root: Path, arch: ModelArch,
-                          saved: Layout, layout: Layout) -> None:
-    """Sets this rank's masters and moments from a checkpoint of another TP/PP (and any DP):
-    each saved rank's flat pieces are joined into its whole local tensors, re-sharded to this
-    layout per state (`param`, `exp_avg`, `exp_avg_sq`), and this DP rank's range cut out."""
+def load_resharded_states(optimizer, names: dict, root: Path, arch: ModelArch, saved: Layout, layout: Layout) -> None:
+    """Sets this rank's masters and moments, in each optimizer of a chained one, from a checkpoint
+    of another TP/PP/EP (and any DP): each saved tensor's flat pieces (written by the DP ranks
+    that held it, into whichever directories, by any of the saved optimizers) are joined into the
+    whole tensor, re-sharded to this layout per state (`param`, `exp_avg`, `exp_avg_sq`), and
+    this DP rank's range cut out."""
     pieces, shapes = {}, {}
-    for tp_rank in range(saved.tp):
-        for pp_rank in range(saved.pp):
-            shard = root / rank_dir(tp_rank, pp_rank)
-            pieces[tp_rank, pp_rank] = _pieces_by_name(sorted(shard.glob(f"optim_dp_*_{index}.pt")))
-            with safe_open(shard / "model.safetensors", "pt") as f:
-                shapes[tp_rank, pp_rank] = {k: f.get_slice(k).get_shape() for k in f.keys()}
 
-    def whole(tp_rank: int, pp_rank: int, name: str) -> dict[str, torch.Tensor]:
-        shape = shapes[tp_rank, pp_rank][name]
-        states = _cut(pieces[tp_rank, pp_rank][DDP_PREFIX + name], 0, int(torch.Size(shape).numel()))
+    def whole(expert: bool, rank: int, pp_rank: int, name: str) -> dict[str, torch.Tensor]:
+        key = expert, rank, pp_rank
+        if key not in pieces:
+            files = [f for d in _tensor_dirs(root, saved, expert, rank, pp_rank, "optim_dp_*.pt")
+                     for f in sorted(d.glob("optim_dp_*.pt"))]
+            pieces[key] = _pieces_by_name(files)
+            model = _tensor_dirs(root, saved, expert, rank, pp_rank, "model.safetensors")[0] / "model.safetensors"
+            with safe_open(model, "pt") as f:
+                shapes[key] = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        shape = shapes[key][name]
+        states = _cut(pieces[key][DDP_PREFIX + name], 0, int(torch.Size(shape).numel()))
         return {k: v if v.dim() == 0 else v.reshape(shape) for k, v in states.items()}
 
-    params = _shard_params(optimizer, names)
-    _give_each_its_own_step(optimizer)
-    saved_tensors = next(iter(pieces[0, 0].values()))[0]["tensors"]  # the keys every piece has
-    step = saved_tensors.get("step")  # Adam's, the same everywhere
-    states = {key: reshard(lambda t, p, name: whole(t, p, name)[key], arch, saved, layout)
-              for key in saved_tensors if key != "step"}
-    for param in params:
-        start, end = _owned_range(optimizer, param)
-        name = names[param][len(DDP_PREFIX):]
-        mine = {key: states[key][name].reshape(-1)[start:end] for key in states}
-        _set_states(optimizer, param, mine | ({} if step is None else {"step": step.clone()}))
+    first = whole(False, 0, 0, EMBEDDING)  # the keys every piece has, and Adam's step (the same everywhere)
+    states = {key: _reshard_saved(lambda *at: whole(*at)[key], arch, saved, layout) for key in first if key != "step"}
+    for one in optimizers(optimizer):
+        _give_each_its_own_step(one)
+        for param in _shard_params(one, names):
+            start, end = _owned_range(one, param)
+            name = names[param][len(DDP_PREFIX):]
+            mine = {key: states[key][name].reshape(-1)[start:end] for key in states}
+            _set_states(one, param, mine | ({} if "step" not in first else {"step": first["step"].clone()}))

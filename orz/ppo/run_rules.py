@@ -247,9 +247,10 @@ def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
-    """What a checkpoint (its run's config, `saved`) cannot resume into: orz's format re-shards a
-    mixture of experts across DP only, so each trained role of a MoE resumes at its saved TP, PP,
-    EP and ETP (a dense model's checkpoint re-shards at any TP/PP/DP, in the workers)."""
+    """What a checkpoint (its run's config, `saved`) cannot resume into. orz's format re-shards a
+    dense model at any TP/PP/DP and a mixture of experts at any TP/PP/EP/DP too, but only whole
+    experts: a MoE whose experts were, or would be, split over ETP ranks resumes at its saved
+    TP, PP, EP and ETP (the re-sharding in the workers: `optimizer_shards`)."""
     if arch is None or arch.moe is None:
         return []
     problems = []
@@ -259,10 +260,11 @@ def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
         role = getattr(cfg, name)
         changed = [f"{name}.{key}={getattr(role, key)} (saved {saved[name].get(key, 1)})"
                    for key in ("tp", "pp", "ep", "etp") if getattr(role, key) != saved[name].get(key, 1)]
-        if changed:
-            problems.append(f"{', '.join(changed)}: orz's checkpoints re-shard a mixture of experts across DP only; "
-                            f"resume at the saved sizes, or start a new run from the HF weights (trainer.export_hf "
-                            f"writes them at a run's end; `orz convert mcore2hf` makes them from a checkpoint)")
+        if changed and (role.etp, saved[name].get("etp", 1)) != (1, 1):
+            problems.append(f"{', '.join(changed)}: orz's checkpoints re-shard whole experts only ({name}.etp=1 "
+                            f"saved and resumed), not an expert split over ETP ranks; resume at the saved sizes, or "
+                            f"start a new run from the HF weights (trainer.export_hf writes them at a run's end; "
+                            f"`orz convert mcore2hf` makes them from a checkpoint)")
     return problems
 
 

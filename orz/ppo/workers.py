@@ -26,11 +26,13 @@ from orz.faults import FaultSite
 from orz.models.checkpoint import rank_dir
 from orz.models.inputs import ModelInputs
 from orz.models.optimizer_shards import (
+    allocate_states,
     distributed_optimizers,
     load_resharded_states,
     load_shard_states,
     optimizers,
     resharded_weights,
+    saved_dirs,
     saved_layout,
     shard_states,
 )
@@ -454,8 +456,9 @@ class MegatronWorker(FaultSite):
         root = Path(root)
         shard, layout = self._shard_dir(root), self.engine.layout
         mine = self._layout_sizes()
-        # A rank of a new TP/PP may have no shard of its own: rank (0, 0) of the saved run has one.
-        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else root / rank_dir(0, 0) / "optim.pt"
+        # A rank of a new layout may have no shard of its own: the saved first rank's has one.
+        first = saved_dirs(root, 0, tp_rank=0, holding="optim.pt") or [root / rank_dir(0, 0)]
+        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else first[0] / "optim.pt"
         if not state_file.is_file():
             raise ValueError(f"{root}: holds no checkpoint of {self.spec.name} ({state_file} is missing)")
         state = torch.load(state_file, weights_only=False)
@@ -469,20 +472,23 @@ class MegatronWorker(FaultSite):
             have, want = ("with", "without") if not distributed else ("without", "with")
             raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
                              f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
+        moe = self.engine.arch.moe is not None
         experts = (saved.get("ep", 1), saved.get("etp", 1)), (mine["ep"], mine["etp"])  # checkpoints before EP: 1
-        if self.engine.arch.moe is not None and ((saved["tp"], saved["pp"]) != (mine["tp"], mine["pp"])
-                                                 or experts[0] != experts[1]):
+        same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and experts[0] == experts[1]
+        # A MoE's optimizer pieces lie in its EP ranks' directories: at another DP, gather them from all.
+        same_mp = same_mp and not (moe and saved["dp"] != mine["dp"])
+        if moe and not same_mp and (experts[0][1], experts[1][1]) != (1, 1):
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
-                             f"orz's checkpoint format re-shards a mixture of experts only across DP: resume at the "
-                             f"saved {self.spec.name}.tp, .pp, .ep and .etp (with trainer.export_hf=true the run "
-                             f"ends with its HF weights, from which a new run at any layout starts)")
-        same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"])
+                             f"orz's checkpoint format re-shards whole experts only ({self.spec.name}.etp=1 before "
+                             f"and after): resume at the saved {self.spec.name}.tp, .pp, .ep and .etp (with "
+                             f"trainer.export_hf=true the run ends with its HF weights, from which a new run at any "
+                             f"layout starts)")
         if not same_mp and self.spec.train and not by_name:
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
                              "This checkpoint keeps its optimizer state in Megatron's own format, which can "
                              "change its DP size, not TP or PP: resume at the saved TP and PP, or export it with "
                              "`orz.convert mcore2hf` and start a new run from the HF weights")
-        from_layout = None if same_mp else saved_layout(root, saved["tp"], saved["pp"], layout)
+        from_layout = None if same_mp else saved_layout(root, saved, layout)
         weights = (load_file(shard / "model.safetensors") if same_mp
                    else resharded_weights(root, self.engine.arch, from_layout, layout))
         self.engine.load_local_state(weights)
@@ -493,15 +499,17 @@ class MegatronWorker(FaultSite):
             # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
             # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
             _set_group_lr(state["optimizer"], self.spec.cfg)
-            self.engine.optimizer.load_state_dict(state["optimizer"])
-        names = {param: name for name, param in self.engine.model.named_parameters()}
-        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name else ()):
-            if same_mp:
-                paths = sorted(shard.glob(f"optim_dp_*_{i}.pt"))
-                keeps_dp = distributed and saved["dp"] in (None, mine["dp"])
-                load_shard_states(optimizer, names, paths, self._dp[0] if keeps_dp else None)
+            if moe and not same_mp:
+                allocate_states(self.engine.optimizer)
             else:
-                load_resharded_states(optimizer, names, i, root, self.engine.arch, from_layout, layout)
+                self.engine.optimizer.load_state_dict(state["optimizer"])
+        names = {param: name for name, param in self.engine.model.named_parameters()}
+        if by_name and not same_mp:
+            load_resharded_states(self.engine.optimizer, names, root, self.engine.arch, from_layout, layout)
+        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name and same_mp else ()):
+            keeps_dp = distributed and saved["dp"] in (None, mine["dp"])
+            own = shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"
+            load_shard_states(optimizer, names, sorted(shard.glob(f"optim_dp_*_{i}.pt")), own if keeps_dp else None)
         # Checkpoints before stages kept the scheduler's whole state dict.
         self.scheduler.num_steps = state.get("scheduler_steps") or state["scheduler"]["num_steps"]
         # The optimizer's state brought the saved stage's param-group settings (max_lr, betas):
