@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None, base: ExperimentConfig | None = None) ->
     return 75 if result.get("preempted") else 0
 
 
-
 def run(cfg: ExperimentConfig) -> dict:
     """Trains to the end; after a lost Megatron worker, rebuilds the run from its last checkpoint.
     SIGTERM and Ctrl-C raise Stopped once every role is shut down, and the local Ray cluster too if

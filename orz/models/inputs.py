@@ -15,6 +15,9 @@ class ModelInputs:
     # (B, S, L, K) experts to route token (b, s) to in each of the L MoE layers (routing replay); -1 on
     # padding; None: the routers choose
     routes: torch.Tensor | None = None
+    # (B, S) True on padding positions: a MoE's routers leave them out of the load-balancing
+    # loss's statistics (Megatron's padding_mask); None: the routers count every position
+    padding: torch.Tensor | None = None
 
     @property
     def position_ids(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ already divided by the global normaliser of its mini-batch (e.g. its real tokens
 micro-batches and DP ranks). Megatron then neither divides by the number of micro-batches nor
 averages over DP (it sums), so accumulated gradients are exactly those of the whole mini-batch.
 """
+import contextlib
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Iterator
@@ -263,9 +264,11 @@ class ModelEngine:
                 self.routes.replay(padded.routes)
             elif self.routes is not None:
                 self.routes.record()
-            output = model(padded.input_ids, padded.position_ids, None)
-            if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only
+            if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only,
+                with _load_balancing_off(self.config):  # and out of the load-balancing loss (all padding)
+                    output = model(padded.input_ids, padded.position_ids, None)
                 return output, partial(_padding_only, collect is not None)
+            output = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding)
             b, s = batch.input_ids.shape  # the last stage's (B, S, V/TP) cut back to this micro-batch
             if self.routes is not None:
                 self.chosen_routes.append(self.routes.chosen(tuple(padded.input_ids.shape), b, s))
@@ -292,7 +295,8 @@ class ModelEngine:
         index, and as many as the replica with the most (own None beyond this one's). The experts'
         all-gather dispatcher exchanges every micro-batch's tokens with ranks of other replicas at
         equal sizes. Extra rows and right-padded columns change no real token's output (causal
-        attention; routing without capacity limits), only the load-balancing loss's statistics."""
+        attention; routing without capacity limits), and are marked padding, which the load-balancing
+        loss leaves out: it is the same at any EP."""
         group = ps.get_data_parallel_group()
         count = torch.tensor([len(microbatches)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
@@ -304,13 +308,16 @@ class ModelEngine:
         for i, (rows, width) in enumerate(shapes.tolist()):
             own = microbatches[i] if i < len(microbatches) else None
             ids = torch.zeros(rows, width, dtype=torch.long)
-            routes = None
+            routes = padding = None
             if own is not None and own.routes is not None:
                 routes = own.routes.new_full((rows, width, *own.routes.shape[2:]), -1)
                 routes[: own.routes.shape[0], : own.routes.shape[1]] = own.routes
             if own is not None:
-                ids[: own.input_ids.shape[0], : own.input_ids.shape[1]] = own.input_ids
-            pairs.append((ModelInputs(ids, routes=routes), own))
+                b, s = own.input_ids.shape
+                ids[:b, :s] = own.input_ids
+                padding = torch.ones(rows, width, dtype=torch.bool)
+                padding[:b, :s] = own.padding if own.padding is not None else False
+            pairs.append((ModelInputs(ids, routes=routes, padding=padding), own))
         return pairs
 
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -343,11 +350,12 @@ class ModelEngine:
 
     def _start_aux_loss(self, microbatches: list[ModelInputs]) -> None:
         """The router adds c·n_m·aux_m to micro-batch m's objective (c: moe_aux_loss_coef, n_m its
-        B·S token positions, aux_m = (E/k)·Σ_e f_e·P̄_e its Switch loss, f_e the share of top-k picks:
+        tokens, padding left out, aux_m = (E/k)·Σ_e f_e·P̄_e its Switch loss, f_e the share of top-k picks:
         transformers' value / k); scaled by 1/N, N = Σ n_m over the mini-batch on every DP rank, the
         objective gains c·Σ_m n_m·aux_m / N per sparse layer, a token-weighted mean: Megatron's own
         per-token scaling, whose division by N our finalisation skips."""
-        tokens = torch.tensor(float(sum(mb.input_ids.numel() for mb in microbatches)))
+        tokens = torch.tensor(float(sum(mb.input_ids.numel() if mb.padding is None else int((~mb.padding).sum())
+                                        for mb in microbatches)))
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         scale = 1.0 / tokens.item()
         self.config.moe_grad_scale_func = lambda: scale
@@ -364,6 +372,16 @@ class ModelEngine:
         mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         return mean.item() / ps.get_data_parallel_world_size()
+
+
+@contextlib.contextmanager
+def _load_balancing_off(config):
+    """No load-balancing loss in the forwards inside (Megatron's routers read the coefficient there)."""
+    coefficient, config.moe_aux_loss_coeff = config.moe_aux_loss_coeff, 0.0
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff = coefficient
 
 
 def _padding_only(collecting: bool, output: torch.Tensor, non_loss_data: bool = False):

@@ -204,8 +204,10 @@ class MegatronWorker(FaultSite):
 
     def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
         """Megatron inputs, each micro-batch at its own width (PP exchanges shapes), with the routes
-        to replay when the engine replays them (-1 on padding)."""
-        return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience)) for mb in micro_batches]
+        to replay when the engine replays them (-1 on padding) and, for a MoE, where the padding is."""
+        moe = self.engine.arch.moe is not None
+        return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience),
+                            ~mb.experience.attention_mask.bool() if moe else None) for mb in micro_batches]
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
         """(B, S, L, K) the recorded routes to replay, -1 on padding; None: the routers choose."""
@@ -474,22 +476,22 @@ class MegatronWorker(FaultSite):
                              f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
         moe = self.engine.arch.moe is not None
         experts = (saved.get("ep", 1), saved.get("etp", 1)), (mine["ep"], mine["etp"])  # checkpoints before EP: 1
-        same_mp = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and experts[0] == experts[1]
+        same_layout = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and experts[0] == experts[1]
         # A MoE's optimizer pieces lie in its EP ranks' directories: at another DP, gather them from all.
-        same_mp = same_mp and not (moe and saved["dp"] != mine["dp"])
-        if moe and not same_mp and (experts[0][1], experts[1][1]) != (1, 1):
+        same_layout = same_layout and not (moe and saved["dp"] != mine["dp"])
+        if moe and not same_layout and (experts[0][1], experts[1][1]) != (1, 1):
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
                              f"orz's checkpoint format re-shards whole experts only ({self.spec.name}.etp=1 before "
                              f"and after): resume at the saved {self.spec.name}.tp, .pp, .ep and .etp (with "
                              f"trainer.export_hf=true the run ends with its HF weights, from which a new run at any "
                              f"layout starts)")
-        if not same_mp and self.spec.train and not by_name:
+        if not same_layout and self.spec.train and not by_name:
             raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
                              "This checkpoint keeps its optimizer state in Megatron's own format, which can "
                              "change its DP size, not TP or PP: resume at the saved TP and PP, or export it with "
                              "`orz.convert mcore2hf` and start a new run from the HF weights")
-        from_layout = None if same_mp else saved_layout(root, saved, layout)
-        weights = (load_file(shard / "model.safetensors") if same_mp
+        from_layout = None if same_layout else saved_layout(root, saved, layout)
+        weights = (load_file(shard / "model.safetensors") if same_layout
                    else resharded_weights(root, self.engine.arch, from_layout, layout))
         self.engine.load_local_state(weights)
         torch.set_rng_state(state["rng"])
@@ -499,14 +501,14 @@ class MegatronWorker(FaultSite):
             # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
             # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
             _set_group_lr(state["optimizer"], self.spec.cfg)
-            if moe and not same_mp:
+            if moe and not same_layout:
                 allocate_states(self.engine.optimizer)
             else:
                 self.engine.optimizer.load_state_dict(state["optimizer"])
         names = {param: name for name, param in self.engine.model.named_parameters()}
-        if by_name and not same_mp:
+        if by_name and not same_layout:
             load_resharded_states(self.engine.optimizer, names, root, self.engine.arch, from_layout, layout)
-        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name and same_mp else ()):
+        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name and same_layout else ()):
             keeps_dp = distributed and saved["dp"] in (None, mine["dp"])
             own = shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"
             load_shard_states(optimizer, names, sorted(shard.glob(f"optim_dp_*_{i}.pt")), own if keeps_dp else None)
