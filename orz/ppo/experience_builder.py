@@ -52,6 +52,8 @@ class ExperienceBuilder:
         # The reward model reads text in its own tokens when its vocabulary is not the policy's.
         rm_tokenizer = load_tokenizer(run_cfg.reward.model.path) if reward_model else None
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != tokenizer.get_vocab() else None
+        # Routing replay keeps the engines' routes at the model's MoE layers (read once, not per batch).
+        self.moe_layers = HFCheckpoint(run_cfg.model.path).arch.moe.layers if run_cfg.rollout.routing_replay else None
         self.cfg: ExperimentConfig | None = None
         self.reward: RewardRouter | None = None
         self.loader: PromptLoader | None = None
@@ -212,13 +214,12 @@ class ExperienceBuilder:
     def _routes(self, samples: list[Sample]) -> dict:
         """experience_from_rollouts' routing-replay arguments: the engines' routes of each sample,
         kept at the model's MoE layers (rollout.routing_replay; GPU only, untested here)."""
-        if not self.run_cfg.rollout.routing_replay:
+        if self.moe_layers is None:
             return {}
         if any(s.routed_experts is None for s in samples):
             raise RuntimeError("rollout.routing_replay=true, and an engine returned a sample without routed experts "
                                "(vLLM's enable_return_routed_experts off, or not on Model Runner V2)")
-        return dict(routed_experts=[s.routed_experts for s in samples],
-                    moe_layers=HFCheckpoint(self.run_cfg.model.path).arch.moe.layers)
+        return dict(routed_experts=[s.routed_experts for s in samples], moe_layers=self.moe_layers)
 
     def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
         """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the

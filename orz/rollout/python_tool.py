@@ -38,19 +38,19 @@ PYTHON_FUNCTION = {"type": "function", "function": {
                    "properties": {"code": {"type": "string", "description": "the program; print what you need"}}}}}
 
 
+DELIMITERS = {"code": ("<code>", "</code>"), "chat": ("<tool_call>", "</tool_call>")}  # rollout.tool_format's own
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How a call is written (between `open` and `close`; JSON when `json_call`) and how its
     output comes back (between `output_open` and `output_close`)."""
 
-    open: str = "<code>"
-    close: str = "</code>"
+    open: str = DELIMITERS["code"][0]
+    close: str = DELIMITERS["code"][1]
     output_open: str = OUTPUT_OPEN
     output_close: str = OUTPUT_CLOSE
     json_call: bool = False
-
-
-DELIMITERS = {"code": ("<code>", "</code>"), "chat": ("<tool_call>", "</tool_call>")}
 
 
 def delimiters(rollout: RolloutConfig) -> tuple[str, str]:
