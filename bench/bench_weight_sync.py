@@ -47,10 +47,11 @@ from common import (  # noqa: E402
     parse_args, ray_session, set_threads,
 )
 
-from orz.rollout.weight_sync import broadcast, destroy, init_custom_process_group  # noqa: E402
+from orz.models.parallel import host_store  # noqa: E402
 from orz.rollout.fleet import EngineFleet, FleetConfig  # noqa: E402
-from orz.rollout.weight_sync import TensorSource, free_address  # noqa: E402
-from orz.rollout.weight_sync import _pack, buckets, digest  # noqa: E402
+from orz.rollout.weight_sync import (  # noqa: E402
+    TensorSource, _pack, broadcast, buckets, destroy, digest, init_custom_process_group,
+)
 
 
 # ---- run inside the engine's worker (collective_rpc: fn(worker, *args)); self-contained ------
@@ -155,10 +156,11 @@ def wire_and_group(fleet: EngineFleet, sizes: list[int], repeats: int) -> dict:
 
     engine = fleet.engines[0]
     start = time.perf_counter()
-    ip, port = free_address()
+    ip = ray.util.get_node_ip_address()
+    store = host_store(ip)
     name = "bench-raw"
-    engine.init_weight_group.remote("gloo", ip, port, 1, 2, name, 600.0)
-    group = init_custom_process_group("gloo", ip, port, 0, 2, name)
+    engine.init_weight_group.remote("gloo", ip, store.port, 1, 2, name, 600.0)
+    group = init_custom_process_group("gloo", store, 0, 2, name)
     group_open = time.perf_counter() - start
     buffer = torch.zeros(max(sizes), dtype=torch.uint8)
     received = engine.collective_rpc.remote(worker_raw_receive, (sizes, repeats + 1))

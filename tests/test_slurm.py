@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -403,9 +404,10 @@ def test_sbatch_runs_the_tiny_recipe_on_a_two_node_ray_cluster(tmp_path, tiny_ru
     # Ray's files (sockets: a short path) away from /tmp/ray, where `ray start` would leave its
     # address for every later ray.init() on this machine.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="orz-ray-")
-    from orz.rollout.weight_sync import free_address
-
-    out, (_, port) = tmp_path / "run", free_address()
+    with socket.socket() as s:  # a port for `ray start` (race-free enough for one test)
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
     overrides = [*tiny_run(out, iterations=2), "actor.cpus_per_worker=1", "rollout.cpus_per_engine=1"]
     (tmp_path / "tiny_recipe.py").write_text(LOOPBACK_RECIPE.format(overrides=overrides))
     job = subprocess.run(["bash", str(SBATCH), "--port", str(port), "--join-timeout", "120", "tiny_recipe.py"],

@@ -4,11 +4,12 @@
 
 Used by `python -m orz.convert verify`, the demo's pre-training and the multi-rank tests (the
 trainer's roles are Ray actors instead, see orz.ppo.workers). The ranks find each other through
-MASTER_ADDR/MASTER_PORT on loopback; `init_model_parallel` then joins them.
+MASTER_ADDR/MASTER_PORT on loopback, at a rendezvous this process hosts for them (torchrun's
+way: TORCHELASTIC_USE_AGENT_STORE makes every rank, rank 0 too, a client of it);
+`init_model_parallel` then joins them.
 """
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -16,17 +17,10 @@ from pathlib import Path
 import torch
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now ("" for every interface)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn, rank, world_size, port, out_dir, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True",
     )
     torch.set_num_threads(1)
     try:
@@ -43,10 +37,12 @@ def _entry(fn, rank, world_size, port, out_dir, args):
 
 def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """Returns fn's result on each rank; raises with every failing rank's traceback."""
+    from orz.models.parallel import host_store
+
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = host_store("127.0.0.1", timeout)  # held until every rank is done
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args)) for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, args)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

@@ -1,6 +1,14 @@
 """One role's torch.distributed world and Megatron's TP/PP/DP groups inside it.
 
     init_model_parallel(tp=2, pp=1, seed=1)   # every rank of the world calls it once
+
+A world meets at rank 0's TCPStore. `host_store` listens at once on a port the OS picks and
+keeps it; the others `join_store` it. (Picking a free port and listening on it later is a race:
+in between, any outgoing connection on the node may take that port as its source; CI saw
+EADDRINUSE.)
+
+    store = host_store(ip)                   # rank 0, before anyone is told where
+    store = join_store(ip, port)             # every other member
 """
 import os
 from datetime import timedelta
@@ -13,11 +21,23 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def host_store(host: str, timeout_s: float = 600.0) -> dist.TCPStore:
+    """A rendezvous listening now, on every interface, at the port `.port`; `host` is how this
+    process reaches itself."""
+    return dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """A client of the rendezvous at host:port (retried until it listens, up to timeout_s)."""
+    return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
+
+
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0,
-                        ep: int = 1, etp: int = 1) -> None:
-    """Joins the default group (from the usual MASTER_ADDR/RANK/WORLD_SIZE variables unless it
-    exists) and builds Megatron's parallel groups; DP = world / (TP * PP). The experts' groups
-    (EP × ETP, then expert DP) are carved out of the same TP × DP ranks of each stage."""
+                        ep: int = 1, etp: int = 1, store: dist.Store | None = None) -> None:
+    """Joins the default group unless it exists (at `store` as RANK of WORLD_SIZE, or from the
+    usual MASTER_ADDR/MASTER_PORT variables) and builds Megatron's parallel groups;
+    DP = world / (TP * PP). The experts' groups (EP × ETP, then expert DP) are carved out of the
+    same TP × DP ranks of each stage."""
     import megatron_patches
 
     megatron_patches.apply()
@@ -26,7 +46,12 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: floa
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:
+            dist.init_process_group(default_backend(), timeout=timeout)
+        else:
+            dist.init_process_group(default_backend(), store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp) or (world // pp) % (ep * etp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}, "

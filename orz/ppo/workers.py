@@ -112,6 +112,7 @@ class MegatronWorker(FaultSite):
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
         self._threads = spec.cfg.threads
         torch.set_num_threads(self._threads)
+        self._world_store = None  # rank 0's, once host_world has run
 
     def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
         return f"{self.spec.name}-{self.rank}"
@@ -125,10 +126,13 @@ class MegatronWorker(FaultSite):
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
 
-    def address(self) -> tuple[str, int]:
-        from orz.rollout.weight_sync import free_address
+    def host_world(self) -> tuple[str, int]:
+        """Rank 0: starts the role world's rendezvous; where the others join it."""
+        from orz.models.parallel import host_store
 
-        return free_address()
+        ip = ray.util.get_node_ip_address()
+        self._world_store = host_store(ip)
+        return ip, self._world_store.port
 
     def setup(self, master_addr: str, master_port: int) -> None:
         # On GPU, Ray gives each worker its own device (CUDA_VISIBLE_DEVICES): local rank 0.
@@ -138,10 +142,11 @@ class MegatronWorker(FaultSite):
 
         from orz.models.checkpoint import HFCheckpoint
         from orz.models.megatron_engine import ModelEngine, OptimConfig
-        from orz.models.parallel import init_model_parallel
+        from orz.models.parallel import init_model_parallel, join_store
 
         cfg = self.spec.cfg
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp)
+        store = self._world_store or join_store(master_addr, master_port)
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp, store=store)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         optim = None
@@ -383,13 +388,18 @@ class MegatronWorker(FaultSite):
             for _ in tensors:
                 pass
 
-    def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
-        """Rank 0 joins the engines' weight group and broadcasts; the others help gather."""
+    def host_weight_group(self) -> tuple[str, int]:
+        """Rank 0: starts the rendezvous of a new weight group with the engines; where it is."""
         from orz.rollout.weight_sync import BroadcastSender, new_staging
 
-        if self.rank == 0 and not hasattr(self, "_staging"):  # both kept across syncs
+        if not hasattr(self, "_sender"):  # both kept across syncs
             self._staging = new_staging("cuda" if torch.cuda.is_available() else "cpu")
             self._sender = BroadcastSender()
+        return self._sender.host()
+
+    def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
+        """Rank 0 joins the engines' weight group (hosted above) and broadcasts; the others help
+        gather."""
         return self._with_hf_tensors(
             lambda tensors: self._sender.send(spec, tensors, bucket_bytes, self._staging, with_digests))
 
@@ -611,7 +621,7 @@ class WorkerGroup:
                         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}}).remote(spec, r, self.world_size)
             for r in range(self.world_size)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
+        addr, port = ray.get(self.workers[0].host_world.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
     # ---- the role's calls: `*_async` return at once (a Pending*, or refs), the others wait ----
@@ -669,9 +679,9 @@ class WorkerGroup:
         """Rank 0's buckets in Ray's object store (the other transport)."""
         return ray.get(self._call("put_weights", bucket_bytes, with_digests))[0]
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 can host a process group's rendezvous."""
-        return ray.get(self.workers[0].address.remote())
+    def host_weight_group(self) -> tuple[str, int]:
+        """Where rank 0 hosts a new weight group's rendezvous."""
+        return ray.get(self.workers[0].host_weight_group.remote())
 
     def _call(self, method: str, *args) -> list[ray.ObjectRef]:
         return [getattr(w, method).remote(*args) for w in self.workers]

@@ -192,7 +192,7 @@ class EngineFleet:
         if self._group is not None and self._group_source is source and self._group_ids == ids:
             return self._group
         self._close_group()
-        ip, port = source.address()
+        ip, port = source.host_group()
         tp = self.cfg.engine_tp
         self.metrics["rollout/weight_groups"] += 1
         spec = GroupSpec("nccl" if torch.cuda.is_available() else "gloo", ip, port, 1 + len(ids) * tp,

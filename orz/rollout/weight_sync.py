@@ -34,34 +34,33 @@ import ray
 import torch
 import torch.distributed as dist
 
-from orz.models.local_world import free_port
+from orz.models.parallel import host_store
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _HEADER = 3  # int64: [meta bytes, data bytes, last]
 
 
 # ---- the process group: trainer rank 0 and every engine worker ---------------------------------
-# It touches neither side's default torch.distributed group: it is built directly on a TCPStore
-# (rank 0 hosts it) wrapped in a PrefixStore, since torch's `new_group` would need every member in
-# one default world. Construction blocks until all `world_size` members have joined, so the
-# caller starts the others first (a Ray call that does not wait) and then joins itself.
+# It touches neither side's default torch.distributed group: it is built directly on rank 0's
+# TCPStore (orz.models.parallel.host_store) wrapped in a PrefixStore, since torch's `new_group`
+# would need every member in one default world. Construction blocks until all `world_size`
+# members have joined, so the caller starts the others first (a Ray call that does not wait) and
+# then joins itself.
 #
-#     group = init_custom_process_group("gloo", "10.0.0.1", 29600, rank, world_size, "weights-v3")
+#     store = host_store(ip)                                          # rank 0, first
+#     group = init_custom_process_group("gloo", store, 0, world_size, "weights-v3")
+#     group = init_custom_process_group("gloo", join_store(ip, store.port), rank, world_size, "weights-v3")
 
 
 def init_custom_process_group(
     backend: str,
-    master_addr: str,
-    master_port: int,
+    store: dist.Store,
     rank: int,
     world_size: int,
     group_name: str,
     timeout_s: float = 300.0,
 ) -> dist.ProcessGroup:
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -258,20 +257,29 @@ class GroupSpec:
 
 
 class BroadcastSender:
-    """The source side of collective syncs (the actor's rank 0, or a TensorSource): joins the
-    fleet's group as its rank 0 once and keeps it (on GPU, an NCCL communicator is seconds to
-    build), and joins a new one only when the fleet makes one (its name changes)."""
+    """The source side of collective syncs (the actor's rank 0, or a TensorSource): hosts the
+    rendezvous of each group the fleet makes, joins it as its rank 0 once and keeps it (on GPU,
+    an NCCL communicator is seconds to build) until the fleet makes a new one."""
 
     def __init__(self):
         self.spec: GroupSpec | None = None
         self.group = None
+        self.store: dist.TCPStore | None = None  # the newest group's rendezvous
+
+    def host(self) -> tuple[str, int]:
+        """Starts a new group's rendezvous: (this node's IP, its port)."""
+        ip = ray.util.get_node_ip_address()
+        self.store = host_store(ip)
+        return ip, self.store.port
 
     def send(self, spec: GroupSpec, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
              staging: torch.Tensor, with_digests: bool) -> dict[str, str]:
         if spec != self.spec:
             self.close()
-            self.group = init_custom_process_group(spec.backend, spec.master_addr, spec.master_port, 0,
-                                                   spec.world_size, spec.group_name, spec.timeout_s)
+            if self.store is None or self.store.port != spec.master_port:
+                raise RuntimeError(f"weight group {spec.group_name} is not at a rendezvous this sender hosts")
+            self.group = init_custom_process_group(spec.backend, self.store, 0, spec.world_size, spec.group_name,
+                                                   spec.timeout_s)
             self.spec = spec
         try:
             return send_broadcast(self.group, named, bucket_bytes, staging, with_digests)
@@ -289,19 +297,14 @@ class BroadcastSender:
 
 
 class WeightSource(Protocol):
-    def address(self) -> tuple[str, int]:
-        """(ip, free port) where the source will host the group's rendezvous."""
+    def host_group(self) -> tuple[str, int]:
+        """Starts the rendezvous of a new group with the source as rank 0: (ip, port)."""
 
     def send(self, spec: GroupSpec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
         """Joins the group as rank 0, broadcasts all weights, returns their digests (if asked)."""
 
     def put(self, bucket_bytes: int, with_digests: bool) -> tuple[list, dict[str, str]]:
         """Puts all weights into the object store: (bucket refs, digests)."""
-
-
-def free_address() -> tuple[str, int]:
-    """(this node's IP, a port free on every interface): where a weight source hosts its group."""
-    return ray.util.get_node_ip_address(), free_port("")
 
 
 class TensorSource:
@@ -312,8 +315,8 @@ class TensorSource:
         self.staging = new_staging()
         self.sender = BroadcastSender()
 
-    def address(self):
-        return free_address()
+    def host_group(self):
+        return self.sender.host()
 
     def send(self, spec, bucket_bytes, with_digests):
         return self.sender.send(spec, self.named.items(), bucket_bytes, self.staging, with_digests)
@@ -329,8 +332,8 @@ class GroupSource:
     def __init__(self, group):
         self.group = group
 
-    def address(self):
-        return self.group.address()
+    def host_group(self):
+        return self.group.host_weight_group()
 
     def send(self, spec, bucket_bytes, with_digests):
         return self.group.send_weights(spec, bucket_bytes, with_digests)

@@ -4,6 +4,7 @@ each of an engine's TP workers is its own process and member of the weight-sync 
 """
 import torch
 
+from orz.models.parallel import join_store
 from orz.rollout.weight_sync import (
     ReceiveBuffers,
     destroy,
@@ -20,8 +21,8 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 class WorkerExtension:
     def orz_init_weight_group(self, backend, master_addr, master_port, rank_offset, world_size, group_name, timeout_s):
         rank = rank_offset + self.rank  # self.rank: this worker's rank inside its engine
-        self._orz_group = init_custom_process_group(backend, master_addr, master_port, rank, world_size, group_name,
-                                                    timeout_s)
+        store = join_store(master_addr, master_port, timeout_s)
+        self._orz_group = init_custom_process_group(backend, store, rank, world_size, group_name, timeout_s)
         if not hasattr(self, "_orz_buffers"):  # kept across syncs; per bucket where memory allows (CPU)
             self._orz_buffers = ReceiveBuffers(self.device, per_bucket=self.device.type == "cpu")
 

@@ -22,11 +22,10 @@ H200_BF16_DENSE_FLOPS = 989e12  # the peak MFU is measured against
 
 @pytest.fixture(scope="module")
 def world():
-    from orz.models.local_world import free_port
-    from orz.models.parallel import init_model_parallel
+    from orz.models.parallel import host_store, init_model_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_model_parallel(1, 1)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_model_parallel(1, 1, store=host_store("127.0.0.1"))
 
 
 def _engine(path, optim=True):
