@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> None:
         fleet_module.VLLMEngine = TimedEngine  # the fleet starts this engine class in its actor
         engine_args = {"max_model_len": args.max_model_len, "enable_chunked_prefill": False}
         fleet = fleet_module.EngineFleet(model_dir, fleet_module.FleetConfig(
-            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, check="off"))
+            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, sync_check="off"))
         try:
             fleet.generate(prompts[:4], SamplingConfig(max_new_tokens=8))  # warm-up
             # Interleaved, so that a change in the shared machine's load hits both sides alike.

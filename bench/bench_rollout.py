@@ -178,7 +178,7 @@ def main(args: argparse.Namespace) -> None:
         # crashes on the fleet's seeded requests ("CPU Generator does not use offset").
         engine_args = {"max_model_len": max_len, "enable_chunked_prefill": False}
         fleet = fleet_module.EngineFleet(model_dir, fleet_module.FleetConfig(
-            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, check="off"))
+            num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, sync_check="off"))
         fleet_start_s = time.perf_counter() - started
         pad = tokenizer.pad_token_id
         try:

@@ -14,7 +14,7 @@ its own with the same bytes, buckets and processes:
   path only; on CPU each bucket has its own buffer and vLLM gets views), digesting them, and
   vLLM's `reload_weights` on tensors already in memory;
 - group: building and closing the private gloo group (rendezvous and the Ray calls around it).
-Digests are computed only with check="received". On CPU the receiver takes the next buckets off
+Digests are computed only with sync_check="received". On CPU the receiver takes the next buckets off
 the wire in a thread while vLLM loads the current one, so a sync costs about the larger of the
 two, not their sum. Each sync also reports the CPU seconds of both processes and the memory it
 touched for the first time (minor page faults x 4 KiB): the copy baseline touches none, and on
@@ -123,7 +123,7 @@ def timed_syncs(fleet: EngineFleet, source: TensorSource, transport: str, check:
     the sync's hand-offs between the two processes."""
     import ray
 
-    fleet.cfg.transport, fleet.cfg.check = transport, check
+    fleet.cfg.transport, fleet.cfg.sync_check = transport, check
     runs = {"wall": [], "cpu": [], "faulted_bytes": []}
 
     def engine_counters():
@@ -186,7 +186,7 @@ def profile_sync(fleet: EngineFleet, source: TensorSource, transport: str) -> st
 
     import ray
 
-    fleet.cfg.transport, fleet.cfg.check = transport, "off"
+    fleet.cfg.transport, fleet.cfg.sync_check = transport, "off"
     ray.get(fleet.engines[0].collective_rpc.remote(worker_profile, ("start",)))
     profile = cProfile.Profile()
     profile.enable()
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> None:
             runs = {f"{transport}/{check}": timed_syncs(fleet, source, transport, check, args.syncs)
                     for transport in ("collective", "object_store") for check in ("off", "received")}
             started = time.perf_counter()
-            fleet.verify()  # an exact read-back (check="held"): what was timed really landed
+            fleet.verify()  # an exact read-back (sync_check="held"): what was timed really landed
             verify_s = time.perf_counter() - started
             split = {
                 **{f"sender_{k}": v for k, v in sender_parts(named, args.bucket_mb << 20, args.syncs).items()},

@@ -26,6 +26,12 @@ class ConfigError(ValueError):
     pass
 
 
+MODEL_DTYPES = ("auto", "float32", "bfloat16")  # model.dtype
+LR_DECAYS = ("constant", "cosine", "linear")  # a role's lr_decay: Megatron's lr_decay_style
+TRANSPORTS = ("collective", "object_store")  # rollout.transport
+SYNC_CHECKS = ("off", "received", "held")  # rollout.sync_check
+
+
 @dataclass
 class ModelConfig:
     path: str = ""  # HF directory of the policy; the reference model starts from it too
@@ -90,7 +96,7 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     stop: list[str] = field(default_factory=list)
     transport: str = "collective"  # weight sync: "collective" | "object_store"
-    check: str = "received"  # digest check after each sync: "off" | "received" | "held"
+    sync_check: str = "received"  # digest check after each sync: "off" | "received" | "held"
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
     sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
     max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them

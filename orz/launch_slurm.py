@@ -235,7 +235,7 @@ def plan_problems(cluster: str | Path, cfg: ExperimentConfig, nodes: int, gpus_p
         plans = planner.plan_recipe(cfg, planner.load_cluster(cluster, nodes=nodes, gpus_per_node=gpus_per_node))
     except (ConfigError, ModelConfigError) as err:
         return [f"{where} cannot run: {line}" for line in str(err).splitlines()]
-    return [f"{where}: {label}{problem}" for label, p in plans for problem in planner.check(p)]
+    return [f"{where}: {label}{problem}" for label, p in plans for problem in planner.blockers(p)]
 
 
 def preflight(cfg: ExperimentConfig, nodes: int, gpus_per_node: int, cluster: str | Path | None = None) -> list[str]:

@@ -90,7 +90,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 problems = run_rules.resume_problems(cfg, saved, arch)
                 if problems:
                     raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
-            data = run_rules.check_data(cfg)
+            data = run_rules.read_data(cfg)
             t = cfg.trainer
             log_dir = Path(t.output_dir) / "logs"
             if not t.verbose:

@@ -189,16 +189,16 @@ def _rows(path: Path, envs: list[str]) -> str:
 
 def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool_model, tmp_path):
     from orz.data.datasets import DatasetFormatError
-    from orz.ppo.run_rules import check_data
+    from orz.ppo.run_rules import read_data
 
     rows = _rows(tmp_path / "rows.jsonl", ["python", "chess"])
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])
     with pytest.raises(DatasetFormatError, match=rf"{rows}, row 2: unknown environment 'chess'"):
-        check_data(cfg)
+        read_data(cfg)
     rows = _rows(tmp_path / "rows.jsonl", ["", ""])  # the python tool's settings where no row calls it
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]", "rollout.tool_format_reward=1"])
     with pytest.raises(ConfigError, match="rollout.tool_format_reward=1.0 shapes the python tool, which no row uses"):
-        check_data(cfg)
+        read_data(cfg)
 
 
 # ---- end to end: one tiny run, three python rows, one user environment (Echo, never done: the

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from orz.models.arch import ModelArch, ModelConfigError, MoeArch
 from orz.plan import (GIB, GPUS, MODELS, Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel,
-                      Workload, check, main, plan, stage_params)
+                      Workload, blockers, main, plan, stage_params)
 
 REPO = Path(__file__).resolve().parent.parent
 H100_4X8 = str(REPO / "configs/clusters/h100_4x8.yaml")
@@ -333,7 +333,7 @@ def test_does_not_fit_names_role_component_and_the_overrides_that_fix_it(capsys)
     assert f"Would fit with: actor.tp=4 actor.dp=2 ({fits_tp} GiB); actor.pp=2 actor.dp=2 ({fits_pp} GiB)" in out
     p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
              Placement(actor=TrainParallel(tp=1, dp=4), rollout=Rollout(num_engines=16, max_num_seqs=64)), Workload())
-    [problem] = check(p)
+    [problem] = blockers(p)
     assert problem.startswith("actor does not fit") and "together" in problem
     fix = problem.split("Would fit with: ")[1].split(" together")[0]
     assert fix == "actor.use_distributed_optimizer=true actor.tp=4 actor.dp=1"  # stacked: the latest tp, dp
@@ -344,7 +344,7 @@ def test_rollout_kv_cache_that_does_not_fit_suggests_max_num_seqs():
              Placement(actor=TrainParallel(tp=2, dp=8, recompute=True, use_distributed_optimizer=True),
                        rollout=Rollout(num_engines=16, max_num_seqs=256)),
              Workload())
-    [problem] = check(p)
+    [problem] = blockers(p)
     # KV budget: 0.85·79.6 GiB − 14.2 GiB weights − 2 GiB reserved = 51.5 GiB; a 10240-token sequence
     # takes 10240·2·28·4·128·2 bytes = 0.55 GiB → 94 sequences
     assert problem.startswith("rollout does not fit") and "largest part: kv_cache" in problem
@@ -356,7 +356,7 @@ def test_gpu_memory_utilization_beyond_what_colocated_roles_leave():
     placement = replace(tiny_plan().placement,
                         rollout=Rollout(num_engines=8, engine_tp=1, gpu_memory_utilization=0.99, max_num_seqs=1))
     p = plan(TINY, replace(CLUSTER, reserved_gib=0.25), placement, WORK)
-    assert any("gpu_memory_utilization 0.99 asks for" in problem for problem in check(p))
+    assert any("gpu_memory_utilization 0.99 asks for" in problem for problem in blockers(p))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -445,10 +445,10 @@ def test_the_arithmetic_imports_no_torch():
     """A Slurm login node may have no torch: with torch unimportable, the package imports and a
     preset's plan is computed and checked. Importing torch anywhere on that path fails the test."""
     script = ("import sys; sys.modules['torch'] = None\n"
-              "from orz.plan import MODELS, Cluster, Placement, Rollout, TrainParallel, Workload, check, plan\n"
+              "from orz.plan import MODELS, Cluster, Placement, Rollout, TrainParallel, Workload, blockers, plan\n"
               "p = plan(MODELS['Qwen2.5-7B'], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=80), "
               "Placement(actor=TrainParallel(tp=4, dp=2), rollout=Rollout(num_engines=8)), Workload())\n"
-              "print(p.timing.iteration_s > 0, check(p) == [] or check(p))\n")
+              "print(p.timing.iteration_s > 0, blockers(p) == [] or blockers(p))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("True"), out.stdout

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from orz.data.datasets import CodeTests
-from orz.reward.code import CodeReward, CodeRewardConfig, extract_code, outputs_match
+from orz.config import CodeScoringConfig
+from orz.reward.code import CodeReward, extract_code, outputs_match
 from orz.reward.sandbox import Sandbox, SandboxLimits, _pids_of
 
 # Tight limits for the hostile batch (their timeouts overlap); generous ones where a busy machine
@@ -38,13 +39,13 @@ def fenced(source: str) -> str:
 
 @pytest.fixture(scope="module")
 def reward():
-    with CodeReward(CodeRewardConfig(max_parallel=4, limits=GENEROUS)) as reward:
+    with CodeReward(CodeScoringConfig(max_parallel=4), limits=GENEROUS) as reward:
         yield reward
 
 
 @pytest.fixture(scope="module")
 def strict_reward():
-    with CodeReward(CodeRewardConfig(max_parallel=8, limits=LIMITS)) as reward:
+    with CodeReward(CodeScoringConfig(max_parallel=8), limits=LIMITS) as reward:
         yield reward
 
 
@@ -287,7 +288,7 @@ def test_correct_and_wrong_solutions(reward):
 
 
 def test_pass_fraction_scoring():
-    with CodeReward(CodeRewardConfig(scoring="pass_fraction", limits=GENEROUS)) as reward:
+    with CodeReward(CodeScoringConfig(scoring="pass_fraction"), limits=GENEROUS) as reward:
         assert reward.run_tests("print(3)\n", ADD).score == 0.5
 
 
@@ -339,6 +340,6 @@ def test_without_uid_or_namespaces_code_scoring_refuses_unless_allowed(monkeypat
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match=r"code scoring refused: .*not root.*Operation not permitted.*"
                                            r"allow_weak_sandbox=true"):
-        CodeReward(CodeRewardConfig(limits=GENEROUS))
-    with CodeReward(CodeRewardConfig(limits=GENEROUS, allow_weak_sandbox=True)) as weak:
+        CodeReward(CodeScoringConfig(), limits=GENEROUS)
+    with CodeReward(CodeScoringConfig(allow_weak_sandbox=True), limits=GENEROUS) as weak:
         assert weak.sandbox.weak and weak.run_tests(ADD_SOURCE, ADD).score == 1.0

@@ -22,11 +22,11 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
 
 def test_the_fleet_and_its_sampling_are_built_from_the_rollout_section():
     rollout = RolloutConfig(num_engines=3, engine_tp=2, cpus_per_engine=0.5, kv_cache_gib=4, max_num_seqs=16,
-                            transport="object_store", check="held", request_timeout_s=9.0, sync_timeout_s=7.0,
+                            transport="object_store", sync_check="held", request_timeout_s=9.0, sync_timeout_s=7.0,
                             temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=99, stop=["</answer>"], n_samples=4)
     fleet = FleetConfig.from_config(rollout, max_model_len=640, sleep_mode=True, log_dir="logs")
     assert (fleet.num_engines, fleet.engine_tp, fleet.cpus_per_engine, fleet.kv_cache_gib) == (3, 2, 0.5, 4)
-    assert (fleet.transport, fleet.check, fleet.request_timeout_s, fleet.sync_timeout_s) == ("object_store", "held", 9.0, 7.0)
+    assert (fleet.transport, fleet.sync_check, fleet.request_timeout_s, fleet.sync_timeout_s) == ("object_store", "held", 9.0, 7.0)
     assert (fleet.sleep_mode, fleet.log_dir) == (True, "logs")
     assert fleet.engine_args["max_model_len"] == 640 and fleet.engine_args["max_num_seqs"] == 16
     assert fleet.engine_args["logprobs_mode"] == "processed_logprobs"
@@ -165,9 +165,9 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
     ray.get(fleet.engines[0].collective_rpc.remote(corrupt))
     with pytest.raises(WeightSyncError, match=r"model.norm.weight"):
         fleet.verify()
-    fleet.cfg.check = "held"
+    fleet.cfg.sync_check = "held"
     fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)  # a sync repairs it
-    fleet.cfg.check = "received"
+    fleet.cfg.sync_check = "received"
 
 
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
@@ -341,10 +341,10 @@ def _actor_hf_tensors(rank, world, tp, path, ep=1):
 
 
 def _synced_samples(model: str, actor: dict, temperature: float) -> list:
-    """An engine of `model` takes `actor`'s weights (check="held": raises unless it holds what was
+    """An engine of `model` takes `actor`'s weights (sync_check="held": raises unless it holds what was
     sent), its greedy outputs change, and it samples PROMPTS at `temperature`."""
     fleet = EngineFleet(model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                           check="held"))
+                                           sync_check="held"))
     try:
         before = fleet.generate(PROMPTS, GREEDY)
         fleet.sync(TensorSource(actor), version=1)

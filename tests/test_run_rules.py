@@ -162,6 +162,62 @@ def test_a_role_range_applies_to_every_role():
         run_rules.check(load_config(None, ["reward.model.lr=-0.1"]))
 
 
+# A name that none of each choice setting's readers knows (a near miss a user could type), and the
+# names its refusal must list, written here from the docs (not read from run_rules).
+UNKNOWN_CHOICE = {
+    "model.dtype": ("fp16", "auto, float32, bfloat16"),
+    **{f"{role}.lr_decay": ("cos", "constant, cosine, linear") for role in ROLES},
+    "rollout.transport": ("nccl", "collective, object_store"),
+    "rollout.sync_check": ("digest", "off, received, held"),
+    "rollout.logprobs_mode": ("sampled", "processed, raw"),
+    "rollout.tool_format": ("json", "code, chat"),
+    "algorithm.advantage": ("grpoo", "dr_grpo, gae, grpo, orz_grpo, reinforce_pp, rloo"),
+    "algorithm.policy_loss": ("grpo", "cispo, gspo, ppo"),
+    "algorithm.loss_agg": ("mean", "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"),
+    "algorithm.kl_kind": ("k4", "k1, k2, k3, k3+"),
+    "algorithm.is_level": ("seq", "token, sequence"),
+    "data.template": ("qwen", "think_answer, chat"),
+    "reward.code.scoring": ("partial", "all_pass, pass_fraction"),
+    "reward.code.extraction": ("first_fenced", "last_fenced, response"),
+}
+# Text settings that are not a choice among names, and what else checks them.
+FREE_TEXT = {
+    "model.path": "a directory: read_arch reads it", "model.critic_path": "a directory: read_arch reads it",
+    "reward.model.path": "a directory: read_arch reads it",
+    "rollout.env": "an environment's name: refused unless rollout.envs or the built-in names it",
+    "rollout.tool_open": "any delimiter", "rollout.tool_close": "any delimiter, different from tool_open",
+    "data.instruction": "any text", "data.synthetic_ops": "operators for the synthetic task",
+    "trainer.output_dir": "a directory", "trainer.project": "a name", "trainer.run_name": "a name",
+    "trainer.ray_address": "Ray checks it", "trainer.fault": "a fault-injection spec, parsed by orz.faults",
+}
+
+
+def text_keys(cls=ExperimentConfig, prefix="") -> list[str]:
+    """Every str setting of the config tree, dotted."""
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            keys += text_keys(hint, f"{prefix}{name}.")
+        elif hint is str:
+            keys.append(prefix + name)
+    return keys
+
+
+def test_every_text_setting_is_a_choice_walked_here_or_free_text():
+    keys = set(text_keys())
+    assert {"model.dtype", "actor.lr_decay", "rollout.sync_check"} <= keys
+    assert sorted(keys - set(UNKNOWN_CHOICE) - set(FREE_TEXT)) == []
+    assert sorted((set(UNKNOWN_CHOICE) | set(FREE_TEXT)) - keys) == []
+
+
+@pytest.mark.parametrize("key", sorted(UNKNOWN_CHOICE))
+def test_a_name_outside_a_settings_choices_is_refused_in_one_line_naming_them(key):
+    value, names = UNKNOWN_CHOICE[key]
+    with pytest.raises(ConfigError) as refused:
+        run_rules.check(load_config(None, [f"{key}={value}"]))
+    assert str(refused.value) == f"{key}={value!r} is unknown; valid: {names}"
+
+
 def test_a_missing_data_file_is_refused_in_one_line_before_ray_starts(tiny_model):
     """`python -m orz.train data.train=[/nonexistent.jsonl]`: one line naming the key and the file,
     exit 2, no traceback, and nothing of Ray (whose start prints the console's first orz: line)."""

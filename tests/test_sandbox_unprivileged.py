@@ -36,7 +36,8 @@ SCRIPT = """
 import json, os, resource, subprocess, sys, threading, time
 sys.path.insert(0, ".")
 from orz.data.datasets import CodeTests
-from orz.reward.code import CodeReward, CodeRewardConfig
+from orz.config import CodeScoringConfig
+from orz.reward.code import CodeReward
 from orz.reward.sandbox import SandboxLimits
 
 
@@ -58,8 +59,8 @@ controls = {name: subprocess.run([sys.executable, "-c", source], capture_output=
 tests = CodeTests(*job["tests"])
 limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
 bomb_limits = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
-with CodeReward(CodeRewardConfig(max_parallel=8, limits=limits)) as reward, \\
-        CodeReward(CodeRewardConfig(max_parallel=1, limits=bomb_limits)) as bomb_reward:
+with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
+        CodeReward(CodeScoringConfig(max_parallel=1), limits=bomb_limits) as bomb_reward:
     isolation = reward.sandbox.isolation
     judgements = reward.judge(job["responses"], [tests] * len(job["responses"]))
     before = tasks()

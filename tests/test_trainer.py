@@ -284,7 +284,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     entropy bonus) makes GRPO's gradient non-zero."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe}[family]
     out = tmp_path / family
-    overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.check=held", "algorithm.entropy_coef=0",
+    overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.sync_check=held", "algorithm.entropy_coef=0",
                  "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
                  *(MOE_ACTOR if family == "qwen3_moe" else [])]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes

@@ -30,6 +30,7 @@ def boxed_response(reasoning: str, answer: str) -> str:
 
 
 # How a worked solution ends, by name (synthetic tasks take one of these names).
+TEMPLATES = ("think_answer", "chat")  # data.template: make_template's names
 RESPONSE_FORMATS = {"answer_tag": answer_tag_response, "boxed": boxed_response}
 
 
@@ -86,7 +87,7 @@ def make_template(name: str, tokenizer: Any = None, instruction: str = "",
         if tokenizer is None:
             raise ValueError("the 'chat' template needs the model's tokenizer")
         return ChatTemplate(tokenizer, *([instruction] if instruction else []), tools=tuple(tools))
-    raise ValueError(f"unknown template {name!r}; valid: ['chat', 'think_answer']")
+    raise ValueError(f"unknown template {name!r}; valid: {list(TEMPLATES)}")
 
 
 def tool_message_wrap(tokenizer: Any) -> tuple[str, str]:

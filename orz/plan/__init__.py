@@ -20,7 +20,7 @@ docstring of the function that computes it. Exit codes: 0 fits, 1 does not fit (
 the role, its largest component and the recipe overrides that would make it fit), 2 bad input.
 """
 from orz.models.presets import MODELS
-from orz.plan.advice import check
+from orz.plan.advice import blockers
 from orz.plan.cli import main
 from orz.plan.estimate import Plan, plan
 from orz.plan.inputs import (GIB, GPUS, Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel,
@@ -28,6 +28,6 @@ from orz.plan.inputs import (GIB, GPUS, Cluster, ModelParallel, Placement, PlanE
 from orz.plan.memory import stage_params
 from orz.plan.recipe import load_cluster, plan_recipe, resolve_model
 
-__all__ = ["MODELS", "check", "main", "Plan", "plan", "GIB", "GPUS", "Cluster", "ModelParallel", "Placement",
+__all__ = ["MODELS", "blockers", "main", "Plan", "plan", "GIB", "GPUS", "Cluster", "ModelParallel", "Placement",
            "PlanError", "Rollout", "TrainParallel", "Workload", "stage_params", "load_cluster", "plan_recipe",
            "resolve_model"]

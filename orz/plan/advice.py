@@ -75,7 +75,7 @@ def _fixes(p: Plan, role: str, most_changes: int = 4) -> list[str]:
     return []
 
 
-def check(p: Plan) -> list[str]:
+def blockers(p: Plan) -> list[str]:
     """Problems that stop the plan from running, each naming the role, what dominates and the recipe
     overrides that would make it fit."""
     problems = []

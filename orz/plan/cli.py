@@ -5,7 +5,7 @@ import sys
 
 from orz.config import ConfigError, load_config, load_recipe
 from orz.models.arch import ModelConfigError
-from orz.plan.advice import check
+from orz.plan.advice import blockers
 from orz.plan.estimate import Plan
 from orz.plan.inputs import GPUS, gib
 from orz.plan.memory import RoleMemory
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print("orz.plan: cannot plan this run:\n" + "\n".join(f"  - {line}" for line in str(err).splitlines())
               + hint, file=sys.stderr)
         return 2
-    checked = [(label, p, check(p)) for label, p in plans]
+    checked = [(label, p, blockers(p)) for label, p in plans]
     if args.json:
         print(json.dumps({"recipe": args.recipe, "fits": not any(problems for _, _, problems in checked),
                           "stages": [{"stage": label.rstrip(": ")} | to_json(p, problems)

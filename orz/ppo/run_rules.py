@@ -5,6 +5,7 @@
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
     context_length(cfg, multi_turn)  # the longest sample the engines hold
     range_problems(cfg)         # the settings outside their valid range, one line each
+    choice_problems(cfg)        # the settings that name none of their choices
 
 Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
 other workers (parallel sizes, a reference or critic appearing, the engines) is refused.
@@ -19,15 +20,19 @@ from fnmatch import fnmatch
 import torch
 
 from orz.config import (
-    LOGPROBS_MODES, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
+    LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig, ConfigError, ExperimentConfig,
+    RolloutConfig, apply_overrides, stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
-from orz.data.templates import encode_prompt, make_template
+from orz.data.templates import TEMPLATES, encode_prompt, make_template
 from orz.models.arch import ModelConfigError, read_hf_config
-from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS, IS_LEVELS, POLICY_LOSSES, check_band
+from orz.ppo.core_algos import (
+    ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, check_band,
+)
 from orz.ppo.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
-from orz.reward.router import MODEL, RouterConfig, check_verifiers
+from orz.reward.code import EXTRACTIONS, SCORINGS
+from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
 from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
 from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
 
@@ -109,10 +114,9 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
 
 def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
-    problems = range_problems(cfg)
-    estimator(a)
-    if r.logprobs_mode not in LOGPROBS_MODES:
-        problems.append(f"rollout.logprobs_mode={r.logprobs_mode!r} is unknown; valid: {', '.join(LOGPROBS_MODES)}")
+    problems = range_problems(cfg) + choice_problems(cfg)
+    if a.advantage not in ADVANTAGE_ESTIMATORS:  # named above; what follows needs the estimator
+        return problems
     if r.logprobs_mode == "raw" and r.temperature != 1:
         problems.append(f"rollout.logprobs_mode=raw reports log-probs before temperature, while the trainer's π_old "
                         f"is at rollout.temperature={r.temperature}: they would describe two policies; use "
@@ -121,9 +125,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         problems.append(f"algorithm.rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 (got {r.top_p}, "
                         f"{r.top_k}), or rollout.logprobs_mode=raw: the engine reports log-probs of the truncated "
                         "distribution")
-    if a.policy_loss not in POLICY_LOSSES:
-        problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; valid: {', '.join(POLICY_LOSSES.names())}")
-    elif a.policy_loss != "ppo" and a.dual_clip is not None:
+    if a.policy_loss in POLICY_LOSSES and a.policy_loss != "ppo" and a.dual_clip is not None:
         problems.append(f"algorithm.dual_clip caps PPO's per-token surrogate and has no meaning for "
                         f"policy_loss={a.policy_loss!r}; unset it")
     try:
@@ -152,7 +154,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     if a.kl_target is not None and a.kl_coef <= 0:
         problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
                         "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
-    multi_turn = bool(r.env)  # or rows naming an environment: check_data adds multi_turn_problems then
+    multi_turn = bool(r.env)  # or rows naming an environment: read_data adds multi_turn_problems then
     problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if r.envs else []
     context = context_length(cfg, multi_turn)
     if arch is not None and context > arch.max_position_embeddings:
@@ -207,8 +209,8 @@ def env_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"rollout.tool_timeout_s={r.tool_timeout_s} must be below rollout.env_timeout_s="
                         f"{r.env_timeout_s}: a code block past its timeout is killed and its observation says so; "
                         "an environment past env_timeout_s ends its sample with score 0")
-    if r.tool_format not in DELIMITERS:
-        return problems + [f"rollout.tool_format={r.tool_format!r} is unknown; valid: {', '.join(DELIMITERS)}"]
+    if r.tool_format not in DELIMITERS:  # choice_problems names it
+        return problems
     tool_open, tool_close = delimiters(r)
     if tool_open == tool_close:
         problems.append(f"rollout.tool_open={tool_open!r} and rollout.tool_close={tool_close!r} must be two "
@@ -271,8 +273,6 @@ def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
 def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
     """The engine/trainer corrections: known levels, bands around 1, and nothing that cannot act."""
     a, problems = cfg.algorithm, []
-    if a.is_level not in IS_LEVELS:
-        problems.append(f"algorithm.is_level={a.is_level!r} is unknown; valid: {', '.join(IS_LEVELS)}")
     for key in ("mismatch_mask", "mismatch_reject_geo"):
         try:
             check_band(f"algorithm.{key}", getattr(a, key))
@@ -437,6 +437,31 @@ _ROLE_RANGES = (
     ("micro_batch_tokens", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
 )
 _ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
+# Settings that take one of a few names, and the names, from the code that reads them. Left to that
+# code, another name would fail after the workers start (model.dtype, loss_agg) or be taken for
+# one of them (sync_check, reward.code.scoring).
+_CHOICES = (
+    ("model.dtype", MODEL_DTYPES),
+    ("rollout.transport", TRANSPORTS),
+    ("rollout.sync_check", SYNC_CHECKS),
+    ("rollout.logprobs_mode", tuple(LOGPROBS_MODES)),
+    ("rollout.tool_format", tuple(DELIMITERS)),
+    ("algorithm.advantage", ADVANTAGE_ESTIMATORS.names()),
+    ("algorithm.policy_loss", POLICY_LOSSES.names()),
+    ("algorithm.loss_agg", AGGREGATIONS.names()),
+    ("algorithm.kl_kind", KL_PENALTIES.names()),
+    ("algorithm.is_level", tuple(IS_LEVELS)),
+    ("data.template", TEMPLATES),
+    ("reward.code.scoring", SCORINGS),
+    ("reward.code.extraction", EXTRACTIONS),
+)
+_ROLE_CHOICES = (("lr_decay", LR_DECAYS),)
+
+
+def _value(cfg: ExperimentConfig, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def range_problems(cfg: ExperimentConfig) -> list[str]:
@@ -445,17 +470,18 @@ def range_problems(cfg: ExperimentConfig) -> list[str]:
     long after start-up, or quietly train something else."""
     ranges = (*_RANGES, *((f"{section}.{key}", valid, text) for section in _ROLE_SECTIONS
                           for key, valid, text in _ROLE_RANGES))
-    problems = []
-    for key, valid, text in ranges:
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value is not None and not valid(value):
-            problems.append(f"{key}={value} is out of range: it must be {text}")
-    return problems
+    return [f"{key}={value} is out of range: it must be {text}" for key, valid, text in ranges
+            if (value := _value(cfg, key)) is not None and not valid(value)]
 
 
-def check_data(cfg: ExperimentConfig) -> RunData:
+def choice_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every setting that names none of its choices (_CHOICES, and _ROLE_CHOICES for each role)."""
+    choices = (*_CHOICES, *((f"{section}.{key}", names) for section in _ROLE_SECTIONS for key, names in _ROLE_CHOICES))
+    return [f"{key}={value!r} is unknown; valid: {', '.join(names)}" for key, names in choices
+            if (value := _value(cfg, key)) not in names]
+
+
+def read_data(cfg: ExperimentConfig) -> RunData:
     """Reads every stage's data as the trainer will, before anything starts: a bad row, or one
     whose verifier nothing defines, stops the run here, naming its file and row. Returns what it
     read, for the trainer. Evaluation prompts must fit data.prompt_max_tokens (the engines'
@@ -469,7 +495,7 @@ def check_data(cfg: ExperimentConfig) -> RunData:
         template = make_template(d.template, tokenizer, d.instruction, prompt_tools(staged.rollout))
         evaluated = [row for rows in data.eval_sets(d).values() for row in rows]
         rows = data.train(d) + evaluated
-        check_verifiers(rows, router)
+        refuse_unknown_verifiers(rows, router)
         unknown_env = next((r for r in rows if r.env and r.env not in envs), None)
         if unknown_env is not None:
             raise DatasetFormatError(unknown_env.source, unknown_env.number, f"unknown environment {unknown_env.env!r}; "

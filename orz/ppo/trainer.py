@@ -87,7 +87,7 @@ class RayPPOTrainer:
                  data: RunData | None = None):
         """resume_from: a checkpoint directory to continue from; restarts: how many times the
         run was rebuilt after a lost worker (the `fault/restarts` metric); data: rows already
-        read (check_data), kept across restarts."""
+        read (read_data), kept across restarts."""
         self.run_cfg = cfg  # main has run every refusal (run_rules.check) before Ray started
         self.stage_index, self.stage_cfg = 0, stage_at(cfg, 0)[1]
         self.out = Path(cfg.trainer.output_dir)

@@ -1,6 +1,6 @@
 """Code reward: Python solutions judged against test cases in the sandbox.
 
-    reward = CodeReward(CodeRewardConfig(scoring="all_pass"))
+    reward = CodeReward(CodeScoringConfig(scoring="all_pass"))   # reward.code
     judgements = reward.judge(responses, [row.tests, ...], finish_reasons)   # per response: .score, .code, ...
 
 Three test modes (orz.data.datasets.CodeTests): stdin/stdout (the solution is a script),
@@ -18,37 +18,23 @@ import re
 import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from orz.config import CodeScoringConfig
 from orz.data.datasets import CodeTests
 from orz.data.templates import THINK_CLOSE
 from orz.reward.sandbox import Sandbox, SandboxLimits
 
 _HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+# "last_fenced": the last ```python block after </think>; "response": everything after </think> is
+# the program (for prompts that open the code block themselves).
 EXTRACTIONS = ("last_fenced", "response")
-
-
-@dataclass(frozen=True)
-class CodeRewardConfig:
-    # "all_pass": 1 when every test passes (stops at the first failure); "pass_fraction": the
-    # fraction passed, a denser but more hackable signal.
-    scoring: Literal["all_pass", "pass_fraction"] = "all_pass"
-    # "last_fenced": the last ```python block after </think>; "response": everything after
-    # </think> is the program (for prompts that open the code block themselves).
-    extraction: Literal["last_fenced", "response"] = "last_fenced"
-    max_parallel: int = 4  # solutions judged at once, each in its own thread (and uid, as root)
-    limits: SandboxLimits = field(default_factory=lambda: SandboxLimits(wall_s=6.0, cpu_s=4))
-    # Without root (a uid of its own) and without namespaces, a solution can write wherever the
-    # user can and reach the network through ctypes: refused unless this is set.
-    allow_weak_sandbox: bool = False
-
-    def __post_init__(self):
-        if self.extraction not in EXTRACTIONS or self.scoring not in ("all_pass", "pass_fraction"):
-            raise ValueError(f"code extraction must be one of {list(EXTRACTIONS)} and scoring 'all_pass' or "
-                             f"'pass_fraction'; got {self.extraction!r}, {self.scoring!r}")
+# "all_pass": 1 when every test passes (stops at the first failure); "pass_fraction": the fraction
+# passed, a denser but more hackable signal.
+SCORINGS = ("all_pass", "pass_fraction")
 
 
 def extract_code(response: str, extraction: str = "last_fenced") -> str | None:
@@ -107,14 +93,15 @@ class CodeJudgement:
 class CodeReward:
     """Scores batches of responses that contain Python code; call `close()` when done."""
 
-    def __init__(self, cfg: CodeRewardConfig = CodeRewardConfig()):
+    def __init__(self, cfg: CodeScoringConfig = CodeScoringConfig(), limits: SandboxLimits | None = None):
+        """limits: the sandbox's; by default cfg's wall_s, cpu_s and memory_mb, and SandboxLimits'
+        own defaults for the rest."""
+        if cfg.extraction not in EXTRACTIONS or cfg.scoring not in SCORINGS:
+            raise ValueError(f"code extraction must be one of {list(EXTRACTIONS)} and scoring one of {list(SCORINGS)}; "
+                             f"got {cfg.extraction!r}, {cfg.scoring!r}")
         self.cfg = cfg
-        self.sandbox = Sandbox(cfg.limits)
-        if self.sandbox.weak and not cfg.allow_weak_sandbox:
-            raise RuntimeError(
-                "code scoring refused: the sandbox has neither a uid of its own nor namespaces here "
-                f"({'; '.join(self.sandbox.weak)}), so a solution could write anywhere this user can and open "
-                "sockets; run as root, allow user namespaces, or set reward.code.allow_weak_sandbox=true")
+        self.sandbox = Sandbox(limits or SandboxLimits(wall_s=cfg.wall_s, cpu_s=cfg.cpu_s, memory_mb=cfg.memory_mb))
+        self.sandbox.refuse_weak(cfg.allow_weak_sandbox, "code scoring")
         self._threads = ThreadPoolExecutor(cfg.max_parallel, thread_name_prefix="orz-code-reward")
 
     def judge(self, responses: Sequence[str], tests: Sequence[CodeTests],

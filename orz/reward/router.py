@@ -21,20 +21,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from orz.config import RewardConfig
+from orz.config import CodeScoringConfig, RewardConfig
 from orz.data.answers import extract_answer
 from orz.data.datasets import BUILTIN_VERIFIERS, DatasetFormatError, Row
 from orz.faults import FaultSite
 from orz.reward import custom
 from orz.reward.choice import extract_choice
-from orz.reward.code import CodeReward, CodeRewardConfig, extract_code
+from orz.reward.code import CodeReward, extract_code
 from orz.reward.math import MathReward, MathRewardConfig
-from orz.reward.sandbox import SandboxLimits
 
 # The reward-model role's score (added by the trainer, which runs that role); a row whose verifier
 # is "model" has no verifiable reward.
@@ -44,7 +43,7 @@ MODEL = "model"
 @dataclass(frozen=True)
 class RouterConfig:
     math: MathRewardConfig = field(default_factory=MathRewardConfig)
-    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    code: CodeScoringConfig = field(default_factory=CodeScoringConfig)
     custom: dict[str, str] = field(default_factory=dict)  # name -> "module:function" or http(s) URL
     weights: dict[str, float] = field(default_factory=dict)  # name -> weight (see the module docstring)
     custom_workers: int = 2
@@ -75,14 +74,11 @@ class RouterConfig:
                     envs: Collection[str] = ()) -> RouterConfig:
         """The router of a run's `reward` section (the evaluator overrides what makes a verdict binary).
         envs: the environments' names, whose weights in reward.weights the trainer applies, not the router."""
-        c = reward.code
         return cls(
             math=MathRewardConfig(extraction=tuple(reward.extraction), timeout_s=reward.timeout_s,
                                   format_reward=reward.format_reward if format_reward is None else format_reward,
                                   num_workers=num_workers or reward.num_workers),
-            code=CodeRewardConfig(scoring=scoring or c.scoring, extraction=c.extraction, max_parallel=c.max_parallel,
-                                  limits=SandboxLimits(wall_s=c.wall_s, cpu_s=c.cpu_s, memory_mb=c.memory_mb),
-                                  allow_weak_sandbox=c.allow_weak_sandbox),
+            code=replace(reward.code, scoring=scoring or reward.code.scoring),
             custom=dict(reward.custom), weights={k: w for k, w in reward.weights.items() if k not in envs},
             custom_workers=reward.custom_workers, custom_timeout_s=reward.custom_timeout_s,
         )
@@ -136,7 +132,7 @@ class RewardRouter(FaultSite):
         # Rewards named in weights besides a row's own verifier apply to every row.
         self.every_row = [name for name in cfg.weights if name in self.specs]
         self.needed = {row.verifier for row in rows} | set(self.every_row)
-        self.check(rows)
+        self._refuse_unscorable(rows)
         needed = self.needed
         self.math = self.code = self.functions = None
         self._jobs = ThreadPoolExecutor(4, thread_name_prefix="orz-reward-job")
@@ -158,9 +154,9 @@ class RewardRouter(FaultSite):
         """The router of a run's `reward` section, for `rows` (envs: see RouterConfig.from_config)."""
         return cls(RouterConfig.from_config(reward, envs=envs), rows)
 
-    def check(self, rows: Sequence[Row]) -> None:
+    def _refuse_unscorable(self, rows: Sequence[Row]) -> None:
         """Refuses a row whose verifier nothing defines, or one this router was not built for."""
-        check_verifiers(rows, self.cfg)
+        refuse_unknown_verifiers(rows, self.cfg)
         for row in rows:
             if row.verifier not in self.needed:
                 raise ValueError(f"{row.source}, row {row.number}: verifier {row.verifier!r} was not started; "
@@ -178,7 +174,7 @@ class RewardRouter(FaultSite):
         if not len(responses) == len(rows) == len(finish_reasons):
             raise ValueError(f"batch sizes differ: {len(responses)} responses, {len(rows)} rows, "
                              f"{len(finish_reasons)} finish reasons")
-        self.check(rows)
+        self._refuse_unscorable(rows)
         return self._jobs.submit(self._score, list(responses), list(rows), finish_reasons)
 
     def score(self, responses: Sequence[str], rows: Sequence[Row],
@@ -261,7 +257,7 @@ class RewardRouter(FaultSite):
         self.close()
 
 
-def check_verifiers(rows: Sequence[Row], cfg: RouterConfig) -> None:
+def refuse_unknown_verifiers(rows: Sequence[Row], cfg: RouterConfig) -> None:
     """Refuses, naming its file and row, a row whose verifier no built-in or reward.custom entry defines."""
     known = {*BUILTIN_VERIFIERS, MODEL, *cfg.specs}
     for row in rows:

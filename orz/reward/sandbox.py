@@ -129,6 +129,15 @@ class Sandbox:
         return [] if iso.uids or iso.namespaces else [f"user: {iso.reasons['user']}",
                                                       f"namespaces: {iso.reasons['namespaces']}"]
 
+    def refuse_weak(self, allowed: bool, what: str) -> None:
+        """Raises unless a uid or namespaces isolate the code, or `allowed` (reward.code.allow_weak_sandbox):
+        without either, the code could write wherever this user can and open sockets."""
+        if self.weak and not allowed:
+            raise RuntimeError(f"{what} refused: the sandbox has neither a uid of its own nor namespaces here "
+                               f"({'; '.join(self.weak)}), so the code it runs could write anywhere this user can "
+                               "and open sockets; run as root, allow user namespaces, or set "
+                               "reward.code.allow_weak_sandbox=true")
+
     @property
     def isolation(self) -> dict[str, str]:
         """Each layer and how it is enforced here, or why not."""

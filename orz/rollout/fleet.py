@@ -44,7 +44,7 @@ class FleetConfig:
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on CPU
     transport: str = "collective"  # "collective" (gloo/NCCL broadcast) | "object_store"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
+    sync_check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
     request_timeout_s: float = 1800.0  # no batch back from any engine for this long: declared hung, restarted
     sync_timeout_s: float = 600.0  # a weight broadcast not done by then fails; the hung engine is restarted
     max_restarts: int = 3  # per generate call
@@ -65,7 +65,7 @@ class FleetConfig:
         if r.routing_replay:  # GPU only (run_rules refuses it on CPU); untested here
             engine_args["enable_return_routed_experts"] = True
         return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
-                   engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, check=r.check,
+                   engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, sync_check=r.sync_check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
                    sleep_mode=sleep_mode, batch_invariant=batch_invariant)
 
@@ -157,10 +157,10 @@ class EngineFleet:
         start = time.perf_counter()
         if self.cfg.transport == "collective":
             spec = self._weight_group(source, ids)
-            pending = [e.receive_broadcast.remote(version, self.cfg.check == "received") for e in engines]
+            pending = [e.receive_broadcast.remote(version, self.cfg.sync_check == "received") for e in engines]
             deadline = time.monotonic() + self.cfg.sync_timeout_s
             try:
-                sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.check != "off")
+                sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.sync_check != "off")
             except Exception as err:  # noqa: BLE001 - on the source's side
                 if not _timed_out(err):  # its own failure (out of memory, a bug): no engine to blame
                     self._group_source = None
@@ -171,16 +171,16 @@ class EngineFleet:
             except Exception as err:  # noqa: BLE001 - an engine timed out, died or failed
                 return self._recover_sync(source, version, ids, pending, err, _attempt, deadline)
         elif self.cfg.transport == "object_store":
-            refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.check != "off")
-            received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.check == "received")
+            refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.sync_check != "off")
+            received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.sync_check == "received")
                                 for e in engines])
         else:
             raise ValueError(f"transport must be 'collective' or 'object_store', got {self.cfg.transport!r}")
         seconds = time.perf_counter() - start
-        if self.cfg.check == "held":
+        if self.cfg.sync_check == "held":
             received = ray.get([self.engines[i].held_digests.remote() for i in ids])
-        if self.cfg.check != "off":
-            self._compare(ids, sent, received, self.cfg.check)
+        if self.cfg.sync_check != "off":
+            self._compare(ids, sent, received, self.cfg.sync_check)
         with self._synced:
             self.source, self.weight_version, self.sent_digests = source, version, sent
             self._synced.notify_all()
@@ -237,7 +237,7 @@ class EngineFleet:
         """Reads back what every engine holds and compares it with the last sync's digests, on
         demand (bench_weight_sync checks that what it timed landed; a run checks in `sync`)."""
         if not self.sent_digests:
-            raise WeightSyncError("no digests of the last sync to verify against: sync with check != 'off'")
+            raise WeightSyncError("no digests of the last sync to verify against: sync with sync_check != 'off'")
         ids = list(range(len(self.engines)))
         self._compare(ids, self.sent_digests, ray.get([e.held_digests.remote() for e in self.engines]), "held")
 

@@ -93,18 +93,15 @@ def make_envs(rollout: RolloutConfig, code: CodeScoringConfig, used: set[str],
               tokenizer) -> dict[str, Callable[[], Environment]]:
     """name -> a function making one sample's environment, for the names in `used`: rollout.envs'
     classes, and `python`, whose sandbox (the code reward's limits) every sample shares and whose
-    chat format reads the tokenizer's chat template. A weak
-    sandbox is refused here, before any rollout, unless reward.code.allow_weak_sandbox."""
+    chat format reads the tokenizer's chat template. A weak sandbox is refused here, before any
+    rollout, unless reward.code.allow_weak_sandbox."""
     factories = {name: load_env_class(name, spec) for name, spec in rollout.envs.items() if name in used}
     if PYTHON in used:
         from orz.reward.sandbox import Sandbox, SandboxLimits
         from orz.rollout.python_tool import PythonTool, tool_format
 
         sandbox = Sandbox(SandboxLimits(cpu_s=code.cpu_s, memory_mb=code.memory_mb))
-        if sandbox.weak and not code.allow_weak_sandbox:
-            raise RuntimeError(f"the python environment refused: the sandbox has neither a uid of its own nor "
-                               f"namespaces here ({'; '.join(sandbox.weak)}); run as root, allow user namespaces, "
-                               "or set reward.code.allow_weak_sandbox=true")
+        sandbox.refuse_weak(code.allow_weak_sandbox, "the python environment")
         form = tool_format(rollout, tokenizer)
         factories[PYTHON] = lambda: PythonTool(sandbox, rollout.tool_timeout_s, rollout.max_observation_tokens, form,
                                                rollout.tool_format_reward)
