@@ -72,16 +72,6 @@ def test_recipes_state_orz_settings():
     assert SKYWORK.algorithm.entropy_target is not None
 
 
-def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tiny_model, tmp_path):
-    from orz.train import run as train
-
-    cfg = load_config(None, [f"model.path={tiny_model}", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
-                             f"trainer.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 \(got 1.0, 20\)"):
-        train(cfg)
-    assert not (tmp_path / "config.yaml").exists()  # refused before anything started
-
-
 def test_unknown_keys_suggest_the_closest_valid_one():
     with pytest.raises(ConfigError, match=r"unknown key 'actor.lrr' \(did you mean 'actor.lr'\?\)"):
         load_config(None, ["actor.lrr=1e-6"])
@@ -89,27 +79,3 @@ def test_unknown_keys_suggest_the_closest_valid_one():
         load_config(None, ["rolout.max_new_tokens=8"])
 
 
-def test_run_rules_roles_whitening_and_schedule_length():
-    from orz.ppo import placement, run_rules
-
-    ppo = load_config(None, ["algorithm.advantage=gae"])
-    grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
-    assert list(placement.roles(ppo)) == ["actor", "critic"]
-    assert list(placement.roles(grpo_kl)) == ["actor", "ref"]
-    assert run_rules.algorithm(ppo).whiten_advantages and not run_rules.algorithm(grpo_kl).whiten_advantages
-    forced = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.whiten_advantages=true"])
-    assert run_rules.algorithm(forced).whiten_advantages  # an explicit setting wins
-    assert not run_rules.algorithm(ppo).is_correction
-    assert run_rules.algorithm(load_config(None, ["trainer.max_staleness=1"])).is_correction
-    staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
-                                "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
-    assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4
-
-
-def test_a_role_with_no_thread_is_refused():
-    from orz.ppo import run_rules
-
-    with pytest.raises(ConfigError, match=r"actor.threads=0, actor.threads_alone=0: a worker needs at least one thread"):
-        run_rules.check(load_config(None, ["model.path=/m", "actor.threads=0"]))
-    with pytest.raises(ConfigError, match=r"critic.threads=1, critic.threads_alone=-1"):
-        run_rules.check(load_config(None, ["model.path=/m", "critic.threads_alone=-1"]))

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from orz.config import ConfigError, RolloutConfig, load_config
-from orz.ppo import run_rules
 from orz.ppo.core_algos import actor_loss
 from orz.ppo.experience import experience_from_rollouts
 from orz.rollout.envs import StepResult, as_step_result
@@ -130,40 +129,6 @@ def test_observation_tokens_carry_no_loss_and_no_gradient():
     (loss, grad), (loss2, grad2) = loss_and_grad(logits), loss_and_grad(changed)
     assert loss == loss2 and torch.equal(grad, grad2)
     assert grad[0, 2:4].abs().max() == 0 and grad[0, [0, 1, 4]].abs().min() > 0
-
-
-def _refusal(tmp_path, overrides):
-    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", *overrides])
-    with pytest.raises(ConfigError) as err:
-        run_rules.check(cfg)
-    return str(err.value)
-
-
-def test_refusals_before_start_name_the_keys(tmp_path):
-    assert "cannot import module 'no_such_module'" in _refusal(tmp_path, ["rollout.envs.x=no_such_module:Env"])
-    assert "no class 'Nope'" in _refusal(tmp_path, ["rollout.envs.x=turn_envs:Nope"])
-    assert "'python' is the built-in" in _refusal(tmp_path, ["rollout.envs.python=turn_envs:Echo"])
-    assert "rollout.env='chess' names no environment" in _refusal(tmp_path, ["rollout.env=chess"])
-    text = _refusal(tmp_path, ["rollout.env=python", "rollout.tool_timeout_s=60", "rollout.env_timeout_s=30"])
-    assert "rollout.tool_timeout_s=60.0 must be below rollout.env_timeout_s=30.0" in text
-    assert "algorithm.overlong_buffer=8" in _refusal(tmp_path, ["rollout.env=python", "algorithm.overlong_buffer=8"])
-    assert "rollout.partial=true is not built" in _refusal(tmp_path, ["rollout.env=python", "rollout.partial=true",
-                                                                      "trainer.max_staleness=1"])
-    assert "rollout.max_model_len=100 cannot hold" in _refusal(tmp_path, ["rollout.env=python", "rollout.max_model_len=100",
-                                                                         "data.prompt_max_tokens=64",
-                                                                         "rollout.max_new_tokens=64"])
-    assert "rollout.max_turns=0 is out of range" in _refusal(tmp_path, ["rollout.max_turns=0"])
-    assert "set data.template=chat (not 'think_answer')" in _refusal(tmp_path, ["rollout.env=python",
-                                                                                "rollout.tool_format=chat"])
-    assert "rollout.tool_format='json' is unknown" in _refusal(tmp_path, ["rollout.env=python",
-                                                                                 "rollout.tool_format=json"])
-    assert "rollout.tool_format_reward=-1.0 is out of range" in _refusal(tmp_path, ["rollout.tool_format_reward=-1"])
-    assert "must be two different delimiters" in _refusal(tmp_path, ["rollout.env=python",
-                                                                            "rollout.tool_open=</code>"])
-    # Derived: the prompt, every turn and every observation between two.
-    cfg = load_config(None, ["rollout.env=python", "data.prompt_max_tokens=10", "rollout.max_turns=3",
-                             "rollout.max_new_tokens=5", "rollout.max_observation_tokens=7"])
-    assert run_rules.context_length(cfg, multi_turn=True) == 10 + 3 * 5 + 2 * 7
 
 
 @pytest.fixture(scope="module")

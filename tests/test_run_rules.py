@@ -1,5 +1,9 @@
-"""orz.ppo.run_rules refusals: every setting with a valid range, out of it, is refused in one line
-that names the key, before any worker starts; a data file that cannot be read likewise.
+"""orz.ppo.run_rules: what a config implies (roles, whitening, the schedule's length) and every
+refusal before any worker starts, in one line naming the keys: a setting out of its range or
+naming none of its choices, a data file that cannot be read, and settings that cannot take effect
+(staleness, stages, KL, parallel sizes the model cannot split, colocation, environments,
+engine/trainer mismatch). Refusals of one component's own input stay with its tests (a reward
+model's head: test_reward_model; a dataset row: test_data_datasets).
 
     .venv/bin/python -m pytest -q tests/test_run_rules.py
 """
@@ -16,6 +20,7 @@ import yaml
 
 from orz.config import ConfigError, ExperimentConfig, RoleConfig, load_config
 from orz.ppo import run_rules
+from orz.train import run as train
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("actor", "critic", "ref", "reward.model")
@@ -367,3 +372,106 @@ def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on
         run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
+
+
+def test_run_rules_roles_whitening_and_schedule_length():
+    from orz.ppo import placement, run_rules
+
+    ppo = load_config(None, ["algorithm.advantage=gae"])
+    grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
+    assert list(placement.roles(ppo)) == ["actor", "critic"]
+    assert list(placement.roles(grpo_kl)) == ["actor", "ref"]
+    assert run_rules.algorithm(ppo).whiten_advantages and not run_rules.algorithm(grpo_kl).whiten_advantages
+    forced = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.whiten_advantages=true"])
+    assert run_rules.algorithm(forced).whiten_advantages  # an explicit setting wins
+    assert not run_rules.algorithm(ppo).is_correction
+    assert run_rules.algorithm(load_config(None, ["trainer.max_staleness=1"])).is_correction
+    staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
+                                "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
+    assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4
+
+
+def test_a_role_with_no_thread_is_refused():
+    from orz.ppo import run_rules
+
+    with pytest.raises(ConfigError, match=r"actor.threads=0, actor.threads_alone=0: a worker needs at least one thread"):
+        run_rules.check(load_config(None, ["model.path=/m", "actor.threads=0"]))
+    with pytest.raises(ConfigError, match=r"critic.threads=1, critic.threads_alone=-1"):
+        run_rules.check(load_config(None, ["model.path=/m", "critic.threads_alone=-1"]))
+
+
+def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tiny_model, tmp_path):
+    cfg = load_config(None, [f"model.path={tiny_model}", "algorithm.rollout_logprobs_as_old=true", "rollout.top_k=20",
+                             f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout_logprobs_as_old needs rollout.top_p=1 and top_k=-1 \(got 1.0, 20\)"):
+        train(cfg)
+    assert not (tmp_path / "config.yaml").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_staleness=-1", "max_staleness=-1 must be >= 0"),
+    ("trainer.max_staleness=1|algorithm.rollout_logprobs_as_old=true", "the proximal π_old must be the actor's own"),
+    ("trainer.max_staleness=1|algorithm.is_correction=false", "would leave them uncorrected"),
+    ("rollout.partial=true", "with trainer.max_staleness=0 none comes during a rollout"),
+    ("stages=[{iterations: 1, overrides: {actor.tp: 2}}]", "'actor.tp' cannot change between stages"),
+    ("stages=[{iterations: 1, overrides: {algorithm.kl_coef: 0.1}}]", "'algorithm.kl_coef' cannot change"),
+    ("stages=[{iterations: 1, overrides: {trainer.eval_every: 2}}]", "'trainer.eval_every' cannot change"),
+    ("stages=[{iterations: 1, overrides: {algorithm.advantage: gae}}]", "starts or stops a critic"),
+    ("algorithm.kl_target=0.1", "kl_target=0.1 does nothing with kl_coef=0.0"),
+    ("algorithm.dynamic_sampling=true|algorithm.max_prompt_draws=65", "max_prompt_draws=65 must be 1..64"),
+    ("actor.micro_batch_tokens=16", r"actor.micro_batch_tokens=16 cannot hold the longest sample \(\d+ tokens"),
+    ("rollout.max_new_tokens=100000", "exceed the model's max_position_embeddings"),
+    ("actor.tp=3", r"actor.tp=3 does not divide num_attention_heads=4 of the model; use a size that divides it"),
+    ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide num_hidden_layers=2 of the model"),
+    ("reward.custom={judge: 'no_such_module:score'}", r"reward.custom.judge: cannot import module 'no_such_module'"),
+    ("reward.weights={length: 0.1}", r"reward.weights names \['length'\], which no verifier"),
+])
+def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        train(load_config(None, [*tiny_run(tmp_path, "grpo"), *override.split("|")]))
+    assert not (tmp_path / "config.yaml").exists()  # nothing started
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_staleness=1", "cannot overlap rollout with training"),
+    ("rollout.transport=collective", "needs rollout.transport=object_store"),
+    ("actor.dp=2", r"actor's TP·PP·DP = 1·1·2 = 2 must equal the engines' 1 GPUs"),
+])
+def test_colocation_that_cannot_take_turns_is_refused(override, message, tiny_run, tmp_path):
+    overrides = [*tiny_run(tmp_path, "grpo"), "trainer.colocate=true", "rollout.transport=object_store", override]
+    with pytest.raises(ConfigError, match=message):
+        train(load_config(None, overrides))
+
+
+def _refusal(tmp_path, overrides):
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError) as err:
+        run_rules.check(cfg)
+    return str(err.value)
+
+
+def test_refusals_before_start_name_the_keys(tmp_path):
+    assert "cannot import module 'no_such_module'" in _refusal(tmp_path, ["rollout.envs.x=no_such_module:Env"])
+    assert "no class 'Nope'" in _refusal(tmp_path, ["rollout.envs.x=turn_envs:Nope"])
+    assert "'python' is the built-in" in _refusal(tmp_path, ["rollout.envs.python=turn_envs:Echo"])
+    assert "rollout.env='chess' names no environment" in _refusal(tmp_path, ["rollout.env=chess"])
+    text = _refusal(tmp_path, ["rollout.env=python", "rollout.tool_timeout_s=60", "rollout.env_timeout_s=30"])
+    assert "rollout.tool_timeout_s=60.0 must be below rollout.env_timeout_s=30.0" in text
+    assert "algorithm.overlong_buffer=8" in _refusal(tmp_path, ["rollout.env=python", "algorithm.overlong_buffer=8"])
+    assert "rollout.partial=true is not built" in _refusal(tmp_path, ["rollout.env=python", "rollout.partial=true",
+                                                                      "trainer.max_staleness=1"])
+    assert "rollout.max_model_len=100 cannot hold" in _refusal(tmp_path, ["rollout.env=python", "rollout.max_model_len=100",
+                                                                         "data.prompt_max_tokens=64",
+                                                                         "rollout.max_new_tokens=64"])
+    assert "rollout.max_turns=0 is out of range" in _refusal(tmp_path, ["rollout.max_turns=0"])
+    assert "set data.template=chat (not 'think_answer')" in _refusal(tmp_path, ["rollout.env=python",
+                                                                                "rollout.tool_format=chat"])
+    assert "rollout.tool_format='json' is unknown" in _refusal(tmp_path, ["rollout.env=python",
+                                                                                 "rollout.tool_format=json"])
+    assert "rollout.tool_format_reward=-1.0 is out of range" in _refusal(tmp_path, ["rollout.tool_format_reward=-1"])
+    assert "must be two different delimiters" in _refusal(tmp_path, ["rollout.env=python",
+                                                                            "rollout.tool_open=</code>"])
+    # Derived: the prompt, every turn and every observation between two.
+    cfg = load_config(None, ["rollout.env=python", "data.prompt_max_tokens=10", "rollout.max_turns=3",
+                             "rollout.max_new_tokens=5", "rollout.max_observation_tokens=7"])
+    assert run_rules.context_length(cfg, multi_turn=True) == 10 + 3 * 5 + 2 * 7
