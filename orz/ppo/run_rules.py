@@ -438,8 +438,8 @@ _ROLE_RANGES = (
 )
 _ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
 # Settings that take one of a few names, and the names, from the code that reads them. Left to that
-# code, another name would fail after the workers start (model.dtype, loss_agg) or be taken for
-# one of them (sync_check, reward.code.scoring).
+# code, another name would fail only after the workers start (model.dtype, loss_agg; sync_check at
+# the first sync, as "tensors differ").
 _CHOICES = (
     ("model.dtype", MODEL_DTYPES),
     ("rollout.transport", TRANSPORTS),
