@@ -131,9 +131,26 @@ def test_layout_matches_dp1_and_resumes_exactly(layout, model, reference, tmp_pa
     assert out["resumed_metrics"] == out["metrics"][1]
 
 
-def test_bf16_resume_restores_fp32_masters_exactly(model, tmp_path):
+def test_bf16_trains_from_the_loaded_weights_reproducibly_and_resumes_its_fp32_masters_exactly(model, tmp_path):
+    """A bf16 model's optimizer keeps fp32 masters: they must be the loaded HF weights, not the
+    random initialisation the model was built with. Each Adam step moves a weight by about lr
+    (|m̂/√v̂| ≤ 1 at the first step, a little more at the second): two steps at lr 1e-3 stay
+    within 3·lr each of the start, plus bf16's rounding of the weight (2⁻⁸ relative); a random
+    start is off by the weights' own size (~0.1), and differs from process to process: the same
+    steps in another process must give the same bits."""
+    from safetensors.torch import load_file
+
+    lr = LAYOUTS["dp1"][1].lr
     out = run_world(_two_steps, 1, LAYOUTS["dp1"][1], "bfloat16", model, str(tmp_path / "ck"))[0]
+    again = run_world(_two_steps, 1, LAYOUTS["dp1"][1], "bfloat16", model, str(tmp_path / "again"))[0]
+    assert all(torch.equal(again["weights"][n], w) for n, w in out["weights"].items())
     assert out["weights"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    initial = load_file(f"{model}/model.safetensors")
+    moved = {n: (w.float() - initial[n]).abs() for n, w in out["weights"].items()}
+    assert out["metrics"][0]["actor/grad_norm"] > 0 and max(d.max() for d in moved.values()) > lr / 2
+    for n, d in moved.items():
+        bound = 2 * 3 * lr + initial[n].abs() * 2**-8
+        assert bool((d <= bound).all()), f"{n}: moved {d.max():.3g} from the loaded weights in two steps"
     assert all(torch.equal(out["resumed_weights"][n], out["weights"][n]) for n in out["weights"])
     assert out["resumed_metrics"] == out["metrics"][1]
 
