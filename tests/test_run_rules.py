@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -118,21 +119,23 @@ VALID = ["rollout.temperature=0", "rollout.temperature=2", "rollout.top_p=1", "r
          "algorithm.dual_clip=3", "trainer.max_restarts=0"]
 
 
-def numeric_keys(cls=ExperimentConfig, prefix="") -> list[str]:
-    """Every int or float setting (optional, or a tuple of them, too) of the config tree, dotted."""
+def setting_keys(kinds: tuple[type, ...], cls=ExperimentConfig, prefix="") -> list[str]:
+    """Every setting of the config tree whose type is one of `kinds` (optional, or a tuple of
+    them, too), dotted."""
     keys = []
     for name, hint in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(hint):
-            keys += numeric_keys(hint, f"{prefix}{name}.")
+            keys += setting_keys(kinds, hint, f"{prefix}{name}.")
             continue
-        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not ...] or [hint]
-        if all(a in (int, float) for a in args):
+        unwrapped = typing.get_origin(hint) in (typing.Union, types.UnionType, tuple)
+        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not ...] if unwrapped else [hint]
+        if all(a in kinds for a in args):
             keys.append(prefix + name)
     return keys
 
 
 def test_every_numeric_setting_has_a_range_walked_here_or_a_reason_not_to():
-    keys = numeric_keys()
+    keys = setting_keys((int, float))
     assert {f"{role}.lr" for role in ROLES} | {"rollout.top_p", "data.synthetic_digits"} <= set(keys)
     assert sorted(set(keys) - set(OUT_OF_RANGE) - set(NO_RANGE)) == []
     assert sorted((set(OUT_OF_RANGE) | set(NO_RANGE)) - set(keys)) == []
@@ -197,19 +200,8 @@ FREE_TEXT = {
 }
 
 
-def text_keys(cls=ExperimentConfig, prefix="") -> list[str]:
-    """Every str setting of the config tree, dotted."""
-    keys = []
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            keys += text_keys(hint, f"{prefix}{name}.")
-        elif hint is str:
-            keys.append(prefix + name)
-    return keys
-
-
 def test_every_text_setting_is_a_choice_walked_here_or_free_text():
-    keys = set(text_keys())
+    keys = set(setting_keys((str,)))
     assert {"model.dtype", "actor.lr_decay", "rollout.sync_check"} <= keys
     assert sorted(keys - set(UNKNOWN_CHOICE) - set(FREE_TEXT)) == []
     assert sorted((set(UNKNOWN_CHOICE) | set(FREE_TEXT)) - keys) == []
