@@ -31,9 +31,8 @@ $(STAMP): setup.py Makefile
 demo: install
 	$(BIN)/python -m orz.demo
 
-# Two workers (pytest-xdist): tests/conftest.py says which tests share one and why.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -10,27 +10,6 @@ SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "dat
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (still run in CI by `make test`)")
-    config.addinivalue_line("markers", "timed: a file whose tests wait on a timeout or a race that a loaded "
-                                       "machine can lose (runs last in the stack's worker)")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`). One, the stack's, takes
-    every file that starts Ray, vLLM or a run (a test marked slow or using ray_cluster) or is marked
-    timed, in order, on one shared Ray cluster as in a single process. The other takes the rest
-    (Megatron worlds and pure logic, about a quarter of the suite's time), a file at a time, so
-    that a file's module fixtures are built once. The timed files run last, by when the other
-    worker, whose CPU-bound load would slow their clocks, has long finished."""
-    def file_of(item):
-        return item.nodeid.split("::")[0]
-
-    stack = {file_of(item) for item in items if "ray_cluster" in item.fixturenames
-             or item.get_closest_marker("slow") or item.get_closest_marker("timed")}
-    timed = {file_of(item) for item in items if item.get_closest_marker("timed")}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("stack" if file_of(item) in stack else file_of(item)))
-    items.sort(key=lambda item: file_of(item) in timed)  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,6 @@ sys.path.insert(0, TESTS)  # turn_envs, shaped_reward: by import path, as a user
 from jsonl_files import write_jsonl  # noqa: E402
 from turn_envs import digit_share  # noqa: E402
 
-pytestmark = pytest.mark.timed  # an environment's time-out, an engine's request time-out
-
 # A tokenizer of few characters (the prompts' other characters read as <unk>), so that a random
 # model opens and closes code blocks by chance; "</code>\n<output>" merges the end of a model turn
 # with the start of the python tool's observation when the joined text is re-tokenised.

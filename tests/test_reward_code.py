@@ -22,8 +22,6 @@ from orz.config import CodeScoringConfig
 from orz.reward.code import CodeReward, extract_code, outputs_match
 from orz.reward.sandbox import Sandbox, SandboxLimits, _pids_of
 
-pytestmark = pytest.mark.timed  # the sandbox's time limits
-
 # Tight limits for the hostile batch (their timeouts overlap); generous ones where a busy machine
 # must not fail a correct solution.
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)

@@ -11,8 +11,6 @@ import pytest
 
 from orz.reward.pool import KillablePool
 
-pytestmark = pytest.mark.timed  # items' time-outs, the pool's wall time
-
 
 def _behave(item):
     """Test function run in the workers: the item says what to do."""

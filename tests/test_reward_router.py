@@ -13,8 +13,6 @@ import pytest
 from orz.data.datasets import DatasetFormatError, parse_rows
 from orz.reward.router import RewardRouter, RouterConfig, reward_metrics
 
-pytestmark = pytest.mark.timed  # a custom reward's time-out
-
 FENCE = "```"
 
 

@@ -16,8 +16,6 @@ from orz.rollout.engine import SamplingConfig, StaleWeightsError
 from orz.rollout.fleet import EngineFleet, FleetConfig, WeightSyncError
 from orz.rollout.weight_sync import TensorSource
 
-pytestmark = pytest.mark.timed  # a hung engine's sync time-out
-
 PROMPTS = [[1, 4, 5, 16, 6, 7, 18], [1, 6, 6, 16, 9], [1, 12, 17, 8], [1, 9, 9, 9, 16, 4, 4, 18]]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
 

@@ -24,10 +24,10 @@ ROOT = os.geteuid() == 0
 
 MISSING = [what for what, there in (("root", ROOT), ("useradd", shutil.which("useradd")),
                                     ("/usr/bin/python3", os.path.exists("/usr/bin/python3"))) if not there]
-pytestmark = [pytest.mark.timed, pytest.mark.skipif(bool(MISSING), reason=(  # timed: a fork bomb at its limit
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=(
     f"skipped here, for want of {' and '.join(MISSING)}: this suite creates a system user and runs the escape "
     "battery as it, which needs root, useradd and a system /usr/bin/python3 that user can run; as an ordinary "
-    "user it always skips, so the unprivileged sandbox is tested only where the suite runs as root"))]
+    "user it always skips, so the unprivileged sandbox is tested only where the suite runs as root"))
 
 # As that user: the controls (each escape as a plain process, outside the sandbox), the battery
 # through CodeReward, then, while a fork bomb holds the sandbox at its process limit, Python

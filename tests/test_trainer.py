@@ -24,7 +24,7 @@ from orz.train import run as train
 from run_history import check_resumed, history as _history, kill_run, processes_of_run, ray_sessions, \
     resume_problems, title
 
-pytestmark = [pytest.mark.slow, pytest.mark.timed]  # three Ray clusters starting side by side
+pytestmark = pytest.mark.slow
 
 
 def _kill_ray_cluster_of(driver_pid):
