@@ -121,7 +121,7 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes_in_bf16(ray_clus
     assert all("critic/vf_loss" in row and row["actor/grad_norm"] > 0 for row in history)  # the premise: it moved
     # Trained from the HF weights: each Adam step moves a weight by at most ~lr (3·lr allowed), so
     # the exported actor lies within that of its start, plus bf16's rounding (2⁻⁸ relative). A
-    # bf16 optimizer whose fp32 masters came from Megatron's random init moves it by ~0.1.
+    # bf16 optimizer whose fp32 masters came from Megatron's random init moves it by hundredths.
     cfg = load_config(None, overrides(whole))
     steps = cfg.trainer.iterations * cfg.actor.steps_per_iteration
     exported, initial = load_file(whole / "hf/model.safetensors"), load_file(f"{cfg.model.path}/model.safetensors")
