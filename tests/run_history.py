@@ -83,6 +83,12 @@ def processes_of_run(tree, sessions) -> set:
     return left
 
 
+def joined(ray_cluster) -> str:
+    """The override that runs a command on the suite's Ray cluster instead of a cluster of its own:
+    a cluster's start costs a run ~15 s on two cores."""
+    return f"trainer.ray_address={ray_cluster.get_runtime_context().gcs_address}"
+
+
 def title(proc) -> str:
     """A process's name as its command line gives it (Ray's workers: `ray::VLLMEngine.generate`)."""
     with contextlib.suppress(psutil.Error, IndexError):
@@ -91,10 +97,12 @@ def title(proc) -> str:
 
 
 def kill_run(proc) -> None:
-    """SIGKILLs a run started with start_new_session, and every process of it (its Ray cluster)."""
+    """SIGKILLs a run started with start_new_session, and every process of it: its Ray cluster if
+    it started one (a session directory named after its pid); on a cluster it joined (joined),
+    Ray ends the actors of a driver that died."""
     run = psutil.Process(proc.pid)
     tree = {run, *run.children(recursive=True)}
-    sessions = ray_sessions(tree)
+    sessions = {session for session in ray_sessions(tree) if session.endswith(f"_{proc.pid}")}
     for victim in [run, *processes_of_run(tree, sessions)]:
         with contextlib.suppress(psutil.Error):
             victim.kill()

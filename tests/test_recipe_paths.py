@@ -20,7 +20,7 @@ from orz.config import load_config
 from orz.data.datasets import DatasetFormatError
 from orz.train import run as train
 from jsonl_files import write_jsonl
-from run_history import check_resumed, deterministic as _deterministic, history as _history, kill_run
+from run_history import check_resumed, deterministic as _deterministic, history as _history, joined, kill_run
 
 pytestmark = pytest.mark.slow
 
@@ -94,8 +94,9 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
     killed = tmp_path / "killed"
     latest = killed / "checkpoints/latest"
     tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # shaped_reward
-    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(killed)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "PYTHONPATH": tests})
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(killed), joined(ray_cluster)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": tests})
     deadline = time.time() + 600
     while not (latest.exists() and latest.read_text() >= "iter_000002"):
         assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"

@@ -1,6 +1,6 @@
 """End to end: the whole stack (Ray, Megatron actor/critic, vLLM engine, reward pool) for a few
-iterations of GRPO and of PPO with a TP=2 actor, a kill-and-resume that continues identically, and
-a run that loses an actor worker and resumes from its last checkpoint by itself."""
+iterations of GRPO, a kill-and-resume that continues identically, and PPO with a TP=2 actor that
+loses a worker and resumes from its last checkpoint by itself."""
 import json
 import os
 import shutil
@@ -21,18 +21,10 @@ from safetensors.torch import load_file
 from orz.config import load_config
 from orz.ppo.workers import WorkerGroup
 from orz.train import run as train
-from run_history import check_resumed, history as _history, kill_run, processes_of_run, ray_sessions, \
+from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, ray_sessions, \
     resume_problems, title
 
 pytestmark = pytest.mark.slow
-
-
-def _kill_ray_cluster_of(driver_pid):
-    """A SIGKILLed driver leaves the Ray cluster it started; its session directory names the driver."""
-    pattern = re.compile(rf"session_\S+_{driver_pid}\b")
-    for proc in psutil.process_iter(["cmdline"]):
-        if pattern.search(" ".join(proc.info["cmdline"] or [])):
-            proc.kill()
 
 
 def _check_run(out, model, iterations):
@@ -49,16 +41,6 @@ def _check_run(out, model, iterations):
     assert (Path(out) / "curves.png").stat().st_size > 0
     assert (Path(out) / "checkpoints/latest").read_text() == f"iter_{iterations:06d}"
     return history
-
-
-def test_ppo_with_tp2_actor_and_critic(ray_cluster, arith_model, tiny_run, tmp_path):
-    out = tmp_path / "ppo"
-    # π_old from the engine: no actor log-prob pass; fp32 engine and TP=2 actor agree (test_rollout).
-    train(load_config(None, [*tiny_run(out, "gae", actor_tp=2, iterations=2), "algorithm.rollout_logprobs_as_old=true"]))
-    history = _check_run(out, arith_model, 2)
-    assert all("critic/vf_loss" in row for row in history[1:])
-    assert all(row["mismatch/logp_abs_diff_max"] == 0 for row in history[1:])  # π_old is the engine's
-    assert list((out / "checkpoints/latest").parent.glob("iter_*/critic/mp_rank_00_000/optim.pt"))
 
 
 def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch,
@@ -80,7 +62,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     # wandb.init exports the address of its service process (test_trackers started one in this
     # process); children would share it, and a SIGKILLed child's run would stay "in use" there.
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
-    overrides = [*tiny_run(killed, "grpo"), "trainer.loggers=[jsonl, wandb, mlflow]"]
+    overrides = [*tiny_run(killed, "grpo"), "trainer.loggers=[jsonl, wandb, mlflow]", joined(ray_cluster)]
     cmd = [sys.executable, "-m", "orz.train", *overrides]
     console = tmp_path / "console.txt"
 
@@ -99,7 +81,6 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     _check_quiet_console(console.read_text(), killed / "logs")
     summary = json.loads(console.read_text().splitlines()[-1])  # the final JSON line
     assert (summary["iterations"], summary["preempted"], summary["restarts"]) == (1, True, 0)
-    _kill_ray_cluster_of(proc.pid)
 
     proc = start_and_wait_for(lambda: latest.read_text() >= "iter_000002")
     kill_run(proc)  # SIGKILL, in iteration 3
@@ -150,13 +131,14 @@ def _kill_an_actor_worker_once(latest, checkpoint, actor_pids, killed):
     killed.append((victim, metrics))
 
 
-def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster, arith_model, tiny_run, tmp_path,
-                                                                     monkeypatch, capsys):
-    """One of a TP=2 actor's two workers is SIGKILLed once iteration 1's checkpoint exists: the
-    iteration in flight fails, leaving no trace; every role and the fleet are rebuilt (the surviving
-    rank too, which may hang in a collective with its dead peer), and the run resumes from that
-    checkpoint to the end. The victim is named by the worker itself (its pid): Ray may place
-    actors in worker processes it started earlier, so no process age or name tells them apart."""
+def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_cluster, arith_model, tiny_run,
+                                                                           tmp_path, monkeypatch, capsys):
+    """PPO (GAE, a critic) with a TP=2 actor and π_old from the engine. One of the actor's two
+    workers is SIGKILLed once iteration 1's checkpoint exists: the iteration in flight fails,
+    leaving no trace; every role and the fleet are rebuilt (the surviving rank too, which may hang
+    in a collective with its dead peer), and the run resumes from that checkpoint to the end. The
+    victim is named by the worker itself (its pid): Ray may place actors in worker processes it
+    started earlier, so no process age or name tells them apart."""
     actor_pids = []
     build = WorkerGroup.__init__
 
@@ -171,7 +153,8 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
                               args=(out / "checkpoints/latest", "iter_000001", actor_pids, killed))
     killer.start()
     capsys.readouterr()
-    result = train(load_config(None, tiny_run(out, "grpo", actor_tp=2)))
+    # π_old from the engine: no actor log-prob pass; fp32 engine and TP=2 actor agree (test_rollout).
+    result = train(load_config(None, [*tiny_run(out, "gae", actor_tp=2), "algorithm.rollout_logprobs_as_old=true"]))
     killer.join()
     assert len(killed) == 1 and result["restarts"] == 1
     (victim, before), console = killed[0], capsys.readouterr().out
@@ -180,6 +163,9 @@ def test_a_lost_actor_worker_fails_its_iteration_and_the_run_resumes(ray_cluster
     assert not resume_problems(out, before, console, 1)  # rows 0 and 1 as they were, the resume said
     history = _check_run(out, arith_model, 3)  # each iteration logged once, weight versions unbroken
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
+    assert all("critic/vf_loss" in row for row in history[1:])
+    assert all(row["mismatch/logp_abs_diff_max"] == 0 for row in history[1:])  # π_old is the engine's
+    assert list(out.glob("checkpoints/iter_*/critic/mp_rank_00_000/optim.pt"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -222,10 +208,11 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     assert re.fullmatch(rf"orz: stopped by {re.escape(name)} after \d+ iterations; {re.escape(kept)}", stopped), stopped
 
 
-def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(tiny_run, tmp_path):
+def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_cluster, tiny_run, tmp_path):
     """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
-    iteration 2 of `python -m orz.train` on the quiet console (three runs side by side, each
-    started once the previous one's Ray cluster is up): the terminal (not the logs) shows the traceback, where it was raised,
+    iteration 2 of `python -m orz.train` on the quiet console (three runs side by side on the
+    suite's Ray cluster, each started once the previous one has joined it): the terminal (not the
+    logs) shows the traceback, where it was raised,
     and one `orz:` line naming the iteration, the phase and the last checkpoint; each run exits 1
     without a restart (only a lost worker restarts the run)."""
     origins = {  # role: (its phase, where the traceback says it was raised, where the orz: line says)
@@ -238,10 +225,10 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(tiny
         out = tmp_path / role
         out.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=2), "data.eval={}",
-                                 f"trainer.fault={role}@2"], stdout=(out / "stdout.txt").open("w"),
+                                 f"trainer.fault={role}@2", joined(ray_cluster)], stdout=(out / "stdout.txt").open("w"),
                                 stderr=(out / "stderr.txt").open("w"))
         runs[role] = out, proc
-        deadline = time.time() + 300  # one Ray cluster starting at a time: three at once can time out on two cores
+        deadline = time.time() + 300  # one run joining at a time
         while "orz: starting roles" not in (out / "stdout.txt").read_text() and proc.poll() is None \
                 and time.time() < deadline:
             time.sleep(0.2)
@@ -276,7 +263,8 @@ MOE_ACTOR = ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001"]
 
 @pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe"])
 def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family, arith_qwen3, arith_llama31,
-                                                                         arith_qwen3_moe, tiny_run, tmp_path):
+                                                                         arith_qwen3_moe, ray_cluster, tiny_run,
+                                                                         tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads), a tiny
     llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2): two iterations, each synced to
     the engine and checked against the digests of what it holds, the engine's log-probs equal to
@@ -286,7 +274,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     out = tmp_path / family
     overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.sync_check=held", "algorithm.entropy_coef=0",
                  "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
-                 *(MOE_ACTOR if family == "qwen3_moe" else [])]
+                 *(MOE_ACTOR if family == "qwen3_moe" else []), joined(ray_cluster)]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
     env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
