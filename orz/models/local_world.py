@@ -1,4 +1,4 @@
-"""Runs a function on every rank of a fresh torch.distributed world of spawned local processes.
+"""Runs a function on every rank of a fresh torch.distributed world of local processes.
 
     results = run_world(fn, 4, arg)   # fn(rank, world_size, arg) on ranks 0..3; their returns
 
@@ -15,6 +15,12 @@ import traceback
 from pathlib import Path
 
 import torch
+
+
+# The ranks fork from one server process that imported these once (megatron-core: ~5 s of CPU,
+# which every rank spawned afresh paid again); each rank then imports what its function needs.
+# Nothing in them runs a thread pool or a process group, so forking after them is safe.
+_PRELOAD = ["__main__", "torch", "megatron.core"]
 
 
 def _entry(fn, rank, world_size, port, out_dir, args):
@@ -39,7 +45,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """Returns fn's result on each rank; raises with every failing rank's traceback."""
     from orz.models.parallel import host_store
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # taken when this process starts its server, once
     store = host_store("127.0.0.1", timeout)  # held until every rank is done
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, args)) for r in range(world_size)]
