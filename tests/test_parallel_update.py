@@ -22,6 +22,7 @@ from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
 from orz.ppo.experience import MiniBatch, experience_from_rollouts
+from adam_step import beyond_adam_steps
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
 
@@ -148,9 +149,7 @@ def test_bf16_trains_from_the_loaded_weights_reproducibly_and_resumes_its_fp32_m
     initial = load_file(f"{model}/model.safetensors")
     moved = {n: (w.float() - initial[n]).abs() for n, w in out["weights"].items()}
     assert out["metrics"][0]["actor/grad_norm"] > 0 and max(d.max() for d in moved.values()) > lr / 2
-    for n, d in moved.items():
-        bound = 2 * 3 * lr + initial[n].abs() * 2**-8
-        assert bool((d <= bound).all()), f"{n}: moved {d.max():.3g} from the loaded weights in two steps"
+    assert not beyond_adam_steps(out["weights"], initial, 2, lr)
     assert all(torch.equal(out["resumed_weights"][n], out["weights"][n]) for n in out["weights"])
     assert out["resumed_metrics"] == out["metrics"][1]
 
