@@ -212,9 +212,9 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_
     """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
     iteration 2 of `python -m orz.train` on the quiet console (three runs side by side on the
     suite's Ray cluster, each started once the previous one has joined it): the terminal (not the
-    logs) shows the traceback, where it was raised,
-    and one `orz:` line naming the iteration, the phase and the last checkpoint; each run exits 1
-    without a restart (only a lost worker restarts the run)."""
+    logs) shows the traceback, where it was raised, and one `orz:` line naming the iteration, the
+    phase and the last checkpoint; each run exits 1 without a restart (only a lost worker restarts
+    the run)."""
     origins = {  # role: (its phase, where the traceback says it was raised, where the orz: line says)
         "actor": ("update", "repr=actor-0", "(raised in actor-0, MegatronWorker.train_actor)"),  # Ray's line over
         "engine": ("rollout", "repr=engine-0", "(raised in engine-0, VLLMEngine.generate)"),  # the actor's traceback
