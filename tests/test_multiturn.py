@@ -332,6 +332,46 @@ class _Timed:
         return {"observation": " 12", "done": self.turns == 3}
 
 
+class _AnswersAfter:
+    """An environment whose step answers `seconds` after it is called: done, nothing to observe."""
+    seconds = 0.0
+
+    def step(self, turn_text):
+        import time
+
+        time.sleep(self.seconds)
+        return {"observation": None, "done": True}
+
+
+def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
+    """The loop itself can be held up past an environment's deadline (an engine's restart runs in
+    it): an answer that came within env_timeout_s is taken, one that came after it is a timeout.
+    The two steps below are called at once, answer after 0 s and 0.4 s (the deadline: 0.2 s), and
+    the loop looks at them only after 0.6 s."""
+    import time
+    from types import SimpleNamespace
+
+    from orz.rollout.engine import SamplingConfig
+    from orz.rollout.multiturn import TurnLimits, _Run
+
+    limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
+    rollout = SimpleNamespace(fleet=SimpleNamespace(engines=[], cfg=SimpleNamespace(request_timeout_s=60.0)),
+                              env_threads=2, limits=limits)
+    run = _Run(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1), 0)
+    for key, seconds in ((0, 0.0), (1, 0.4)):
+        run.instances[key] = _AnswersAfter()
+        run.instances[key].seconds = seconds
+        run._call_env(key, "step", "")
+    time.sleep(0.6)
+    run._next_event()
+    run._next_event()
+    run.close()
+    in_time, late = run.conversations[0], run.conversations[1]
+    assert in_time.env_error == ""
+    assert late.env_error == "timeout: no answer within rollout.env_timeout_s=0.2"
+    assert [[c.index for c in group] for group in run.ready] == [[0], [1]]
+
+
 @pytest.mark.slow
 def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray_cluster, tool_model):
     """No barrier across the batch; an environment past env_timeout_s scores 0; an engine that dies
@@ -370,7 +410,9 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
         _Timed.pid = ray.get(fleet.engines[0].pid.remote())
         ended |= run(["stop"])  # the engine hangs: after request_timeout_s without a turn, restarted
         assert fleet.metrics["rollout/engine_restarts"] == 2
-        assert all(c.model_turns == 3 and not c.env_error for name in ("kill", "stop") for c in ended[name][1])
+        survived = {name: [(c.model_turns, c.env_error, c.finish_reason) for c in ended[name][1]]
+                    for name in ("kill", "stop")}
+        assert all(turns == 3 and not error for runs in survived.values() for turns, error, _ in runs), survived
         for _, group in ended.values():
             for c in group:
                 assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask)

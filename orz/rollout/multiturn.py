@@ -180,23 +180,29 @@ class _Run:
             self.ready.clear()
             if not any(self.left.values()):
                 return
+            self._next_event()
+
+    def _next_event(self) -> None:
+        """Handles what arrived first; with nothing waiting, first times out the environments and
+        engines past their deadlines. Never the other way round: the loop may have been held up
+        (an engine's restart), and an answer or a turn already in the queue came in time."""
+        if self.events.empty():
             self._time_out_envs()
-            if self.events.empty():  # what has arrived first: an engine's turns may be waiting in the queue
-                self._watch_engines()
-            try:
-                kind, who, value = self.events.get(timeout=self._wait_s())
-            except queue.Empty:
-                continue
-            if kind == "turn":
-                engine, epoch = who
-                if epoch == self.epochs[engine]:
-                    self.heard[engine] = time.monotonic()
-                if epoch == self.epochs[engine] and value["index"] in self.asked:
-                    self._model_turn(value)
-            elif kind == "failed":
-                self._engine_failed(*who, value)
-            else:  # "reset" or "step": an environment answered
-                self._env_answered(kind, who, value)
+            self._watch_engines()
+        try:
+            kind, who, value = self.events.get(timeout=self._wait_s())
+        except queue.Empty:
+            return
+        if kind == "turn":
+            engine, epoch = who
+            if epoch == self.epochs[engine]:
+                self.heard[engine] = time.monotonic()
+            if epoch == self.epochs[engine] and value["index"] in self.asked:
+                self._model_turn(value)
+        elif kind == "failed":
+            self._engine_failed(*who, value)
+        else:  # "reset" or "step": an environment answered, (its answer, when)
+            self._env_answered(kind, who, *value)
 
     def _wait_s(self) -> float | None:
         """Until the next environment deadline or the next engine that may be declared hung."""
@@ -293,7 +299,7 @@ class _Run:
                 answer = function()
             except Exception as err:  # noqa: BLE001 - a user's environment: the loop scores the sample 0
                 answer = err
-            self.events.put((method, key, answer))
+            self.events.put((method, key, (answer, time.monotonic())))
 
     def _call_env(self, key: int, method: str, argument) -> None:
         """env.reset(row) or env.step(turn text) in a worker thread; its answer comes back as an event."""
@@ -310,10 +316,12 @@ class _Run:
 
         self.calls.put((method, key, call))
 
-    def _env_answered(self, method: str, key: int, answer) -> None:
-        if key not in self.deadlines:  # timed out before it answered: ended already
+    def _env_answered(self, method: str, key: int, answer, answered_at: float) -> None:
+        deadline = self.deadlines.pop(key, None)
+        if deadline is None:  # timed out before it answered: ended already
             return
-        del self.deadlines[key]
+        if answered_at > deadline:
+            return self._env_timed_out(key)
         c = self.conversations[key]
         if method == "step" and not isinstance(answer, Exception):
             try:
@@ -348,9 +356,12 @@ class _Run:
         now = time.monotonic()
         for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
             del self.deadlines[key]
-            c = self.conversations[key]
-            c.env_error = f"timeout: no answer within rollout.env_timeout_s={self.r.limits.env_timeout_s}"
-            self._end(key, c.finish_reason or "stop")
+            self._env_timed_out(key)
+
+    def _env_timed_out(self, key: int) -> None:
+        c = self.conversations[key]
+        c.env_error = f"timeout: no answer within rollout.env_timeout_s={self.r.limits.env_timeout_s}"
+        self._end(key, c.finish_reason or "stop")
 
     # ---- ending ------------------------------------------------------------------------------
     def _end(self, key: int, finish_reason: str) -> None:
