@@ -334,7 +334,9 @@ class _Timed:
 
 class _AnswersAfter:
     """An environment whose step answers `seconds` after it is called: done, nothing to observe."""
-    seconds = 0.0
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
 
     def step(self, turn_text):
         import time
@@ -359,8 +361,7 @@ def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
                               env_threads=2, limits=limits)
     run = _Run(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1), 0)
     for key, seconds in ((0, 0.0), (1, 0.4)):
-        run.instances[key] = _AnswersAfter()
-        run.instances[key].seconds = seconds
+        run.instances[key] = _AnswersAfter(seconds)
         run._call_env(key, "step", "")
     time.sleep(0.6)
     run._next_event()
