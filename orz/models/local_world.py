@@ -19,7 +19,8 @@ import torch
 
 # The ranks fork from one server process that imported these once (megatron-core: ~5 s of CPU,
 # which every rank spawned afresh paid again); each rank then imports what its function needs.
-# Nothing in them runs a thread pool or a process group, so forking after them is safe.
+# Nothing in them runs a thread pool or a process group, so forking after them is safe. The
+# server keeps this process's environment as it was when it started: a rank sets what it needs (_entry).
 _PRELOAD = ["__main__", "torch", "megatron.core"]
 
 
