@@ -377,8 +377,13 @@ def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_an
     state = torch.load(ckpt / "mp_rank_00_000" / "optim.pt", weights_only=False)
     assert "distributed" not in state and "optimizer" in state  # the premise: the earlier format
     metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, str(ckpt))[0]
-    assert metrics == reference["metrics"][1]
-    assert all(torch.equal(weights[n], w) for n, w in reference["weights"].items())
+    # Step 1 ran on the CPU that wrote the fixture, whose float32 rounding may differ from this one's
+    # (an AMD EPYC's against an Intel Xeon's: metrics 6e-7 apart, weights after step 2 by an RMS of
+    # 3e-9). Step 2 from an optimizer state not restored moves the weights by an RMS of ~lr (7e-4).
+    expected, lr = reference["metrics"][1], LAYOUTS["dp1"][1].lr
+    assert metrics.keys() == expected.keys() and all(_close(metrics[k], v) for k, v in expected.items()), metrics
+    rms = torch.cat([(weights[n] - w).flatten() for n, w in reference["weights"].items()]).square().mean().sqrt()
+    assert rms <= 1e-2 * lr, rms
     with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
                                            r"state in Megatron's own format.*resume at the saved TP and PP"):
         run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, str(ckpt))
