@@ -269,7 +269,7 @@ class TrainerConfig:
     # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines
     # sleep (vLLM's sleep mode) from the end of a rollout to the weight sync (orz/bundles.py).
     colocate: bool = False
-    ray_num_cpus: int = 0  # local cluster only; 0: Ray's default
+    ray_num_cpus: int = 0  # the local cluster a run starts (refused with ray_address); 0: Ray's default
     # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor
     # trains on batch i, so batch i comes from weights max(0, i − k); a stage boundary drains.
     max_staleness: int = 0

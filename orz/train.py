@@ -102,6 +102,10 @@ def run(cfg: ExperimentConfig) -> dict:
                 with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
                     ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
                              configure_logging=False, **local)
+            elif t.ray_num_cpus and ray.cluster_resources().get("CPU") != t.ray_num_cpus:
+                raise ConfigError(f"trainer.ray_num_cpus={t.ray_num_cpus} sizes the local cluster a run starts, but "
+                                  f"Ray is already initialised in this process with {ray.cluster_resources().get('CPU')}"
+                                  " CPUs: leave ray_num_cpus 0, or start Ray with that many")
             if signals:
                 signals.install()
             with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):

@@ -111,7 +111,7 @@ def tiny_run(arith_model):
             "actor.micro_batch_size=4", "critic.micro_batch_size=4",
             f"trainer.iterations={iterations}", "trainer.prompts_per_iteration=4", "rollout.n_samples=4",
             "rollout.max_new_tokens=12", "rollout.kv_cache_gib=1", f"trainer.output_dir={out}",
-            "trainer.save_every=1", "trainer.ray_num_cpus=8", "trainer.dump_samples_every=1",
+            "trainer.save_every=1", "trainer.dump_samples_every=1",
             "trainer.loggers=[jsonl]",
         ]
 

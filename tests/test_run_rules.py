@@ -417,11 +417,20 @@ def test_rollout_logprobs_as_old_is_refused_with_truncated_sampling(tiny_model, 
     ("critic.pp=3|algorithm.advantage=gae", r"critic.pp=3 does not divide num_hidden_layers=2 of the model"),
     ("reward.custom={judge: 'no_such_module:score'}", r"reward.custom.judge: cannot import module 'no_such_module'"),
     ("reward.weights={length: 0.1}", r"reward.weights names \['length'\], which no verifier"),
+    ("trainer.ray_address=auto|trainer.ray_num_cpus=8", "with trainer.ray_address=auto the run joins a cluster"),
 ])
 def test_settings_that_cannot_take_effect_are_refused_before_any_worker(override, message, tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=message):
         train(load_config(None, [*tiny_run(tmp_path, "grpo"), *override.split("|")]))
     assert not (tmp_path / "config.yaml").exists()  # nothing started
+
+
+def test_ray_num_cpus_is_refused_where_ray_is_already_up_with_other_cpus(ray_cluster, tiny_run, tmp_path):
+    cpus = ray_cluster.cluster_resources()["CPU"]
+    with pytest.raises(ConfigError, match=rf"trainer.ray_num_cpus={cpus + 1:.0f} .* already initialised in this "
+                                          rf"process with {cpus} CPUs"):
+        train(load_config(None, [*tiny_run(tmp_path, "grpo"), f"trainer.ray_num_cpus={cpus + 1:.0f}"]))
+    assert not (tmp_path / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("override, message", [

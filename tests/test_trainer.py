@@ -173,9 +173,12 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     """`python -m orz.train` stopped mid-run by SIGTERM (or Ctrl-C's SIGINT) shuts its roles and
     its local Ray cluster down: no process of the run (Ray's agents and workers included) outlives
     it; it exits 143 (130), the status a shell gives a process that signal ended, with one `orz:`
-    line naming the signal and the last checkpoint, and no traceback."""
+    line naming the signal and the last checkpoint, and no traceback. Its cluster has the
+    trainer.ray_num_cpus it was given, more than the machine's cores."""
     out, console = tmp_path / "run", tmp_path / "console.txt"
-    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=20)],
+    cpus = (os.cpu_count() or 1) + 6
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=20),
+                             f"trainer.ray_num_cpus={cpus}"],
                             stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
@@ -190,6 +193,9 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     titles = {title(p) for p in processes_of_run(tree, sessions)}
     assert {"raylet", "gcs_server"} <= titles and any(t.startswith("ray::MegatronWorker") for t in titles) \
         and any(t.startswith("ray::VLLMEngine") for t in titles), titles
+    (raylet,) = [p for p in processes_of_run(tree, sessions) if title(p) == "raylet"]
+    (resources,) = [arg for arg in raylet.cmdline() if arg.startswith("--static_resource_list=")]
+    assert re.search(rf"[=,]CPU,{cpus}(\.0)?(,|$)", resources), resources
     os.kill(proc.pid, sig)
     assert proc.wait(timeout=120) == 128 + sig, console.read_text()
     deadline = time.time() + 30  # Ray's processes get a moment to see their cluster go

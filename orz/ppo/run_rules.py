@@ -145,6 +145,10 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     if cfg.rollout.partial and k == 0:
         problems.append("rollout.partial=true continues generations across a weight update, and with "
                         "trainer.max_staleness=0 none comes during a rollout: set max_staleness >= 1 or partial=false")
+    if cfg.trainer.ray_address and cfg.trainer.ray_num_cpus:
+        problems.append(f"trainer.ray_num_cpus={cfg.trainer.ray_num_cpus} sizes the local cluster a run starts; "
+                        f"with trainer.ray_address={cfg.trainer.ray_address} the run joins a cluster that has its "
+                        "own CPUs: leave ray_num_cpus 0")
     problems += colocation_problems(cfg)
     problems += mismatch_problems(cfg)
     problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
