@@ -34,7 +34,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
-    RAY_ADDRESS_HELP, SMOKE_RL, demo_base, emit, iterations_arg, machine, parse_args, set_threads, steady,
+    RAY_ADDRESS_HELP, SMOKE_RL, demo_base, emit, iterations_arg, machine, parse_args, ray_cluster_overrides,
+    set_threads, steady,
 )
 
 from orz.demo import rl_config  # noqa: E402
@@ -71,7 +72,7 @@ def _run(base, spec, out: Path, staleness: int, args, partial: bool = False) -> 
     cfg = rl_config(base, spec, out, [*(SMOKE_RL if args.smoke else []), f"rollout.partial={str(partial).lower()}",
         f"trainer.iterations={args.iterations}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
         "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.export_hf=false",
-        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", f"trainer.ray_address={args.ray_address}",
+        "trainer.dump_samples_every=0", "trainer.loggers=[jsonl]", *ray_cluster_overrides(args.ray_address),
         f"trainer.output_dir={out}/{name}",
     ])
     with CpuMeter() as cpu:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     RAY_ADDRESS_HELP, SMOKE_LIMITS, SMOKE_RL, best_limits, demo_base, emit, machine, machine_limits, param_count,
-    parse_args, set_threads,
+    parse_args, ray_cluster_overrides, set_threads,
 )
 
 from orz.demo import rl_config  # noqa: E402
@@ -40,7 +40,7 @@ def run(args) -> dict:
         cfg = rl_config(base, spec, Path(out), [
             f"trainer.iterations={args.iterations}", f"algorithm.advantage={args.algorithm}",
             "trainer.eval_every=0", "trainer.export_hf=false", "trainer.dump_samples_every=0",
-            "trainer.loggers=[jsonl]", f"trainer.ray_address={args.ray_address}", f"trainer.output_dir={out}/run",
+            "trainer.loggers=[jsonl]", *ray_cluster_overrides(args.ray_address), f"trainer.output_dir={out}/run",
             *(SMOKE_RL if args.smoke else []),
         ])
         train(cfg)

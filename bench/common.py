@@ -112,6 +112,12 @@ def demo_base(root: str | Path, smoke: bool) -> tuple[Path, "BaseModelSpec"]:  #
 
 RAY_ADDRESS_HELP = "join the Ray cluster at this address instead of starting one"
 
+
+def ray_cluster_overrides(address: str) -> list[str]:
+    """An RL run's overrides for --ray-address: join that cluster, which brings its own CPUs (the
+    demo config's trainer.ray_num_cpus sizes only a cluster the run starts); "": start one."""
+    return [f"trainer.ray_address={address}", "trainer.ray_num_cpus=0"] if address else []
+
 # An RL iteration's overrides under --smoke: 4 prompts x 2 samples, 16 tokens, 8 held-out problems
 SMOKE_RL = ["trainer.prompts_per_iteration=4", "rollout.n_samples=2", "rollout.max_new_tokens=16",
             "data.synthetic_eval_size=8", "trainer.eval_n=1"]
