@@ -97,15 +97,15 @@ def run(cfg: ExperimentConfig) -> dict:
                 console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
             owns_ray = not ray.is_initialized()
             if owns_ray:
-                # "local": a new cluster even where `ray start` left its address in /tmp/ray.
-                local = {"num_cpus": t.ray_num_cpus or None} if not t.ray_address else {}  # a cluster has its own
+                # "local": a new cluster even where `ray start` left its address in /tmp/ray. A joined
+                # cluster has its own CPUs (run_rules refuses ray_num_cpus with ray_address).
                 with contextlib.nullcontext() if t.verbose else output_to(log_dir / "driver.log"):
-                    ray.init(address=t.ray_address or "local", include_dashboard=False, log_to_driver=t.verbose,
-                             configure_logging=False, **local)
-            elif t.ray_num_cpus and ray.cluster_resources().get("CPU") != t.ray_num_cpus:
+                    ray.init(address=t.ray_address or "local", num_cpus=t.ray_num_cpus or None, include_dashboard=False,
+                             log_to_driver=t.verbose, configure_logging=False)
+            elif t.ray_num_cpus and (cpus := ray.cluster_resources().get("CPU")) != t.ray_num_cpus:
                 raise ConfigError(f"trainer.ray_num_cpus={t.ray_num_cpus} sizes the local cluster a run starts, but "
-                                  f"Ray is already initialised in this process with {ray.cluster_resources().get('CPU')}"
-                                  " CPUs: leave ray_num_cpus 0, or start Ray with that many")
+                                  f"Ray is already initialised in this process with {cpus} CPUs: leave "
+                                  "ray_num_cpus 0, or start Ray with that many")
             if signals:
                 signals.install()
             with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):

@@ -190,10 +190,11 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     # The premise: what the search finds while the run lives is the run's own Ray cluster and workers
     # (not the suite's shared cluster, whose driver is this process).
     assert len(sessions) == 1 and next(iter(sessions)).endswith(f"_{proc.pid}"), sessions
-    titles = {title(p) for p in processes_of_run(tree, sessions)}
+    running = processes_of_run(tree, sessions)
+    titles = {title(p) for p in running}
     assert {"raylet", "gcs_server"} <= titles and any(t.startswith("ray::MegatronWorker") for t in titles) \
         and any(t.startswith("ray::VLLMEngine") for t in titles), titles
-    (raylet,) = [p for p in processes_of_run(tree, sessions) if title(p) == "raylet"]
+    (raylet,) = [p for p in running if title(p) == "raylet"]
     (resources,) = [arg for arg in raylet.cmdline() if arg.startswith("--static_resource_list=")]
     assert re.search(rf"[=,]CPU,{cpus}(\.0)?(,|$)", resources), resources
     os.kill(proc.pid, sig)
