@@ -17,12 +17,20 @@ from orz.models.arch import ModelArch
 
 
 class _ReplayKeepingOwnChoice(RouterReplay):
-    """Megatron's RouterReplay whose replayed forward also records the router's own top-k."""
+    """Megatron's RouterReplay whose replayed forward also records the router's own top-k, and
+    routes the tokens that have no recorded route (-1: padding, the engine's last token) as the
+    router chooses: the experts then see the same tokens as in a free forward at the same weights,
+    so replaying a free forward's routes reproduces it bit for bit, whatever the GEMM's rounding
+    makes of a batch's size (AVX2 MKL rounds a row differently at other row counts)."""
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
-            self.record_indices(default_compute_topk(scores, topk, num_groups, group_topk)[1])
-        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+        self.record_indices(own)
+        target = self.target_topk_idx.to(scores.device)
+        indices = torch.where((target < 0).any(-1, keepdim=True), own, target)
+        return scores.gather(1, indices), indices
 
 
 class MoeRoutes:
@@ -47,14 +55,13 @@ class MoeRoutes:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def replay(self, routes: torch.Tensor) -> None:
-        """The next forward routes token (b, s) in MoE layer l to routes[b, s, l]; padding (-1) to
-        experts 0..K−1, whose output no real token reads (causal attention, no capacity limit)."""
+        """The next forward routes token (b, s) in MoE layer l to routes[b, s, l]; a token without
+        a route (-1) goes where the router chooses (no real token reads its output: causal attention)."""
         b, s, layers, k = routes.shape
         if (layers, k) != (self.num_layers, self.top_k):
             raise ValueError(f"routes (B, S, L, K) = {tuple(routes.shape)}; the model has L = {self.num_layers} "
                              f"MoE layers and K = {self.top_k}")
-        padding = torch.arange(k, dtype=routes.dtype).expand_as(routes)
-        routes = torch.where(routes < 0, padding, routes).long()
+        routes = routes.long()
         for column, replay in self.routers:
             replay.clear_indices()
             replay.set_target_indices(routes[:, :, column].transpose(0, 1).reshape(s * b, k))  # (S·B, K)

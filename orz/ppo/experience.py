@@ -348,7 +348,7 @@ def experience_from_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: 
     every response token, or ``loss_masks`` (multi-turn: 0 on an environment's observation tokens).
     ``routed_experts``: each row's (tokens, layers, K) expert ids from the engine, of which the
     ``moe_layers`` columns are kept; positions it does not cover (the last token, never fed back)
-    hold -1, which replay routes to experts 0..K−1 (no token reads a last token's output)."""
+    hold -1, which replay leaves to the trainer's router (no token reads a last token's output)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
