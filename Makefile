@@ -10,7 +10,7 @@ EXTRA ?= cpu
 TRL_SEEDS ?= 0 1 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast test-gpu bench bench-env bench-trl clean
+.PHONY: install demo test test-fast test-as-avx2 test-gpu bench bench-env bench-trl clean
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The suite as on a CPU with AVX2 and no AVX-512 (scripts/as_avx2/sitecustomize.py): run it on an
+# AVX-512 machine to find a test that passes only on the CPU it was written on.
+test-as-avx2: install
+	PYTHONPATH=$(CURDIR)/scripts/as_avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  $(BIN)/python -m pytest -q --durations=25 tests
 
 # On a lent GPU machine (the device tool, carrying .whl from scripts/gpu_wheels.sh): it has torch
 # and transformers but no venv, Ray, vLLM or megatron-core. Skipped without CUDA; see tests/gpu.
