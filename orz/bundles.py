@@ -26,10 +26,15 @@ class Bundles:
         ray.get(group.ready())
         return cls(group, gpu_share)
 
-    def options(self, index: int, cpus: float) -> dict:
-        """Ray actor options for a process on bundle `index`."""
-        return {"num_cpus": cpus, "num_gpus": self.gpu_share if torch.cuda.is_available() else 0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)}
+    def options(self, index: int, cpus: float, env: dict[str, str]) -> dict:
+        """Ray actor options for a process on bundle `index`, started with `env` in its environment.
+        On CPU it also gets TORCHDYNAMO_DISABLE=1: there vLLM runs eagerly and Megatron's layers
+        call nothing compiled, and torch.compile's imports and first-call builds (g++) cost each
+        engine 3-5 s of CPU and each Megatron worker 1 s, for the numbers eager gives."""
+        on_gpu = torch.cuda.is_available()
+        return {"num_cpus": cpus, "num_gpus": self.gpu_share if on_gpu else 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+                "runtime_env": {"env_vars": env if on_gpu else {**env, "TORCHDYNAMO_DISABLE": "1"}}}
 
     def remove(self) -> None:
         remove_placement_group(self.group)

@@ -150,6 +150,17 @@ def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights,
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
 
 
+def test_an_engine_on_cpu_starts_with_its_environment_and_without_torch_compile(fleet):
+    """The fleet's variables reach the engine's process, and on CPU so does TORCHDYNAMO_DISABLE=1
+    (Bundles.options): vLLM would otherwise build its compiled sampler helper with g++ at each
+    engine's first step."""
+    pid = ray.get(fleet.engines[0].pid.remote())
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert environ["TORCHDYNAMO_DISABLE"] == "1"
+
+
 def test_stale_version_is_refused(fleet):
     with pytest.raises(StaleWeightsError, match="required"):
         fleet.generate(PROMPTS, GREEDY, min_version=fleet.weight_version + 1)

