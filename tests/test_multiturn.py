@@ -302,8 +302,8 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
 # the batch, an environment past env_timeout_s, an engine killed mid-conversation.
 class _Timed:
-    """Three turns, an observation after each; each step of a "slow" row takes 5 s, of a "hang"
-    row 8 s (past env_timeout_s=6); the first step of a "kill" row kills the engine, of a "stop" row
+    """Three turns, an observation after each; each step of a "slow" row takes 3 s, of a "hang"
+    row 6 s (past env_timeout_s=4); the first step of a "kill" row kills the engine, of a "stop" row
     stops it (SIGSTOP)."""
 
     log: list = []  # (row prompt, turn, time)
@@ -319,9 +319,9 @@ class _Timed:
 
         self.turns += 1
         if self.prompt == "slow":
-            time.sleep(5.0)
+            time.sleep(3.0)
         if self.prompt == "hang":
-            time.sleep(8.0)
+            time.sleep(6.0)
         if self.prompt == "kill" and not _Timed.killed:  # once: the first kill row's first step
             _Timed.killed = True
             ray.kill(_Timed.fleet.engines[0], no_restart=True)
@@ -387,11 +387,11 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
     from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, multiturn_metrics
 
     fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                                request_timeout_s=15.0))  # long enough on a loaded machine
+                                                request_timeout_s=8.0))  # an 8-token turn takes < 1 s
     _Timed.fleet = fleet
     try:
         tokenizer = load_tokenizer(tool_model)
-        limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=6.0)
+        limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=4.0)
         rollout = MultiTurnRollout(fleet, tokenizer, {"timed": _Timed}, limits)
         sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
 
