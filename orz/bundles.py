@@ -1,4 +1,5 @@
-"""Where Ray puts a role's processes: a placement group with one bundle per process index.
+"""Where Ray puts a role's processes (a placement group with one bundle per process index), and
+the environment they start with.
 
 Separate placement gives each role (and the vLLM fleet) its own group. Colocated placement
 (trainer.colocate) gives them all one group of one bundle per GPU: bundle g holds worker g of
