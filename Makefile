@@ -31,8 +31,13 @@ $(STAMP): setup.py Makefile
 demo: install
 	$(BIN)/python -m orz.demo
 
+# Two workers (pytest-xdist), a test file each at a time: a file's tests share its fixtures (an
+# engine, a run) and the workers fill each other's idle time (a run's single-threaded phases, its
+# timeouts). Each worker has its own Ray cluster (conftest.ray_cluster).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+
 test: install
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(PYTEST)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
@@ -40,8 +45,7 @@ test-fast: install
 # The suite as on a CPU with AVX2 and no AVX-512 (scripts/as_avx2/sitecustomize.py): run it on an
 # AVX-512 machine to find a test that passes only on the CPU it was written on.
 test-as-avx2: install
-	PYTHONPATH=$(CURDIR)/scripts/as_avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-	  $(BIN)/python -m pytest -q --durations=25 tests
+	PYTHONPATH=$(CURDIR)/scripts/as_avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST)
 
 # On a lent GPU machine (the device tool, carrying .whl from scripts/gpu_wheels.sh): it has torch
 # and transformers but no venv, Ray, vLLM or megatron-core. Skipped without CUDA; see tests/gpu.
