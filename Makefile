@@ -33,9 +33,9 @@ demo: install
 
 # Two workers (pytest-xdist), a test file each at a time: a file's tests share its fixtures (an
 # engine, a run) and the workers fill each other's idle time (a run's single-threaded phases, its
-# timeouts). Each worker has its own Ray cluster (conftest.ray_cluster). Files go out in
-# collection order, the longest first (conftest.FIRST), not by their number of tests.
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+# timeouts). Each worker has its own Ray cluster (conftest.ray_cluster). xdist sends the files out
+# by their number of tests: the long runs start mid-way (orders that sent them first were slower).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 test: install
 	$(PYTEST)

@@ -8,27 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
-# The six longest files go out first (serial seconds on the 2-core Xeon: trainer 221, recipe_paths
-# 207, rollout 98, bench_smoke 84, multiturn 77, slurm 54). `make test`'s two workers take a file
-# at a time in this order (--no-loadscope-reorder) and each starts with two: the first worker takes
-# the CPU-bound end-to-end files (trainer, recipe_paths), the second those that mostly wait
-# (rollout's engine restarts, multiturn's timeouts). So no long file starts last, and the two
-# busiest do not run side by side.
-FIRST = ["test_trainer.py", "test_rollout.py", "test_recipe_paths.py", "test_multiturn.py", "test_bench_smoke.py",
-         "test_slurm.py"]
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (still run in CI by `make test`)")
-
-
-def pytest_collection_modifyitems(items):
-    """Moves FIRST's files to the front, in its order (a stable sort: the rest keep theirs)."""
-    def rank(item):
-        name = item.path.name
-        return FIRST.index(name) if name in FIRST else len(FIRST)
-
-    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")

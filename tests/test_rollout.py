@@ -105,6 +105,27 @@ def test_stream_yields_each_prompts_group_and_equals_generate(fleet):
     assert _responses(in_order) == _responses(fleet.generate(PROMPTS, sampling))
 
 
+def test_a_session_opened_while_the_last_one_closes_keeps_its_requests(fleet):
+    """Multi-turn sessions follow each other on an engine, and the next one's first requests can
+    arrive while the last one's `serve` still runs (it ends once closed). That serve holds them for
+    the next session instead of dropping them: dropped, the next rollout waited out
+    request_timeout_s (seen under two pytest workers' load)."""
+    from dataclasses import asdict
+
+    engine, sampling = fleet.engines[0], asdict(SamplingConfig(max_new_tokens=4, seed=0))
+    first, second = 10_000, 10_001  # above the driver's own sessions (orz.rollout.multiturn counts from 0)
+    earlier = engine.serve.options(num_returns="streaming").remote(first, sampling, 0)
+    engine.submit.remote(first, [(0, [5, 6, 7], 0, 4, [])])
+    assert ray.get(next(earlier))["index"] == 0  # the first session's serve runs, waiting for more
+    ray.get(engine.submit.remote(second, [(1, [5, 6, 7], 1, 4, [])]))
+    time.sleep(1.5)  # the first session's serve has taken it from the inbox
+    ray.get(engine.submit.remote(first, None))
+    assert list(earlier) == []  # closed: the first session's serve ended
+    later = engine.serve.options(num_returns="streaming").remote(second, sampling, 0)
+    engine.submit.remote(second, None)
+    assert [ray.get(ref)["index"] for ref in later] == [1]
+
+
 @pytest.mark.parametrize("interrupt_first", [False, True])
 def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights, interrupt_first):
     """Partial rollout: `interrupt` stops a stream at its engine's next step, also one submitted

@@ -104,6 +104,7 @@ class VLLMEngine(FaultSite):
         self._interrupted: set[int] = set()  # calls asked to stop (interrupt)
         self._paused: dict[int, tuple] = {}  # call -> (its sampling, the groups it left unfinished)
         self._inbox: queue.Queue = queue.Queue()  # (session, requests or None) for `serve`
+        self._held: dict[int, list] = {}  # what `submit` queued for a later session than the one served
         self.seed = seed
 
     def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
@@ -185,14 +186,18 @@ class VLLMEngine(FaultSite):
                 engine.abort_request(list(live))
 
     def _take(self, session: int, wait: bool) -> list:
-        """What `submit` queued for `session` (another session's leftovers are dropped); with
-        `wait`, up to a second for the first of it."""
-        taken = []
+        """What `submit` queued for `session`; with `wait`, up to a second for the first of it.
+        Sessions are numbered in the order the driver opens them: a later session's requests, sent
+        while this one was still closing, are held for its `serve`; an earlier one's are dropped."""
+        taken = self._held.pop(session, [])
+        self._held = {later: held for later, held in self._held.items() if later > session}
         try:
             while True:
                 got, requests = self._inbox.get(timeout=1.0) if wait and not taken else self._inbox.get_nowait()
                 if got == session:
                     taken.append(requests)
+                elif got > session:
+                    self._held.setdefault(got, []).append(requests)
         except queue.Empty:
             return taken
 
