@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=(
 # through CodeReward, then, while a fork bomb holds the sandbox at its process limit, Python
 # processes started by this (the "trainer's") process, under a realistic `ulimit -u`.
 SCRIPT = """
-import json, os, resource, subprocess, sys, threading, time
+import json, os, resource, signal, subprocess, sys, threading, time
 sys.path.insert(0, ".")
 from orz.data.datasets import CodeTests
 from orz.config import CodeScoringConfig
@@ -51,6 +51,19 @@ def tasks():
         except OSError:
             pass
     return count
+
+
+def children():
+    \"\"\"This process's child processes, from /proc.\"\"\"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            found.append(int(pid))
+    return found
 
 
 job = json.load(open("job.json"))
@@ -75,6 +88,10 @@ with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
         bomb_tasks, running = tasks() - before, bomb.is_alive()
         started = subprocess.run([sys.executable, "-c", "print(3)"], capture_output=True, text=True, timeout=30)
         starts.append([bomb_tasks, running and bomb.is_alive(), started.stdout])
+    # Ended now, as its wall clock would end it (the launcher's session killed), not 30 s on: until
+    # then its processes spin on fork and take every core the suite has.
+    for pid in children():  # the bomb's launcher: the one sandbox still running
+        os.killpg(pid, signal.SIGKILL)
     bomb.join()
     locked = reward.run_tests(job["locks_its_directory"], tests).score  # leaves a `chmod 0` directory
     left = os.listdir(reward.sandbox.workdir_root)
