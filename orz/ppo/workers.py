@@ -12,6 +12,7 @@ for save_async and load_async, the workers' Ray refs; the others wait for their 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -110,6 +111,9 @@ class MegatronWorker(FaultSite):
         to_log_file(spec.log_dir, f"{spec.name}-{rank}")
         # Megatron announces at import that TE/Apex are absent (expected on CPU), once per worker.
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
+        # Megatron's timers import wandb where it is installed, 0.6 s of CPU per worker; orz logs to
+        # W&B from the trainer's process only, so a worker's `import wandb` finds nothing.
+        sys.modules.setdefault("wandb", None)
         self._threads = spec.cfg.threads
         torch.set_num_threads(self._threads)
         self._world_store = None  # rank 0's, once host_world has run
