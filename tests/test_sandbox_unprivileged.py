@@ -91,7 +91,10 @@ with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
     # Ended now, as its wall clock would end it (the launcher's session killed), not 30 s on: until
     # then its processes spin on fork and take every core the suite has.
     for pid in children():  # the bomb's launcher: the one sandbox still running
-        os.killpg(pid, signal.SIGKILL)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # its wall clock came first (a machine slow enough)
+            pass
     bomb.join()
     locked = reward.run_tests(job["locks_its_directory"], tests).score  # leaves a `chmod 0` directory
     left = os.listdir(reward.sandbox.workdir_root)
