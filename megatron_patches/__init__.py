@@ -204,6 +204,74 @@ def variable_pipeline_shapes():
     cls._communicate_shapes = exchange_on_cpu
 
 
+@_patch
+def checkpoint_preload():
+    """dist_checkpointing's writer copies tensors to the host without blocking, then waits with
+    `torch.cuda.synchronize()`: on CPU the copy is already done, so copy blocking."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = FileSystemWriterAsync.preload_tensors
+    FileSystemWriterAsync.preload_tensors = staticmethod(
+        functools.wraps(preload)(lambda buckets, non_blocking=True: preload(buckets, non_blocking=False)))
+
+
+# The three below mend the distributed optimizer's checkpoints where it steps torch's own Adam
+# (no TE or Apex: CPU). torch's Adam keeps a `step` tensor per parameter; TE's keeps it per group.
+@_patch
+def optimizer_state_before_first_step():
+    """`state_dict()` (which loading a checkpoint calls first) asserts one `step` among the Adam
+    states, and there are none before the first step: allocate them as a load would, zeroed."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    state_dict = DistributedOptimizer.state_dict
+
+    @functools.wraps(state_dict)
+    def with_states(self):
+        if not self.optimizer.state:
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0} for g in self.optimizer.param_groups]
+            self.load_state_dict({"optimizer": {"param_groups": groups}})
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    value.zero_()
+        return state_dict(self)
+
+    DistributedOptimizer.state_dict = with_states
+
+
+@_patch
+def optimizer_step_kept_aside():
+    """Loading copies each checkpointed state into the live one of the same name. torch Adam's
+    `step` is one of them, and the checkpoint keeps it in its param groups (set before this):
+    `fully_reshardable` holds no `step` (KeyError), `dp_reshardable` a stale one. Skip it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def without_step(self, model_param, tensors):
+        return set_states(self, model_param, tensors | {"step": None})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = without_step
+
+
+@_patch
+def optimizer_step_per_parameter():
+    """`load_state_dict` gives every parameter one shared `step` tensor, which torch's Adam then
+    increments once per parameter at each step: give each parameter its own."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = own_steps
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
     """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
     out for the rest of the process."""

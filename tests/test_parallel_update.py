@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from orz.config import AlgorithmConfig, RoleConfig
+from orz.models.dist_checkpoint import recut_layout
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
@@ -202,7 +203,7 @@ def _load(rank, world, role, model, ckpt):
 
 def test_a_checkpoint_without_the_distributed_optimizer_is_refused_with_it(model, reference, reference_checkpoint):
     workers, role = LAYOUTS["dp2_distributed_optimizer"]
-    with pytest.raises(RuntimeError, match=r"actor was saved without the distributed optimizer and this run is with it"):
+    with pytest.raises(RuntimeError, match=r"saved with the plain optimizer, this run has the distributed one"):
         run_world(_load, workers, role, model, reference_checkpoint)
 
 
@@ -231,18 +232,41 @@ RESHARD_LAYOUTS = {  # name: (workers, RoleConfig), with the distributed optimiz
 }
 
 
-@pytest.mark.parametrize("saved,resumed", [("dp2", "dp1"), ("dp2", "tp2pp2"), ("tp2dp2", "dp1"),
-                                            ("tp2_plain", "pp2_plain")])
-def test_a_run_resumes_at_another_layout_with_its_adam_moments_resharded(saved, resumed, model, reference, tmp_path):
-    """Going from 4 nodes to 8: each DP rank saved its flat range of the fp32 masters and Adam
-    moments by name (without the distributed optimizer, DP rank 0 the whole tensors). At another
-    DP size each rank cuts its new range from them; at another TP/PP every saved rank's tensors
-    are joined and re-sharded through the HF layout first. Step 2 is the uninterrupted run's (the
-    DP=1 reference, within the layouts' 1e-5)."""
+def _recut(rank, world, role, model, ckpt):
+    _worker(rank, world, role, "float32", model).recut(ckpt)
+
+
+def _recut_for(role: RoleConfig, model, ckpt) -> bool:
+    """What the trainer does before a resume: re-cut the checkpoint on workers of its saved layout
+    when `role`'s layout cannot load it as it is; whether it had to."""
+    sizes = {k: getattr(role, k) for k in ("tp", "pp", "dp", "ep", "etp")}
+    at = recut_layout(ckpt, sizes, role.use_distributed_optimizer)
+    if at is not None:
+        run_world(_recut, at["tp"] * at["pp"] * at["dp"], replace(role, **at), model, ckpt, timeout=300)
+    return at is not None
+
+
+@pytest.mark.parametrize("saved,resumed,recut", [("dp2", "dp1", False), ("dp2", "tp2pp2", True),
+                                                  ("tp2dp2", "dp1", True), ("tp2_plain", "pp2_plain", False)])
+def test_a_run_resumes_at_another_layout_with_its_adam_moments_resharded(saved, resumed, recut, model, reference,
+                                                                          tmp_path):
+    """Going from 4 nodes to 8: Megatron re-shards the checkpoint. The distributed optimizer's
+    fast cut (each DP rank's flat shard) loads at another DP; at another TP/PP it is re-cut first,
+    on workers of the saved layout, into the model-shaped cut; without the distributed optimizer
+    the states are model-shaped already. Step 2 is the uninterrupted run's (the DP=1 reference,
+    within the layouts' 1e-5)."""
     run_world(_first_step_saved, *RESHARD_LAYOUTS[saved], model, str(tmp_path / "ck"), timeout=300)
+    assert _recut_for(RESHARD_LAYOUTS[resumed][1], model, str(tmp_path / "ck")) == recut
     metrics, weights = run_world(_second_step_from, *RESHARD_LAYOUTS[resumed], model, str(tmp_path / "ck"),
                                  timeout=300)[0]
     assert _unlike_step_two(metrics, weights, reference) == []
+
+
+def test_a_checkpoint_in_the_fast_cut_is_refused_at_another_tp_until_re_cut(model, tmp_path):
+    run_world(_first_step_saved, *RESHARD_LAYOUTS["dp2"], model, str(tmp_path / "ck"), timeout=300)
+    with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP2 in Megatron's dp_reshardable cut.*this run has "
+                                           r"TP2 PP1 DP2"):
+        run_world(_load, *RESHARD_LAYOUTS["tp2dp2"], model, str(tmp_path / "ck"))
 
 
 def _unlike_step_two(metrics, weights, reference) -> list:
@@ -255,14 +279,18 @@ def _unlike_step_two(metrics, weights, reference) -> list:
 
 def _second_step_with_zeroed_moments(rank, world, role, model, ckpt):
     """_second_step_from, resumed by a loader that loses the Adam moments (a mutation)."""
-    from orz.models import optimizer_shards
+    from orz.models import dist_checkpoint
 
-    set_states = optimizer_shards._set_states
+    load = dist_checkpoint.load
 
-    def without_moments(optimizer, param, states):
-        set_states(optimizer, param, {k: v.zero_() if k in ("exp_avg", "exp_avg_sq") else v for k, v in states.items()})
+    def without_moments(engine, *args, **kwargs):
+        meta = load(engine, *args, **kwargs)
+        for optimizer in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+            for state in optimizer.optimizer.state.values():
+                state["exp_avg"].zero_(), state["exp_avg_sq"].zero_()
+        return meta
 
-    optimizer_shards._set_states = without_moments
+    dist_checkpoint.load = without_moments
     return _second_step_from(rank, world, role, model, ckpt)
 
 
@@ -430,6 +458,7 @@ def test_a_moe_resumes_at_another_ep_and_another_dp_with_its_experts_resharded(m
     reference = {"metrics": out["metrics"], "weights": out["weights"]}
     for layout, ckpt, resave in (("dp2_ep2", "ep1", "ep2"), ("dp4_ep2", "ep2", "")):
         role = MOE_LAYOUTS[layout]
+        assert _recut_for(role, moe, str(tmp_path / ckpt)) == (layout == "dp2_ep2")  # EP 1 → 2; then DP only
         metrics, weights = run_world(_resume_step_two, role.dp, role, moe, str(tmp_path / ckpt),
                                      resave and str(tmp_path / resave), timeout=300)[0]
         assert _unlike_step_two(metrics, weights, reference) == [], layout

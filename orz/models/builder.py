@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from orz.models.arch import ModelArch
 from orz.models.attention import SDPAttention
+from orz.models.norms import RMSNorm
 
 
 def use_transformer_engine() -> bool:
@@ -117,19 +118,21 @@ def layer_spec(arch: ModelArch, moe: bool = False) -> ModuleSpec:
     if use_transformer_engine():  # untested here: no GPU
         return get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=moe, qk_layernorm=arch.qk_norm)
     spec = get_gpt_layer_local_spec(experts, normalization="RMSNorm", qk_layernorm=arch.qk_norm)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if arch.qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
+    layer.self_attention.submodules.core_attention = SDPAttention
     return spec
 
 
-def block_spec(arch: ModelArch, cfg: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """One layer spec for a dense model; for a MoE, this stage's layers, each dense or sparse."""
-    if arch.moe is None:
-        return layer_spec(arch)
-    specs = {sparse: layer_spec(arch, sparse) for sparse in (False, True)}
+def block_spec(arch: ModelArch, cfg: TransformerConfig) -> TransformerBlockSubmodules:
+    """This stage's layers (for a MoE each dense or sparse) and the final norm."""
+    specs = {sparse: layer_spec(arch, sparse) for sparse in ((False, True) if arch.moe else (False,))}
     per_stage = arch.num_layers // cfg.pipeline_model_parallel_size
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
-    layers = [specs[arch.is_moe_layer(i)] for i in range(first, first + per_stage)]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
+    layers = [specs[arch.moe is not None and arch.is_moe_layer(i)] for i in range(first, first + per_stage)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if use_transformer_engine() else RMSNorm)
 
 
 def _stage_flags() -> dict:

@@ -165,14 +165,9 @@ class ModelEngine:
                                            f"model's head must be scalar: (1, {self.arch.hidden_size}), num_labels=1")
                 own[VALUE_HEAD + ".weight"].copy_(score)
                 own[VALUE_HEAD + ".bias"].zero_()  # HF's score head has no bias
-        self._masters_from_weights()
+        self.refresh_masters()
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        """This rank's parameters by Megatron name; a resume then loads the optimizer's own masters."""
-        self.module.load_state_dict(state, strict=False)
-        self._masters_from_weights()
-
-    def _masters_from_weights(self) -> None:
+    def refresh_masters(self) -> None:
         """A bf16 model's optimizer keeps fp32 master copies, made when it was built, from the
         random initialisation: weights loaded since must become the masters too, or the first
         step would write the random init (plus the update) back into the model."""

@@ -24,19 +24,7 @@ import torch.nn.functional as F
 from orz.bundles import Bundles
 from orz.config import AlgorithmConfig, RoleConfig
 from orz.faults import FaultSite
-from orz.models.checkpoint import rank_dir
 from orz.models.inputs import ModelInputs
-from orz.models.optimizer_shards import (
-    allocate_states,
-    distributed_optimizers,
-    load_resharded_states,
-    load_shard_states,
-    optimizers,
-    resharded_weights,
-    saved_dirs,
-    saved_layout,
-    shard_states,
-)
 from orz.ppo.core_algos import actor_loss, routing_agreement_counts, value_loss
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 
@@ -420,117 +408,35 @@ class MegatronWorker(FaultSite):
             lambda tensors: str(save_hf(out_dir, tensors, config, extra_files_from=self.spec.model_path)))
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def _shard_dir(self, root: str) -> Path:
-        layout = self.engine.layout
-        return Path(root) / rank_dir(layout.tp_rank, layout.pp_rank, layout.ep_rank if layout.ep > 1 else None)
-
-    @property
-    def _writes_weights(self) -> bool:
-        """DP rank 0 holds every weight; with EP > 1 the experts are spread over DP replicas, and
-        each rank of the first expert-DP replica writes its own (and a copy of the dense ones)."""
-        if self.engine.layout.ep > 1:
-            return self.ps.get_expert_data_parallel_rank() == 0
-        return self._dp[0] == 0
-
-    def _layout_sizes(self) -> dict:
-        layout = self.engine.layout
-        return {"tp": layout.tp, "pp": layout.pp, "dp": self._dp[1], "ep": layout.ep, "etp": layout.etp}
-
     def save(self, root: str) -> None:
-        """Model shard (safetensors, the orz Megatron layout), scheduler and RNG state, and the
-        optimizer's fp32 masters and Adam moments by parameter name and range (`optimizer_shards`),
-        from which a run at another layout cuts and re-shards its own (`load`). DP rank 0 writes
-        everything (replicas hold identical copies); with the distributed optimizer every DP rank
-        writes its own shard of the masters and moments, which Megatron's `state_dict` leaves out."""
-        from safetensors.torch import save_file
+        """The role's checkpoint in Megatron's format (orz/models/dist_checkpoint.py): weights, the
+        optimizer's fp32 masters, moments and param groups, each rank's RNG, and the scheduler's
+        step count (its settings come from the stage's config: `configure`)."""
+        from orz.models import dist_checkpoint
+        from orz.models.checkpoint import HFCheckpoint
 
-        shard = self._shard_dir(root)
-        names = {param: name for name, param in self.engine.model.named_parameters()}
-        distributed = bool(distributed_optimizers(self.engine.optimizer))
-        if self.spec.train and (distributed or self._writes_weights):
-            shard.mkdir(parents=True, exist_ok=True)
-            for i, optimizer in enumerate(optimizers(self.engine.optimizer)):
-                torch.save(shard_states(optimizer, names), shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt")
-        if not self._writes_weights:
-            return
-        shard.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.engine.local_state().items()}, shard / "model.safetensors")
-        state = {"rng": torch.get_rng_state(), "layout": self._layout_sizes()}
-        if self.spec.train:  # the schedule's settings come from the stage's config (configure)
-            state |= {"scheduler_steps": self.scheduler.num_steps, "distributed": distributed}
-            if distributed:  # its param groups (the masters and moments are in the shards)
-                state["optimizer"] = self.engine.optimizer.state_dict()
-        torch.save(state, shard / "optim.pt")
+        meta = {"role": self.spec.name} | ({"scheduler_steps": self.scheduler.num_steps} if self.spec.train else {})
+        dist_checkpoint.save(self.engine, root, meta, HFCheckpoint(self.spec.model_path).config)
 
     def load(self, root: str) -> None:
-        """The inverse of `save`, exactly: fp32 masters of a bf16 model come from the optimizer's
-        state, never from the bf16 weights. At another DP size each rank cuts its optimizer
-        range; at another TP/PP the weights, masters and moments are re-sharded through the HF
-        layout first."""
-        from safetensors.torch import load_file
+        """The inverse of `save`, exactly at the saved layout, and re-sharded by Megatron at another
+        (orz/models/dist_checkpoint.py says which cut loads where). The fp32 masters of a bf16 model
+        come from the optimizer's state, never from the bf16 weights."""
+        from orz.models import dist_checkpoint
 
-        root = Path(root)
-        shard, layout = self._shard_dir(root), self.engine.layout
-        mine = self._layout_sizes()
-        # A rank of a new layout may have no shard of its own: the saved first rank's has one.
-        first = saved_dirs(root, 0, tp_rank=0, holding="optim.pt") or [root / rank_dir(0, 0)]
-        state_file = shard / "optim.pt" if (shard / "optim.pt").is_file() else first[0] / "optim.pt"
-        if not state_file.is_file():
-            raise ValueError(f"{root}: holds no checkpoint of {self.spec.name} ({state_file} is missing)")
-        state = torch.load(state_file, weights_only=False)
-        saved = state.get("layout", {**mine, "dp": None})  # checkpoints before layouts were recorded: DP unknown
-        distributed = self.spec.train and bool(distributed_optimizers(self.engine.optimizer))
-        # Before the flag, only the distributed optimizer wrote shards; a non-distributed one kept
-        # its whole state in Megatron's state_dict, which cannot be re-sharded.
-        saved_distributed = state.get("distributed", any(root.glob("mp_rank_*/optim_dp_*.pt")))
-        by_name = "distributed" in state or saved_distributed
-        if self.spec.train and distributed != saved_distributed:
-            have, want = ("with", "without") if not distributed else ("without", "with")
-            raise ValueError(f"{root}: {self.spec.name} was saved {have} the distributed optimizer and this run "
-                             f"is {want} it ({self.spec.name}.use_distributed_optimizer): resume as it was saved")
-        moe = self.engine.arch.moe is not None
-        experts = (saved.get("ep", 1), saved.get("etp", 1)), (mine["ep"], mine["etp"])  # checkpoints before EP: 1
-        same_layout = (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and experts[0] == experts[1]
-        # A MoE's optimizer pieces lie in its EP ranks' directories: at another DP, gather them from all.
-        same_layout = same_layout and not (moe and saved["dp"] != mine["dp"])
-        if moe and not same_layout and (experts[0][1], experts[1][1]) != (1, 1):
-            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
-                             f"orz's checkpoint format re-shards whole experts only ({self.spec.name}.etp=1 before "
-                             f"and after): resume at the saved {self.spec.name}.tp, .pp, .ep and .etp (with "
-                             f"trainer.export_hf=true the run ends with its HF weights, from which a new run at any "
-                             f"layout starts)")
-        if not same_layout and self.spec.train and not by_name:
-            raise ValueError(f"{root}: {self.spec.name} was saved at {_sizes(saved)}; this run has {_sizes(mine)}. "
-                             "This checkpoint keeps its optimizer state in Megatron's own format, which can "
-                             "change its DP size, not TP or PP: resume at the saved TP and PP, or export it with "
-                             "`orz.convert mcore2hf` and start a new run from the HF weights")
-        from_layout = None if same_layout else saved_layout(root, saved, layout)
-        weights = (load_file(shard / "model.safetensors") if same_layout
-                   else resharded_weights(root, self.engine.arch, from_layout, layout))
-        self.engine.load_local_state(weights)
-        torch.set_rng_state(state["rng"])
-        if not self.spec.train:
-            return
-        if "optimizer" in state:  # the distributed optimizer's param groups, or an older checkpoint's whole state
-            # Megatron matches saved param groups to live ones by their LR settings, and a checkpoint at
-            # a stage boundary holds the previous stage's: give it this stage's (configure sets them).
-            _set_group_lr(state["optimizer"], self.spec.cfg)
-            if moe and not same_layout:
-                allocate_states(self.engine.optimizer)
-            else:
-                self.engine.optimizer.load_state_dict(state["optimizer"])
-        names = {param: name for name, param in self.engine.model.named_parameters()}
-        if by_name and not same_layout:
-            load_resharded_states(self.engine.optimizer, names, root, self.engine.arch, from_layout, layout)
-        for i, optimizer in enumerate(optimizers(self.engine.optimizer) if by_name and same_layout else ()):
-            keeps_dp = distributed and saved["dp"] in (None, mine["dp"])
-            own = shard / f"optim_dp_{self._dp[0]:02d}_{i}.pt"
-            load_shard_states(optimizer, names, sorted(shard.glob(f"optim_dp_*_{i}.pt")), own if keeps_dp else None)
-        # Checkpoints before stages kept the scheduler's whole state dict.
-        self.scheduler.num_steps = state.get("scheduler_steps") or state["scheduler"]["num_steps"]
-        # The optimizer's state brought the saved stage's param-group settings (max_lr, betas):
-        # the stage this run resumes in may differ (a checkpoint at a stage boundary).
-        self.configure(self.spec.cfg)
+        # A checkpoint at a stage boundary holds the previous stage's LR in its param groups, by which
+        # Megatron matches them to the live ones: give them this stage's (configure sets the rest).
+        meta = dist_checkpoint.load(self.engine, root, with_optimizer=self.spec.train,
+                                    adjust_optimizer=lambda state: _set_group_lr(state, self.spec.cfg))
+        if self.spec.train:
+            self.scheduler.num_steps = meta["scheduler_steps"]
+            self.configure(self.spec.cfg)
+
+    def recut(self, source: str) -> None:
+        """On workers of the saved layout: `source` re-saved beside it in the cut that loads at any layout."""
+        from orz.models import dist_checkpoint
+
+        dist_checkpoint.recut(self.engine, source)
 
 
 def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
@@ -545,11 +451,6 @@ def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
     elif isinstance(optimizer_state, (list, tuple)):
         for value in optimizer_state:
             _set_group_lr(value, cfg)
-
-
-def _sizes(layout: dict) -> str:
-    experts = f" EP{layout.get('ep', 1)} ETP{layout.get('etp', 1)}" if layout.get("ep", 1) * layout.get("etp", 1) > 1 else ""
-    return f"TP{layout['tp']} PP{layout['pp']} DP{layout['dp']}{experts}"
 
 
 @dataclass(frozen=True)
@@ -661,6 +562,9 @@ class WorkerGroup:
 
     def load_async(self, root: str) -> list[ray.ObjectRef]:
         return self._call("load", root)
+
+    def recut(self, source: str) -> None:
+        ray.get(self._call("recut", source))
 
     def offload(self) -> None:
         ray.get(self._call("offload"))

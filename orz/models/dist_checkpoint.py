@@ -1,0 +1,244 @@
+"""A Megatron model's checkpoint, with its optimizer, in Megatron's own format: dist_checkpointing's
+torch_dist, as Megatron-LM, verl, slime and NeMo-RL write it.
+
+    save(engine, directory, meta, hf_config)   # every rank of the model's world; an empty directory
+    meta = load(engine, directory)     # every rank, at any TP/PP/DP/EP the re-sharding rules below allow
+
+A directory holds Megatron's files (`.metadata`, `__R_0.distcp`, `common.pt`, `metadata.json`) and
+`orz_checkpoint.json`: the HF config, the layout it was saved at, the optimizer and its sharding, and
+the caller's small state (`meta`, e.g. the scheduler's step count). Tensors are keyed by Megatron's
+global names with their global shapes, so Megatron re-shards them at load for any layout; CPU
+(local layers) and GPU (Transformer Engine) write the same keys.
+
+The distributed optimizer's state is the costly part, and Megatron offers two cuts of it:
+- `dp_reshardable` (saved here): each rank writes its own flat shard, fully in parallel, with no
+  gather; it loads at another DP size but the same TP, PP, EP and ETP.
+- `fully_reshardable`: the same states in the model's own shapes, gathered on each model-parallel
+  group's DP rank 0 (over gloo, in Megatron's memory-efficient mode) at save; loads at any layout.
+A resume at another model-parallel layout first re-cuts a `dp_reshardable` checkpoint into a
+`fully_reshardable` one at its own layout (`recut`, on workers of the saved layout), once. Without
+the distributed optimizer, the states are saved in the model's shapes and load at any layout.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import load_content_metadata
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from orz.models.arch import ModelConfigError
+
+META = "orz_checkpoint.json"
+FAST, RESHARDABLE = "dp_reshardable", "fully_reshardable"  # Megatron's names for the two cuts
+_SHARDING_KEY = "distrib_optim_sharding_type"  # where Megatron-LM records the cut (content metadata)
+
+
+class NeedsRecut(ModelConfigError):
+    """A `dp_reshardable` checkpoint asked for at another TP/PP/EP/ETP: re-cut it first (`recut`)."""
+
+
+def layout_sizes(engine) -> dict[str, int]:
+    """The sizes a checkpoint records; tp, pp, ep and etp decide what loads where, dp does not."""
+    layout = engine.layout
+    return {"tp": layout.tp, "pp": layout.pp, "dp": ps.get_data_parallel_world_size(), "ep": layout.ep,
+            "etp": layout.etp}
+
+
+def model_parallel(sizes: dict) -> tuple[int, int, int, int]:
+    return sizes["tp"], sizes["pp"], sizes.get("ep", 1), sizes.get("etp", 1)
+
+
+def chain(optimizer) -> list:
+    """The optimizers inside a Megatron optimizer: a MoE at EP > 1 (or ETP ≠ TP) steps its experts
+    with a second one, and a ChainedOptimizer holds both."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def optimizer_kind(engine) -> str | None:
+    """None (no optimizer: a reference model), "distributed" (ZeRO-1) or "plain"."""
+    if engine.optimizer is None:
+        return None
+    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in chain(engine.optimizer)) else "plain"
+
+
+def _state(engine, loading: bool, sharding: str, with_optimizer: bool, with_rng: bool) -> dict:
+    """The sharded state dict of the model, its optimizer and this rank's RNG."""
+    model = engine.module.sharded_state_dict()
+    state = {"model": model}
+    if with_optimizer and engine.optimizer is not None:
+        # Keys without the chain's `chained_i.` prefix, so that the model-shaped cuts are the same
+        # whether the experts have an optimizer of their own or not (EP 1 against EP > 1).
+        metadata = {"chained_optim_avoid_prefix": True}
+        if optimizer_kind(engine) == "distributed":  # memory-efficient: gathered over gloo on DP rank 0 only
+            metadata |= {_SHARDING_KEY: sharding, "distrib_optim_fully_reshardable_mem_efficient": True}
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
+    if with_rng:  # per rank: it loads only where the world is laid out as it was saved
+        world, rank = dist.get_world_size(), dist.get_rank()
+        state["rng"] = ShardedObject("orz.rng_state", torch.get_rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: str = FAST) -> None:
+    """Writes the model, its optimizer (in `sharding`'s cut) and each rank's RNG into `directory`
+    (made if missing; it must be empty), then rank 0 writes orz_checkpoint.json: `meta` plus what `load` checks."""
+    directory = Path(directory)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    kind = optimizer_kind(engine)
+    chained = len(chain(engine.optimizer)) if kind else 0
+    dist_checkpointing.save(_state(engine, False, sharding, True, True), str(directory),
+                            content_metadata={_SHARDING_KEY: sharding})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        record = {"format": "torch_dist", "hf_config": hf_config, "layout": layout_sizes(engine),
+                  "padded_vocab": engine.layout.padded_vocab, "value_head": engine.layout.value_head,
+                  "dtype": str(engine.config.params_dtype).removeprefix("torch."), "optimizer": kind, "chained": chained,
+                  "optimizer_sharding": sharding if kind == "distributed" else None} | meta
+        (directory / META).write_text(json.dumps(record, indent=1))
+    dist.barrier()
+
+
+def read_meta(directory: str | Path) -> dict:
+    """orz_checkpoint.json; a directory in no format orz reads is refused, naming what it holds."""
+    directory = Path(directory)
+    path = directory / META
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelConfigError(f"{path}: malformed ({err})") from None
+    if any(directory.glob("mp_rank_*")) or (directory / "orz_megatron.json").is_file():
+        raise ModelConfigError(f"{directory}: a checkpoint in the format orz wrote before 2026-12-05 (per-rank "
+                               "safetensors); convert it once with `orz convert upgrade <run>/checkpoints/iter_N`")
+    raise ModelConfigError(f"{directory}: not a Megatron checkpoint written by orz (no {META}; expected "
+                           "a directory written by the trainer or by `orz convert hf2mcore`)")
+
+
+def _check_shapes(state: dict, directory: Path) -> None:
+    """Refuses a checkpoint of another model before any weight is read: the first tensor whose
+    global shape differs from this model's, by Megatron name."""
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    for key, tensor in _sharded_tensors(state["model"]):
+        if key in saved and tuple(saved[key].global_shape) != tuple(tensor.global_shape):
+            hint = (" (the vocabulary is padded to another size: set model.vocab_divisible_by so that both "
+                    "layouts pad alike)") if "word_embeddings" in key or "output_layer" in key else ""
+            raise ModelConfigError(f"{directory}: {key} was saved with shape {tuple(saved[key].global_shape)}, "
+                                   f"this model has {tuple(tensor.global_shape)}: a checkpoint of another model{hint}")
+
+
+def _sharded_tensors(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _sharded_tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _sharded_tensors(value)
+    elif isinstance(tree, ShardedTensor):
+        yield tree.key, tree
+
+
+def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_optimizer=None) -> dict:
+    """Loads what `save` wrote into `engine` (weights; with_optimizer: masters, moments, param
+    groups), re-sharded by Megatron to this layout; returns orz_checkpoint.json. The RNG comes
+    back where the world is laid out as saved. adjust_optimizer(state) may edit the optimizer's
+    loaded param groups (a stage's LR) before they are set. NeedsRecut: a `dp_reshardable`
+    checkpoint at another model-parallel layout, not yet re-cut (`recut`); ModelConfigError: one this model cannot take."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    mine, kind = layout_sizes(engine), optimizer_kind(engine) if with_optimizer else None
+    if kind is not None and meta["optimizer"] not in (None, kind):
+        raise ModelConfigError(f"{directory}: saved with the {meta['optimizer']} optimizer, this run has the {kind} "
+                               "one (<role>.use_distributed_optimizer): resume as it was saved")
+    if kind == "plain" and meta["chained"] != len(chain(engine.optimizer)):
+        raise ModelConfigError(f"{directory}: saved at {describe(meta['layout'])}, where the experts have "
+                               f"{'an optimizer of their own' if meta['chained'] > 1 else 'no optimizer of their own'}"
+                               f", unlike {describe(mine)}: without <role>.use_distributed_optimizer, resume at EP 1 "
+                               "or at EP > 1 as it was saved")
+    if kind is not None and meta["optimizer"] is None:
+        raise ModelConfigError(f"{directory}: holds weights only (no optimizer state) and cannot be resumed; "
+                               "start a run from it instead")
+    sharding = load_content_metadata(str(directory)) or {}
+    sharding = sharding.get(_SHARDING_KEY, FAST)
+    same_model_parallel = model_parallel(meta["layout"]) == model_parallel(mine)
+    if kind == "distributed" and sharding == FAST and not same_model_parallel:
+        if (recut_dir(directory) / META).is_file():
+            return load(engine, recut_dir(directory), with_optimizer, adjust_optimizer)
+        raise NeedsRecut(f"{directory}: saved at {describe(meta['layout'])} in Megatron's dp_reshardable cut, "
+                         f"which loads at another DP only; this run has {describe(mine)}")
+    state = _state(engine, True, sharding, kind is not None, with_rng=meta["layout"] == mine)
+    _check_shapes(state, directory)
+    loaded = dist_checkpointing.load(state, str(directory))
+    engine.module.load_state_dict(loaded["model"])
+    if kind is None:
+        engine.refresh_masters()
+    elif meta["chained"] == len(chain(engine.optimizer)):
+        if adjust_optimizer is not None:
+            adjust_optimizer(loaded["optimizer"])
+        with torch.no_grad():  # the fp32 masters are leaves that require grad
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        _load_into_another_chain(engine.optimizer, loaded["optimizer"], meta["chained"])
+    if "rng" in loaded:
+        torch.set_rng_state(loaded["rng"])
+    return meta
+
+
+@torch.no_grad()  # the fp32 masters are leaves that require grad
+def _load_into_another_chain(optimizer, loaded: dict, saved_chain: int) -> None:
+    """A model-shaped distributed optimizer state, saved by a chain of another length (a MoE moved
+    between EP 1 and EP > 1): its tensors came back by key into this chain's places; its param
+    groups are this chain's own, with the saved Adam step."""
+    live = chain(optimizer)
+    saved_common = [loaded[i] for i in range(saved_chain)] if saved_chain > 1 else [loaded]
+    step = saved_common[0]["optimizer"]["param_groups"][0]["step"]
+    for i, one in enumerate(live):
+        groups = one.state_dict()["optimizer"]
+        for group in groups["param_groups"]:
+            group["step"] = step
+        entry = loaded[i] if len(live) > 1 else loaded
+        one.load_state_dict({"optimizer": groups, "param_state": entry["param_state"],
+                             "param_state_sharding_type": RESHARDABLE})
+
+
+def recut(engine, source: str | Path) -> Path:
+    """Re-saves a `dp_reshardable` checkpoint in the `fully_reshardable` cut beside it, on workers of
+    its own TP/PP/EP/ETP (any DP): what a resume at another model-parallel layout loads."""
+    target = recut_dir(source)
+    meta = load(engine, source)
+    save(engine, target, {k: v for k, v in meta.items() if k not in _RECORDED}, meta["hf_config"], RESHARDABLE)
+    return target
+
+
+def recut_dir(directory: str | Path) -> Path:
+    """Where `recut` writes: `<role>.reshardable` beside the role's directory."""
+    directory = Path(directory)
+    return directory.with_name(directory.name + ".reshardable")
+
+
+def recut_layout(directory: str | Path, sizes: dict, distributed: bool) -> dict | None:
+    """The layout (its smallest DP) at which `directory` must be re-cut before workers at `sizes`
+    load it; None when it loads as it is, or its re-cut exists."""
+    meta = read_meta(directory)
+    saved = meta["layout"]
+    if (not distributed or meta.get("optimizer_sharding") != FAST or model_parallel(saved) == model_parallel(sizes)
+            or (recut_dir(directory) / META).is_file()):
+        return None
+    tp, pp, ep, etp = model_parallel(saved)
+    return {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": math.lcm(tp, ep * etp) // tp}
+
+
+_RECORDED = ("format", "hf_config", "layout", "padded_vocab", "value_head", "dtype", "optimizer", "chained",
+             "optimizer_sharding")
+
+
+def describe(sizes: dict) -> str:
+    experts = f" EP{sizes.get('ep', 1)} ETP{sizes.get('etp', 1)}" if sizes.get("ep", 1) * sizes.get("etp", 1) > 1 else ""
+    return f"TP{sizes['tp']} PP{sizes['pp']} DP{sizes['dp']}{experts}"
