@@ -246,9 +246,14 @@ class TrainerConfig:
     eval_every: int = 0  # 0: only before and after training
     eval_n: int = 1  # > 1: also sample this many responses per eval prompt (avg@k, pass@k, maj@k); greedy always
     save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the last k checkpoints stay
+    # k > 0: every k-th iteration's checkpoint stays too (iteration 300 of a long run, to export later)
+    keep_every: int = 0
     output_dir: str = "runs/orz"
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
+    # A checkpoint directory (<run>/checkpoints/iter_N, of this run or another) to continue from
+    # instead of the latest; the run writes on into output_dir. "": the latest (trainer.resume).
+    resume_from: str = ""
     max_restarts: int = 3  # a Megatron worker died: rebuild the roles, resume from the last checkpoint
     export_hf: bool = True  # write the final actor as an HF directory
     # Where the figures go besides metrics.jsonl ("jsonl", always): tensorboard, wandb, mlflow

@@ -1,86 +1,137 @@
-"""Checkpoint conversion between HF directories and orz's Megatron layout, for any TP, PP, EP, ETP.
+"""Checkpoint conversion between HF directories and Megatron's format (the one orz's trainer writes).
 
-    python -m orz.convert hf2mcore --hf Qwen2.5-7B --out ckpt/mcore --tp 4 --pp 2
-    python -m orz.convert hf2mcore --hf Qwen3-30B-A3B --out ckpt/mcore --tp 2 --ep 8
-    python -m orz.convert mcore2hf --mcore ckpt/mcore --out ckpt/hf [--like Qwen2.5-7B]
-    python -m orz.convert verify --hf Qwen2.5-7B --tp 2 --pp 2     # one JSON line
+    orz convert hf2mcore --hf Qwen2.5-7B --out ckpt/mcore --tp 4 --pp 2
+    orz convert mcore2hf --mcore runs/x/checkpoints/iter_000300/actor --out hf [--like Qwen2.5-7B]
+    orz convert upgrade runs/x/checkpoints/iter_000300     # a checkpoint orz wrote before 2026-12-05
+    orz convert verify --hf Qwen2.5-7B --tp 2 --pp 2       # one JSON line
 
-A Megatron directory holds `mp_rank_TT_PPP/model.safetensors` per TP × PP rank, for a MoE
-`expert_rank_EEE_TT_PPP/model.safetensors` per EP × ETP × PP rank of the experts, and
-`orz_megatron.json` (the HF config, TP, PP, EP, ETP, padded vocabulary). Offline conversion needs
-no distributed setup. `verify` starts the smallest local world where ep·etp divides tp·dp, loads
-the HF weights into Megatron, and reports the largest absolute logit difference against the
-transformers forward on the same tokens.
+A Megatron directory is Megatron's dist_checkpointing (torch_dist) plus orz_checkpoint.json (the
+HF config, the layout it was saved at, the model's dtype): orz/models/dist_checkpoint.py. It loads
+at any TP/PP/EP/ETP (with the same padded vocabulary), so `--tp`/`--pp` of hf2mcore only say how
+many local processes load the HF weights and pad the vocabulary. mcore2hf reads any such
+directory, a trainer checkpoint's role included, in one process, and writes the model's weights
+in the model's dtype (what `trainer.export_hf` writes). `verify` starts the smallest local world
+where ep·etp divides tp·dp, loads the HF weights into Megatron, and reports the largest absolute
+logit difference against the transformers forward on the same tokens.
 """
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from orz.models.arch import ModelConfigError
-from orz.models.checkpoint import (
-    MEGATRON_META,
-    HFCheckpoint,
-    atomic_dir,
-    expert_file,
-    load_rank_state,
-    megatron_meta,
-    rank_file,
-    read_megatron_meta,
-    save_hf,
-)
-from orz.models.convert import Layout, megatron_to_hf, param_rules, to_megatron
+from orz.config import ConfigError, ExperimentConfig, from_dict
+from orz.models.arch import ModelConfigError, arch_from_dict
+from orz.models.checkpoint import HFCheckpoint, atomic_dir, is_earlier_format, read_megatron_meta, save_hf
+from orz.models.convert import Layout, param_rules
+from orz.models.local_world import run_world
+
+ROLES_WITH_CHECKPOINTS = ("actor", "critic")
 
 
-def hf2mcore(hf_dir: str, out_dir: str, tp: int, pp: int, vocab_divisible_by: int = 1, ep: int = 1,
+def _smallest_dp(tp: int, ep: int, etp: int) -> int:
+    """The smallest DP at which ep·etp divides tp·dp (Megatron carves the experts' groups out of TP × DP)."""
+    return math.lcm(tp, ep * etp) // tp
+
+
+def _hf2mcore_rank(rank, world, hf_dir, out, tp, pp, ep, etp, vocab_divisible_by):
+    from orz.models import dist_checkpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel(tp, pp, ep=ep, etp=etp)
+    ckpt = HFCheckpoint(hf_dir)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(ckpt.config.get("torch_dtype"), torch.float32)
+    engine = ModelEngine(ckpt.arch, dtype=dtype, make_vocab_size_divisible_by=vocab_divisible_by)
+    engine.load_hf(ckpt)
+    dist_checkpoint.save(engine, out, {}, ckpt.config)
+
+
+def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisible_by: int = 1, ep: int = 1,
              etp: int = 1) -> Path:
+    """The HF weights in Megatron's format, weights only, in the checkpoint's dtype."""
     ckpt = HFCheckpoint(hf_dir)
     ckpt.arch.check_parallel(tp, pp, ep, etp)
-    padded = ckpt.arch.padded_vocab_size(tp, vocab_divisible_by)
-    whole = Layout(tp, pp, padded_vocab=padded, ep=ep, etp=etp)
+    whole = Layout(padded_vocab=ckpt.arch.padded_vocab_size(tp, vocab_divisible_by))
+    ckpt.require(name for rule in param_rules(ckpt.arch, whole) for name in rule.hf)  # before any process starts
     with atomic_dir(out_dir) as tmp:
-        for pp_rank in range(pp):
-            ranks = [(False, replace(whole, tp_rank=t, pp_rank=pp_rank)) for t in range(tp)]
-            if ckpt.arch.moe:
-                ranks += [(True, replace(whole, pp_rank=pp_rank, ep_rank=e, etp_rank=t))
-                          for e in range(ep) for t in range(etp)]
-            for experts, layout in ranks:
-                rules = [r for r in param_rules(ckpt.arch, layout) if r.expert == experts]
-                state = {r.megatron: to_megatron(r, [ckpt.get(n) for n in r.hf], ckpt.arch, layout) for r in rules}
-                file = tmp / (expert_file(layout) if experts else rank_file(layout))
-                file.parent.mkdir(parents=True)
-                save_file(state, file, metadata={"format": "pt"})
-        (tmp / MEGATRON_META).write_text(json.dumps(megatron_meta(ckpt.config, whole), indent=2))
+        run_world(_hf2mcore_rank, tp * pp * _smallest_dp(tp, ep, etp), hf_dir, str(tmp), tp, pp, ep, etp,
+                  vocab_divisible_by, timeout=3600)
     return Path(out_dir)
 
 
+def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
+    from orz.models import dist_checkpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    meta = read_megatron_meta(mcore_dir)
+    init_model_parallel()
+    # The saved vocabulary padding (a multiple of itself at TP 1), so that every shape matches.
+    engine = ModelEngine(arch_from_dict(meta["hf_config"], Path(mcore_dir)), dtype=getattr(torch, meta["dtype"]),
+                         make_vocab_size_divisible_by=meta["padded_vocab"])
+    dist_checkpoint.load(engine, mcore_dir, with_optimizer=False)
+    return str(save_hf(out_dir, engine.hf_tensors(), meta["hf_config"], extra_files_from=like))
+
+
 def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
-    """Writes a complete HF directory; `like` (an HF dir) supplies tokenizer and other files."""
-    config, arch, layout = read_megatron_meta(mcore_dir)
-    cache = {}
+    """A complete HF directory from any Megatron directory orz wrote; `like` (an HF dir) supplies
+    the tokenizer and other files."""
+    meta = read_megatron_meta(mcore_dir)  # refuses any other format, naming it, before a process starts
+    if meta["value_head"]:
+        raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
+                               "causal-LM form; export the actor's")
+    return Path(run_world(_mcore2hf_rank, 1, str(mcore_dir), str(out_dir), like, timeout=3600)[0])
 
-    def shards(tp_rank, pp_rank):
-        return _cached(("tp", tp_rank, pp_rank), lambda: load_rank_state(
-            mcore_dir, replace(layout, tp_rank=tp_rank, pp_rank=pp_rank)))
 
-    def expert_shards(ep_rank, etp_rank, pp_rank):
-        return _cached(("ep", ep_rank, etp_rank, pp_rank), lambda: load_rank_state(
-            mcore_dir, replace(layout, pp_rank=pp_rank, ep_rank=ep_rank, etp_rank=etp_rank), experts=True))
+def _upgrade_rank(rank, world, spec, old_dir, new_dir):
+    from orz.ppo import legacy_checkpoint
+    from orz.ppo.workers import MegatronWorker
 
-    def _cached(key, load):  # key[-1]: the stage
-        if key not in cache:
-            if any(k[-1] != key[-1] for k in cache):
-                cache.clear()  # one stage at a time: never hold the whole model twice
-            cache[key] = load()
-        return cache[key]
+    worker = MegatronWorker(spec, rank, world)
+    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.scheduler.num_steps = legacy_checkpoint.load(worker, old_dir)
+    worker.save(new_dir)
 
-    return save_hf(out_dir, megatron_to_hf(shards, arch, layout, expert_shards), config, extra_files_from=like)
+
+def upgrade(iteration_dir: str) -> list[Path]:
+    """Every role of a checkpoint written before 2026-12-05 re-saved in Megatron's format, in place,
+    once: read in a local world at its saved layout, built as its run's config (trainer_state.json
+    beside it) says. Returns the role directories it converted."""
+    from orz.ppo import legacy_checkpoint
+    from orz.ppo.workers import RoleSpec
+
+    iteration_dir = Path(iteration_dir)
+    state_file = iteration_dir / "trainer_state.json"
+    if not state_file.is_file():
+        raise ModelConfigError(f"{state_file}: missing; `orz convert upgrade` takes a run's checkpoint directory, "
+                               "<run>/checkpoints/iter_N, whose trainer_state.json holds the run's config")
+    cfg = from_dict(ExperimentConfig, json.loads(state_file.read_text())["config"])
+    done = []
+    for name in ROLES_WITH_CHECKPOINTS:
+        role_dir = iteration_dir / name
+        if not is_earlier_format(role_dir):
+            continue
+        sizes = legacy_checkpoint.saved_layout(role_dir)
+        model = cfg.model.critic_path or cfg.model.path if name == "critic" else cfg.model.path
+        spec = RoleSpec(name=name, model_path=model, cfg=replace(getattr(cfg, name), **sizes),
+                        value_head=name == "critic", dtype=cfg.model.dtype, vocab_divisible_by=cfg.model.vocab_divisible_by,
+                        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, seed=cfg.trainer.seed)
+        with atomic_dir(role_dir) as tmp:
+            run_world(_upgrade_rank, sizes["tp"] * sizes["pp"] * sizes["dp"], spec, str(role_dir), str(tmp),
+                      timeout=3600)
+        done.append(role_dir)
+    if done and not (iteration_dir / "pending_batches.pt").is_file():  # the earliest kept no batches ahead
+        torch.save([], iteration_dir / "pending_batches.pt")
+    if not done:
+        raise ModelConfigError(f"{iteration_dir}: holds no role in the format orz wrote before 2026-12-05 "
+                               f"(looked for {', '.join(ROLES_WITH_CHECKPOINTS)})")
+    return done
 
 
 def _verify_rank(rank, world, hf_dir, tp, pp, ep, etp, tokens):
@@ -98,11 +149,9 @@ def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: i
            etp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from orz.models.local_world import run_world
-
     ckpt = HFCheckpoint(hf_dir)
     ckpt.arch.check_parallel(tp, pp, ep, etp)
-    dp = math.lcm(tp, ep * etp) // tp  # the smallest DP with ep·etp dividing tp·dp
+    dp = _smallest_dp(tp, ep, etp)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     start = time.time()
     ranks = run_world(_verify_rank, tp * pp * dp, hf_dir, tp, pp, ep, etp, tokens)
@@ -124,17 +173,19 @@ def _expert_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orz.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("hf2mcore", help="HF directory -> Megatron shards")
+    p = sub.add_parser("hf2mcore", help="HF directory -> Megatron's format (weights only)")
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="TP of the local processes that load it (pads the vocabulary)")
+    p.add_argument("--pp", type=int, default=1, help="PP of the local processes that load it")
     p.add_argument("--vocab-divisible-by", type=int, default=1, help="pad vocab to a multiple of this × TP")
     _expert_args(p)
-    p = sub.add_parser("mcore2hf", help="Megatron shards -> HF directory")
-    p.add_argument("--mcore", required=True)
+    p = sub.add_parser("mcore2hf", help="Megatron's format (a trainer checkpoint's role too) -> HF directory")
+    p.add_argument("--mcore", required=True, help="hf2mcore's output, or <run>/checkpoints/iter_N/actor")
     p.add_argument("--out", required=True)
     p.add_argument("--like", help="HF directory to copy tokenizer files from")
+    p = sub.add_parser("upgrade", help="a checkpoint orz wrote before 2026-12-05 -> Megatron's format, in place")
+    p.add_argument("checkpoint", help="<run>/checkpoints/iter_N")
     p = sub.add_parser("verify", help="logits of Megatron(TP, PP) vs transformers, as JSON")
     p.add_argument("--hf", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -146,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             print(hf2mcore(args.hf, args.out, args.tp, args.pp, args.vocab_divisible_by, args.ep, args.etp))
         elif args.command == "mcore2hf":
             print(mcore2hf(args.mcore, args.out, args.like))
+        elif args.command == "upgrade":
+            print("\n".join(map(str, upgrade(args.checkpoint))))
         else:
             print(json.dumps(verify(args.hf, args.tp, args.pp, ep=args.ep, etp=args.etp)))
-    except ModelConfigError as err:
+    except (ModelConfigError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

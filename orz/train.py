@@ -65,7 +65,7 @@ def run(cfg: ExperimentConfig) -> dict:
     from orz.faults import Fault
     from orz.logs import output_to, quiet_driver
     from orz.models.checkpoint import HFCheckpoint
-    from orz.ppo import checkpoints, run_rules
+    from orz.ppo import checkpoints, placement, run_rules
     from orz.ppo.trainer import console
     from orz.stopping import StopSignals
 
@@ -86,6 +86,11 @@ def run(cfg: ExperimentConfig) -> dict:
             run_rules.check(cfg, arch)  # before Ray or any worker starts
             resume_from = latest_checkpoint(cfg)
             if resume_from is not None:
+                trained = {"actor": arch} | ({"critic": HFCheckpoint(cfg.model.critic_path or cfg.model.path).arch}
+                                             if "critic" in placement.roles(cfg) else {})
+                problems = run_rules.checkpoint_problems(resume_from, trained)
+                if problems:
+                    raise ConfigError("\n".join(problems))
                 saved = checkpoints.saved_state(resume_from)["config"]
                 problems = run_rules.resume_problems(cfg, saved, arch)
                 if problems:
@@ -174,9 +179,12 @@ def _origin(err: BaseException) -> str:
 
 
 def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
-    """The checkpoint to resume from: output_dir/checkpoints/latest's, when trainer.resume."""
+    """The checkpoint to resume from: trainer.resume_from, else output_dir/checkpoints/latest's
+    when trainer.resume."""
     from orz.ppo import checkpoints
 
+    if cfg.trainer.resume_from:
+        return Path(cfg.trainer.resume_from)
     return checkpoints.latest(Path(cfg.trainer.output_dir) / "checkpoints") if cfg.trainer.resume else None
 
 

@@ -8,6 +8,7 @@ layout also saves after step 1, and a fresh worker loaded from that checkpoint t
 bit-identical weights: the Adam moments (sharded over DP with ZeRO-1) and, in bf16, the fp32
 master weights are restored exactly.
 """
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from orz.config import AlgorithmConfig, RoleConfig
-from orz.models.dist_checkpoint import recut_layout
+from orz.models.checkpoint import recut_layout
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
 from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
@@ -393,28 +394,40 @@ def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model
     assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]
 
 
-# Written by orz at commit f06bde6, the last before optimizer state went by name (35f023b), with that
-# commit's own code: step 1 of the dp1 layout above on the same tiny model, saved by its
-# MegatronWorker.save (tests/fixtures/checkpoint_f06bde6/make.py, run with the commit checked out).
-# Without the distributed optimizer it kept Megatron's whole optimizer state_dict in optim.pt.
-EARLIER_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_f06bde6"
+# Checkpoints of the format orz wrote until 2026-12-05, each written by that commit's own code: step 1
+# of a layout above on the same tiny model, saved by its MegatronWorker.save (tests/fixtures/*/make.py,
+# run with the commit checked out). f06bde6 (the last before optimizer state went by name) kept a
+# non-distributed optimizer's whole Megatron state_dict in optim.pt; 4e53ded (the last of that format)
+# each DP rank's flat range of the distributed optimizer's masters and moments, by name.
+EARLIER_CHECKPOINTS = {"f06bde6": "dp1", "4e53ded": "dp2_distributed_optimizer"}
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_at_its_layout_and_refuses_another(model, reference, tmp_path):
-    ckpt = shutil.copytree(EARLIER_CHECKPOINT, tmp_path / "ck", ignore=shutil.ignore_patterns("*.py"))
-    state = torch.load(ckpt / "mp_rank_00_000" / "optim.pt", weights_only=False)
-    assert "distributed" not in state and "optimizer" in state  # the premise: the earlier format
-    metrics, weights = run_world(_second_step_from, *LAYOUTS["dp1"], model, str(ckpt))[0]
+@pytest.mark.parametrize("commit", EARLIER_CHECKPOINTS)
+def test_a_checkpoint_of_the_earlier_format_is_refused_then_resumes_after_orz_convert_upgrade(commit, model,
+                                                                                              reference, tmp_path):
+    from orz import convert
+    from orz.config import ExperimentConfig, ModelConfig, to_dict
+
+    workers, role = LAYOUTS[EARLIER_CHECKPOINTS[commit]]
+    iteration = tmp_path / "checkpoints" / "iter_000001"
+    shutil.copytree(Path(__file__).parent / "fixtures" / f"checkpoint_{commit}", iteration / "actor",
+                    ignore=shutil.ignore_patterns("*.py"))
+    config = replace(ExperimentConfig(), model=ModelConfig(path=model), actor=role)
+    (iteration / "trainer_state.json").write_text(json.dumps({"config": to_dict(config)}))
+    with pytest.raises(RuntimeError, match=r"format orz wrote until 2026-12-05.*`orz convert upgrade <run>/checkpoints/"):
+        run_world(_load, workers, role, model, str(iteration / "actor"))
+    assert convert.main(["upgrade", str(iteration)]) == 0
+    metrics, weights = run_world(_second_step_from, workers, role, model, str(iteration / "actor"))[0]
+    if commit == "4e53ded":  # written on this kind of machine: the uninterrupted run's step 2, as any resume
+        assert _unlike_step_two(metrics, weights, reference) == []
+        return
     # Step 1 ran on the CPU that wrote the fixture, whose float32 rounding may differ from this one's
     # (an AMD EPYC's against an Intel Xeon's: metrics 6e-7 apart, weights after step 2 by an RMS of
     # 3e-9). Step 2 from an optimizer state not restored moves the weights by an RMS of ~lr (7e-4).
-    expected, lr = reference["metrics"][1], LAYOUTS["dp1"][1].lr
+    expected, lr = reference["metrics"][1], role.lr
     assert metrics.keys() == expected.keys() and all(_close(metrics[k], v) for k, v in expected.items()), metrics
     rms = torch.cat([(weights[n] - w).flatten() for n, w in reference["weights"].items()]).square().mean().sqrt()
     assert rms <= 1e-2 * lr, rms
-    with pytest.raises(RuntimeError, match=r"saved at TP1 PP1 DP1; this run has TP2 PP1 DP1.*keeps its optimizer "
-                                           r"state in Megatron's own format.*resume at the saved TP and PP"):
-        run_world(_load, *RESHARD_LAYOUTS["tp2_plain"], model, str(ckpt))
 
 
 @pytest.fixture(scope="module")

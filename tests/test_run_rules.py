@@ -85,6 +85,7 @@ OUT_OF_RANGE = {
     "trainer.eval_n": 0,
     "trainer.save_every": -1,
     "trainer.keep_checkpoints": 0,
+    "trainer.keep_every": -1,
     "trainer.max_restarts": -1,
     "trainer.dump_samples_every": -1,
     "trainer.ray_num_cpus": -1,
@@ -197,6 +198,7 @@ FREE_TEXT = {
     "data.instruction": "any text", "data.synthetic_ops": "operators for the synthetic task",
     "trainer.output_dir": "a directory", "trainer.project": "a name", "trainer.run_name": "a name",
     "trainer.ray_address": "Ray checks it", "trainer.fault": "a fault-injection spec, parsed by orz.faults",
+    "trainer.resume_from": "a checkpoint directory: run_rules.checkpoint_problems reads it",
 }
 
 
@@ -296,6 +298,7 @@ MOE_ARCH = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_siz
     ("moe", ["actor.ep=2"], r"^actor.ep=2 × actor.etp=1 must divide actor.tp × actor.dp = 1: the experts' groups"),
     ("moe", ["critic.ep=2", "critic.etp=2", "critic.dp=2"], r"^critic.ep=2 × critic.etp=2 must divide critic.tp × "),
     ("moe", ["actor.tp=2"], r"^actor.tp=2: Megatron trains a mixture of experts at TP > 1 only with sequence"),
+    ("moe", ["actor.etp=2", "actor.dp=2"], r"^actor.etp=2: experts split over ETP ranks crash Megatron's local experts"),
     ("dense", ["actor.ep=2", "actor.dp=2"], r"^actor.ep=2, actor.etp=1: expert parallelism needs a mixture-of-experts "
                                             r"model, and this qwen3 model is dense"),
 ])
@@ -311,8 +314,8 @@ def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(famil
 
 
 def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layout_before_start(tmp_path):
-    """orz's checkpoints re-shard whole experts at any TP/PP/EP/DP, not experts split over ETP
-    ranks: resuming such a MoE at another layout is refused by `main` before Ray or any worker
+    """orz re-shards whole experts at any TP/PP/EP/DP, not experts split over ETP ranks (GPU only,
+    untested): resuming such a MoE at another layout is refused by `main` before Ray or any worker
     starts, naming the keys and the way out."""
     from safetensors.torch import save_file
 
@@ -328,13 +331,13 @@ def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layo
     saved = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo", "actor.etp=2", "actor.dp=2",
                                f"trainer.output_dir={out}"])
     ckpt = out / "checkpoints" / "iter_000001"
-    ckpt.mkdir(parents=True)
+    (ckpt / "actor").mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"config": to_dict(saved)}, default=str))
+    (ckpt / "actor" / "orz_checkpoint.json").write_text(json.dumps({"hf_config": MOE_ARCH}))
     (out / "checkpoints" / "latest").write_text(ckpt.name)
     resumed = load_config(None, ["actor.etp=1", "actor.ep=2"], base=saved)
-    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=2 (saved 1), actor.etp=1 (saved 2): orz's "
-                                                    "checkpoints re-shard whole experts only (actor.etp=1 saved and "
-                                                    "resumed)")):
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=2 (saved 1), actor.etp=1 (saved 2): orz "
+                                                    "re-shards whole experts only (actor.etp=1 saved and resumed)")):
         main(resumed)
     moe = arch_from_dict(MOE_ARCH)
     assert run_rules.resume_problems(saved, to_dict(saved), moe) == []  # the saved sizes resume
@@ -476,3 +479,51 @@ def test_refusals_before_start_name_the_keys(tmp_path):
     cfg = load_config(None, ["rollout.env=python", "data.prompt_max_tokens=10", "rollout.max_turns=3",
                              "rollout.max_new_tokens=5", "rollout.max_observation_tokens=7"])
     assert run_rules.context_length(cfg, multi_turn=True) == 10 + 3 * 5 + 2 * 7
+
+
+def _run_dir(tmp_path, model_config: dict) -> tuple[Path, Path]:
+    """A model directory with `model_config` (the checks read its architecture only) and a run's
+    output directory whose latest checkpoint's actor was saved from that model."""
+    from safetensors.torch import save_file
+
+    from orz.config import to_dict
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(model_config))
+    save_file({}, str(model / "model.safetensors"))
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_000002"
+    (ckpt / "actor").mkdir(parents=True)
+    saved = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo"])
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": to_dict(saved)}, default=str))
+    (ckpt / "actor" / "orz_checkpoint.json").write_text(json.dumps({"hf_config": model_config}))
+    return model, ckpt
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda ckpt: None, None),
+    (lambda ckpt: (ckpt / "trainer_state.json").unlink(),
+     r"iter_000002: not a checkpoint of a run \(no trainer_state.json\); expected <run>/checkpoints/iter_N"),
+    (lambda ckpt: ((ckpt / "actor" / "orz_checkpoint.json").unlink(), (ckpt / "actor" / "mp_rank_00_000").mkdir()),
+     r"iter_000002: actor in the format orz wrote until 2026-12-05 .*convert it once with `orz convert upgrade "
+     r".*iter_000002`"),
+    (lambda ckpt: (ckpt / "actor" / "orz_checkpoint.json").write_text(json.dumps(
+        {"hf_config": MOE_ARCH | {"hidden_size": 96}})),
+     r"actor: a checkpoint of another model than this run's \(model.embed_tokens.weight: \(96, 96\) against \(96, 64\)\)"),
+    (lambda ckpt: (ckpt / "actor" / "orz_checkpoint.json").unlink(),
+     r"actor: not a Megatron checkpoint written by orz \(no orz_checkpoint.json"),
+])
+def test_trainer_resume_from_names_what_it_is_not_before_start(edit, message, tmp_path):
+    """trainer.resume_from (or the latest checkpoint) is checked by `main` before Ray or any worker
+    starts: a checkpoint of a run, in today's format, of this run's model."""
+    model, ckpt = _run_dir(tmp_path, MOE_ARCH)
+    edit(ckpt)
+    cfg = load_config(None, [f"model.path={model}", "algorithm.advantage=grpo", f"trainer.resume_from={ckpt}",
+                             f"trainer.output_dir={tmp_path / 'new'}"])
+    if message is None:  # the premise: a checkpoint of this model passes the check
+        from orz.models.arch import arch_from_dict
+
+        assert run_rules.checkpoint_problems(ckpt, {"actor": arch_from_dict(MOE_ARCH)}) == []
+        return
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)

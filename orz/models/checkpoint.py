@@ -1,10 +1,10 @@
-"""Weights on disk: HF directories (config.json + safetensors, sharded or not) and Megatron
-directories (one safetensors file per TP x PP rank, and for a MoE one per EP x ETP x PP rank of
-the experts). Every write is atomic: a directory is
-written beside its destination and renamed into place, so a crash never leaves a half
-checkpoint that loads as complete.
+"""Weights on disk: HF directories (config.json + safetensors, sharded or not), and what orz records
+beside a Megatron checkpoint (orz_checkpoint.json; the checkpoint itself is Megatron's own format:
+orz/models/dist_checkpoint.py). Every write is atomic: a directory is written beside its
+destination and renamed into place, so a crash never leaves a half checkpoint that loads as complete.
 """
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -16,8 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
-from orz.models.convert import Layout
+from orz.models.arch import ModelConfigError, read_arch
 
 INDEX = "model.safetensors.index.json"
 MEGATRON_META = "orz_megatron.json"
@@ -55,6 +54,12 @@ class HFCheckpoint:
 
     def keys(self) -> list[str]:
         return list(self._file_of)
+
+    def require(self, names: Iterable[str]) -> None:
+        """Names the first of `names` the checkpoint lacks."""
+        for name in names:
+            if name not in self._file_of:
+                raise ModelConfigError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
@@ -123,45 +128,64 @@ def save_hf(
     return Path(out_dir)
 
 
-def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
-    """The directory of one rank's shard inside a Megatron checkpoint; with experts spread over
-    EP ranks (a trainer's checkpoint), each EP rank's shard holds its own experts (Megatron's naming)."""
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (f"_{ep_rank:03d}" if ep_rank is not None else "")
+# ---- Megatron checkpoints (written by orz/models/dist_checkpoint.py): what they hold ------------
+# What orz records beside Megatron's files; read without Megatron (the trainer's process, the planner).
+MEGATRON_META = "orz_checkpoint.json"
+FAST, RESHARDABLE = "dp_reshardable", "fully_reshardable"  # Megatron's two cuts of the distributed optimizer
 
 
-def rank_file(layout: Layout) -> str:
-    return f"{rank_dir(layout.tp_rank, layout.pp_rank)}/model.safetensors"
+class NeedsRecut(ModelConfigError):
+    """A `dp_reshardable` checkpoint asked for at another TP/PP/EP/ETP: re-cut it first."""
 
 
-def expert_file(layout: Layout) -> str:
-    """The experts of one EP × ETP rank of one stage (experts follow their own grid, not TP's)."""
-    return f"expert_rank_{layout.ep_rank:03d}_{layout.etp_rank:02d}_{layout.pp_rank:03d}/model.safetensors"
+def read_megatron_meta(directory: str | Path) -> dict:
+    """orz_checkpoint.json; a directory in no format orz reads is refused, naming what it holds."""
+    directory = Path(directory)
+    path = directory / MEGATRON_META
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelConfigError(f"{path}: malformed ({err})") from None
+    if not directory.is_dir():
+        raise ModelConfigError(f"{directory}: no such directory")
+    if is_earlier_format(directory):
+        raise ModelConfigError(f"{directory}: a checkpoint in the format orz wrote until 2026-12-05 (a safetensors "
+                               "file per rank); convert it once with `orz convert upgrade <run>/checkpoints/iter_N`")
+    raise ModelConfigError(f"{directory}: not a Megatron checkpoint written by orz (no {MEGATRON_META}; expected "
+                           "a directory written by the trainer or by `orz convert hf2mcore`)")
 
 
-def megatron_meta(arch_config: dict, layout: Layout) -> dict:
-    return {"hf_config": arch_config, "tp": layout.tp, "pp": layout.pp, "padded_vocab": layout.padded_vocab,
-            "ep": layout.ep, "etp": layout.etp}
+def is_earlier_format(directory: str | Path) -> bool:
+    """A role directory in the format orz wrote until 2026-12-05 (`mp_rank_TT_PPP/` per rank), or
+    an `orz convert hf2mcore` output of then (`orz_megatron.json`)."""
+    directory = Path(directory)
+    return any(directory.glob("mp_rank_*")) or (directory / "orz_megatron.json").is_file()
 
 
-def read_megatron_meta(model_dir: str | Path) -> tuple[dict, ModelArch, Layout]:
-    path = Path(model_dir) / MEGATRON_META
-    if not path.is_file():
-        raise ModelConfigError(f"{path}: missing (not a Megatron checkpoint written by orz)")
-    try:
-        meta = json.loads(path.read_text())
-        layout = Layout(tp=int(meta["tp"]), pp=int(meta["pp"]), padded_vocab=meta.get("padded_vocab"),
-                        ep=int(meta.get("ep", 1)), etp=int(meta.get("etp", 1)))
-        config = meta["hf_config"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ModelConfigError(f"{path}: malformed ({err!r})") from None
-    return config, arch_from_dict(config, path), layout
+def model_parallel(sizes: dict) -> tuple[int, int, int, int]:
+    """(tp, pp, ep, etp): what decides where a checkpoint's fast cut loads (DP does not)."""
+    return sizes["tp"], sizes["pp"], sizes.get("ep", 1), sizes.get("etp", 1)
 
 
-def load_rank_state(model_dir: str | Path, layout: Layout, experts: bool = False) -> dict[str, torch.Tensor]:
-    """One rank's file: its TP shard, or (`experts`) its EP × ETP rank's experts."""
-    path = Path(model_dir) / (expert_file(layout) if experts else rank_file(layout))
-    if not path.is_file():
-        raise ModelConfigError(f"{path}: missing shard for tp_rank={layout.tp_rank} pp_rank={layout.pp_rank}"
-                               + (f" ep_rank={layout.ep_rank} etp_rank={layout.etp_rank}" if experts else ""))
-    with safe_open(path, "pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+def describe(sizes: dict) -> str:
+    experts = f" EP{sizes.get('ep', 1)} ETP{sizes.get('etp', 1)}" if sizes.get("ep", 1) * sizes.get("etp", 1) > 1 else ""
+    return f"TP{sizes['tp']} PP{sizes['pp']} DP{sizes['dp']}{experts}"
+
+
+def recut_dir(directory: str | Path) -> Path:
+    """Where a role's checkpoint re-cut for any layout lies: `<role>.reshardable` beside it."""
+    directory = Path(directory)
+    return directory.with_name(directory.name + ".reshardable")
+
+
+def recut_layout(directory: str | Path, sizes: dict, distributed: bool) -> dict | None:
+    """The layout (its smallest DP) at which `directory` must be re-cut before workers at `sizes`
+    load it; None when it loads as it is, or its re-cut exists."""
+    meta = read_megatron_meta(directory)
+    saved = meta["layout"]
+    if (not distributed or meta.get("optimizer_sharding") != FAST or model_parallel(saved) == model_parallel(sizes)
+            or (recut_dir(directory) / MEGATRON_META).is_file()):
+        return None
+    tp, pp, ep, etp = model_parallel(saved)
+    return {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": math.lcm(tp, ep * etp) // tp}

@@ -13,8 +13,8 @@ A MoE layer's router (`mlp.gate`) is replicated; its experts are spread over EP 
 holding experts r·E/EP + i as `local_experts.i`, each a SwiGLU split over the ETP ranks like a
 dense one (fc1 as [gate_r; up_r], fc2 by columns).
 """
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -228,75 +228,17 @@ def hf_to_megatron(
     }
 
 
-def stage_rules(arch: ModelArch, stage: Layout) -> list[tuple[int, ParamRule]]:
-    """Every parameter of `stage` once, with the EP rank holding it: TP-split and replicated ones
-    as EP rank 0 sees them, then each EP rank's experts."""
-    rules = []
-    for ep_rank in range(stage.ep):
-        rules += [(ep_rank, r) for r in param_rules(arch, replace(stage, ep_rank=ep_rank)) if r.expert or ep_rank == 0]
-    return rules
+def first_different_tensor(saved: ModelArch, mine: ModelArch) -> str | None:
+    """The first HF tensor (in the model's order) that one architecture has and the other lacks or
+    shapes otherwise, as "name: (saved shape) against (this shape)"; None when they agree."""
+    def shapes(arch):
+        return {name: hf_shape(name, arch) for rule in param_rules(arch, Layout()) for name in rule.hf}
 
-
-def megatron_to_hf(
-    shards: Callable[[int, int], dict[str, torch.Tensor]],
-    arch: ModelArch,
-    layout: Layout,
-    expert_shards: Callable[[int, int, int], dict[str, torch.Tensor]] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs from every rank's state dict; `shards(tp_rank, pp_rank)`, and for a
-    MoE `expert_shards(ep_rank, etp_rank, pp_rank)` (the experts' own grid).
-
-    A tied LM head is emitted once (from the embedding). Yields per parameter, so a caller
-    can stream it (weight sync) or collect it (export).
-    """
-    for pp_rank in range(layout.pp):
-        stage = replace(layout, tp_rank=0, pp_rank=pp_rank, ep_rank=0, etp_rank=0)
-        states = [shards(t, pp_rank) for t in range(layout.tp)]
-        for ep_rank, rule in stage_rules(arch, stage):
-            if rule.megatron == OUTPUT and arch.tie_word_embeddings:
-                continue  # the last stage's copy of the tied embedding
-            if rule.expert:
-                parts = [expert_shards(ep_rank, t, pp_rank)[rule.megatron] for t in range(layout.etp)]
-            else:
-                parts = [s[rule.megatron] for s in states]
-            yield from zip(rule.hf, to_hf(rule, parts, arch))
-
-
-def reshard(
-    read: Callable[[int, int, str], torch.Tensor], arch: ModelArch, saved: Layout, layout: Layout,
-    read_expert: Callable[[int, int, int, str], torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """`layout`'s state dict from tensors saved at another TP/PP/EP layout, through the HF names
-    (any layout to any other); `read(tp_rank, pp_rank, megatron_name)` reads one saved tensor,
-    and for a MoE `read_expert(ep_rank, etp_rank, pp_rank, megatron_name)` one saved expert's
-    (experts follow their own grid: local expert i of EP rank e is expert e·E/EP + i).
-
-    Works for any per-parameter quantity (weights, fp32 masters, Adam moments): the maps are
-    slicing and concatenation only. Padded vocabulary rows are dropped and come back as zeros. A
-    value head (replicated, on the last stage) is copied from the saved last stage.
-    """
-    source = {}  # HF name -> (saved stage, saved EP rank, rule)
-    for pp_rank in range(saved.pp):
-        for ep_rank, rule in stage_rules(arch, replace(saved, tp_rank=0, pp_rank=pp_rank, ep_rank=0, etp_rank=0)):
-            if not (rule.megatron == OUTPUT and arch.tie_word_embeddings):
-                source.update((name, (pp_rank, ep_rank, rule)) for name in rule.hf)
-    done: dict[str, dict[str, torch.Tensor]] = {}  # a rule's HF tensors, read once for q, k and v
-
-    def get_hf(name: str) -> torch.Tensor:
-        pp_rank, ep_rank, rule = source[name]
-        key = f"{pp_rank}/{ep_rank}/{rule.megatron}"
-        if name not in done.get(key, {}):
-            if rule.expert:
-                shards = [read_expert(ep_rank, etp_rank, pp_rank, rule.megatron) for etp_rank in range(saved.etp)]
-            else:
-                shards = [read(tp_rank, pp_rank, rule.megatron) for tp_rank in range(saved.tp)]
-            done[key] = dict(zip(rule.hf, to_hf(rule, shards, arch)))
-        return done[key].pop(name)
-
-    state = hf_to_megatron(get_hf, arch, layout)
-    if layout.value_head and layout.last_stage:
-        state |= {f"{VALUE_HEAD}.{p}": read(0, saved.pp - 1, f"{VALUE_HEAD}.{p}") for p in ("weight", "bias")}
-    return state
+    theirs, ours = shapes(saved), shapes(mine)
+    for name in [*theirs, *(n for n in ours if n not in theirs)]:
+        if theirs.get(name) != ours.get(name):
+            return f"{name}: {theirs.get(name, 'absent')} against {ours.get(name, 'absent')}"
+    return None
 
 
 def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:

@@ -22,7 +22,6 @@ the distributed optimizer, the states are saved in the model's shapes and load a
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -34,14 +33,18 @@ from megatron.core.dist_checkpointing.serialization import load_content_metadata
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from orz.models.arch import ModelConfigError
+from orz.models.checkpoint import (
+    FAST,
+    MEGATRON_META,
+    RESHARDABLE,
+    NeedsRecut,
+    describe,
+    model_parallel,
+    read_megatron_meta,
+    recut_dir,
+)
 
-META = "orz_checkpoint.json"
-FAST, RESHARDABLE = "dp_reshardable", "fully_reshardable"  # Megatron's names for the two cuts
 _SHARDING_KEY = "distrib_optim_sharding_type"  # where Megatron-LM records the cut (content metadata)
-
-
-class NeedsRecut(ModelConfigError):
-    """A `dp_reshardable` checkpoint asked for at another TP/PP/EP/ETP: re-cut it first (`recut`)."""
 
 
 def layout_sizes(engine) -> dict[str, int]:
@@ -49,10 +52,6 @@ def layout_sizes(engine) -> dict[str, int]:
     layout = engine.layout
     return {"tp": layout.tp, "pp": layout.pp, "dp": ps.get_data_parallel_world_size(), "ep": layout.ep,
             "etp": layout.etp}
-
-
-def model_parallel(sizes: dict) -> tuple[int, int, int, int]:
-    return sizes["tp"], sizes["pp"], sizes.get("ep", 1), sizes.get("etp", 1)
 
 
 def chain(optimizer) -> list:
@@ -102,24 +101,8 @@ def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: s
                   "padded_vocab": engine.layout.padded_vocab, "value_head": engine.layout.value_head,
                   "dtype": str(engine.config.params_dtype).removeprefix("torch."), "optimizer": kind, "chained": chained,
                   "optimizer_sharding": sharding if kind == "distributed" else None} | meta
-        (directory / META).write_text(json.dumps(record, indent=1))
+        (directory / MEGATRON_META).write_text(json.dumps(record, indent=1))
     dist.barrier()
-
-
-def read_meta(directory: str | Path) -> dict:
-    """orz_checkpoint.json; a directory in no format orz reads is refused, naming what it holds."""
-    directory = Path(directory)
-    path = directory / META
-    if path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ModelConfigError(f"{path}: malformed ({err})") from None
-    if any(directory.glob("mp_rank_*")) or (directory / "orz_megatron.json").is_file():
-        raise ModelConfigError(f"{directory}: a checkpoint in the format orz wrote before 2026-12-05 (per-rank "
-                               "safetensors); convert it once with `orz convert upgrade <run>/checkpoints/iter_N`")
-    raise ModelConfigError(f"{directory}: not a Megatron checkpoint written by orz (no {META}; expected "
-                           "a directory written by the trainer or by `orz convert hf2mcore`)")
 
 
 def _check_shapes(state: dict, directory: Path) -> None:
@@ -152,7 +135,7 @@ def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_opti
     loaded param groups (a stage's LR) before they are set. NeedsRecut: a `dp_reshardable`
     checkpoint at another model-parallel layout, not yet re-cut (`recut`); ModelConfigError: one this model cannot take."""
     directory = Path(directory)
-    meta = read_meta(directory)
+    meta = read_megatron_meta(directory)
     mine, kind = layout_sizes(engine), optimizer_kind(engine) if with_optimizer else None
     if kind is not None and meta["optimizer"] not in (None, kind):
         raise ModelConfigError(f"{directory}: saved with the {meta['optimizer']} optimizer, this run has the {kind} "
@@ -169,7 +152,7 @@ def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_opti
     sharding = sharding.get(_SHARDING_KEY, FAST)
     same_model_parallel = model_parallel(meta["layout"]) == model_parallel(mine)
     if kind == "distributed" and sharding == FAST and not same_model_parallel:
-        if (recut_dir(directory) / META).is_file():
+        if (recut_dir(directory) / MEGATRON_META).is_file():
             return load(engine, recut_dir(directory), with_optimizer, adjust_optimizer)
         raise NeedsRecut(f"{directory}: saved at {describe(meta['layout'])} in Megatron's dp_reshardable cut, "
                          f"which loads at another DP only; this run has {describe(mine)}")
@@ -217,28 +200,7 @@ def recut(engine, source: str | Path) -> Path:
     return target
 
 
-def recut_dir(directory: str | Path) -> Path:
-    """Where `recut` writes: `<role>.reshardable` beside the role's directory."""
-    directory = Path(directory)
-    return directory.with_name(directory.name + ".reshardable")
-
-
-def recut_layout(directory: str | Path, sizes: dict, distributed: bool) -> dict | None:
-    """The layout (its smallest DP) at which `directory` must be re-cut before workers at `sizes`
-    load it; None when it loads as it is, or its re-cut exists."""
-    meta = read_meta(directory)
-    saved = meta["layout"]
-    if (not distributed or meta.get("optimizer_sharding") != FAST or model_parallel(saved) == model_parallel(sizes)
-            or (recut_dir(directory) / META).is_file()):
-        return None
-    tp, pp, ep, etp = model_parallel(saved)
-    return {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": math.lcm(tp, ep * etp) // tp}
-
-
 _RECORDED = ("format", "hf_config", "layout", "padded_vocab", "value_head", "dtype", "optimizer", "chained",
              "optimizer_sharding")
 
 
-def describe(sizes: dict) -> str:
-    experts = f" EP{sizes.get('ep', 1)} ETP{sizes.get('etp', 1)}" if sizes.get("ep", 1) * sizes.get("etp", 1) > 1 else ""
-    return f"TP{sizes['tp']} PP{sizes['pp']} DP{sizes['dp']}{experts}"

@@ -1,10 +1,12 @@
-"""A run's checkpoints: output_dir/checkpoints/iter_N holds each trained role's shards (written by
-its own workers, which re-shard them on load: workers.py), trainer_state.json (iteration, weight
-version, loader position, controllers, the run's config) and the batches generated ahead
-(trainer.max_staleness > 0), whose weights no checkpoint holds. `latest` names the newest
-complete one; the oldest go beyond trainer.keep_checkpoints.
+"""A run's checkpoints: output_dir/checkpoints/iter_N holds each trained role's checkpoint in
+Megatron's format (written by its own workers: orz/models/dist_checkpoint.py), trainer_state.json
+(iteration, weight version, loader position, controllers, the run's config) and the batches
+generated ahead (trainer.max_staleness > 0), whose weights no checkpoint holds. `latest` names the
+newest complete one. The last trainer.keep_checkpoints are kept, and with trainer.keep_every=k
+every k-th iteration's too.
 
-    path = save(root, iteration, {"actor": actor, "critic": critic}, state, batches_ahead, keep=3)
+    path = save(root, iteration, {"actor": actor, "critic": critic}, state, batches_ahead, keep=3, every=100)
+    recut_where_needed(path, {"actor": actor_spec})     # before the roles start, at another layout
     state, batches_ahead = load(path, {"actor": actor, "critic": critic})
 
 Written atomically (orz.models.checkpoint.atomic_dir: a temporary directory renamed once every
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import ray
 import torch
 
-from orz.models.checkpoint import atomic_dir
+from orz.models.checkpoint import atomic_dir, describe, read_megatron_meta, recut_layout
 
 STATE, BATCHES_AHEAD = "trainer_state.json", "pending_batches.pt"
 
@@ -40,9 +43,14 @@ def saved_state(ckpt: Path) -> dict:
     return json.loads((ckpt / STATE).read_text())
 
 
-def save(root: Path, iteration: int, groups: dict, state: dict, batches_ahead, keep: int) -> Path:
-    """Writes root/iter_<iteration>: every group's shards (group.save_async), `state` and the
-    batches generated ahead; returns it. CheckpointError when it could not be written."""
+def iteration_of(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("iter_"))
+
+
+def save(root: Path, iteration: int, groups: dict, state: dict, batches_ahead, keep: int, every: int = 0) -> Path:
+    """Writes root/iter_<iteration>: every group's checkpoint (group.save_async), `state` and the
+    batches generated ahead; then points `latest` at it and removes the ones neither among the
+    last `keep` nor at a multiple of `every` (0: none). CheckpointError when it could not be written."""
     final = root / f"iter_{iteration:06d}"
     try:
         with atomic_dir(final) as tmp:
@@ -57,13 +65,31 @@ def save(root: Path, iteration: int, groups: dict, state: dict, batches_ahead, k
         raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
                               f"({previous.name if previous else 'none'}) is intact") from err
     for old in sorted(root.glob("iter_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (every and iteration_of(old) % every == 0):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def recut_where_needed(ckpt: Path, specs: dict, start_group, say=print) -> None:
+    """Before a resume at another TP/PP/EP/ETP: each role saved in the distributed optimizer's fast
+    cut is re-cut once (beside it, in the cut that loads at any layout) by workers that
+    start_group(spec) starts at its saved layout and smallest DP, and that stop after."""
+    for name, spec in specs.items():
+        sizes = {key: getattr(spec.cfg, key) for key in ("tp", "pp", "dp", "ep", "etp")}
+        at = recut_layout(ckpt / name, sizes, spec.cfg.use_distributed_optimizer)
+        if at is None:
+            continue
+        say(f"orz: {name} was saved at {describe(read_megatron_meta(ckpt / name)['layout'])}; this run has "
+            f"{describe(sizes)}: re-cutting its optimizer state for any layout, once, on {describe(at)}")
+        group = start_group(replace(spec, cfg=replace(spec.cfg, **at)))
+        try:
+            group.recut(str(ckpt / name))
+        finally:
+            group.shutdown()
+
+
 def load(ckpt: Path, groups: dict) -> tuple[dict, list]:
-    """Every group's shards loaded (group.load_async); the trainer's state and the batches
-    generated ahead (none in a checkpoint written before they were saved)."""
+    """Every group's checkpoint loaded (group.load_async); the trainer's state and the batches
+    generated ahead."""
     ray.get([ref for name, group in groups.items() for ref in group.load_async(str(ckpt / name))])
-    ahead = ckpt / BATCHES_AHEAD
-    return saved_state(ckpt), torch.load(ahead, weights_only=False) if ahead.is_file() else []
+    return saved_state(ckpt), torch.load(ckpt / BATCHES_AHEAD, weights_only=False)

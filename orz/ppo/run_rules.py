@@ -16,6 +16,7 @@ import importlib.util
 import os
 from dataclasses import replace
 from fnmatch import fnmatch
+from pathlib import Path
 
 import torch
 
@@ -175,6 +176,10 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
             problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
                             f"parallelism, which needs TE or Apex norms (GPU); on CPU use {name}.tp=1 and {name}.ep")
+        if arch is not None and arch.moe is not None and role.etp > 1 and not on_gpu and name in ("actor", "critic"):
+            problems.append(f"{name}.etp={role.etp}: experts split over ETP ranks crash Megatron's local experts over "
+                            f"gloo (a worker dies in its first update; GPU only, untested here); on CPU use "
+                            f"{name}.etp=1 and {name}.ep")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")
@@ -252,11 +257,38 @@ def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def checkpoint_problems(ckpt: Path, archs: dict) -> list[str]:
+    """A checkpoint to resume from that is not one, or not of this run's model: missing, no trainer
+    state, roles in the format orz wrote until 2026-12-05 (named with the command that converts
+    them), or of another model (`archs`: each trained role's, named by its first differing tensor)."""
+    from orz.models.arch import arch_from_dict
+    from orz.models.checkpoint import is_earlier_format, read_megatron_meta
+    from orz.models.convert import first_different_tensor
+
+    if not (ckpt / "trainer_state.json").is_file():
+        return [f"{ckpt}: not a checkpoint of a run (no trainer_state.json); expected <run>/checkpoints/iter_N"]
+    old = [name for name in archs if is_earlier_format(ckpt / name)]
+    if old:
+        return [f"{ckpt}: {', '.join(old)} in the format orz wrote until 2026-12-05 (a safetensors file per rank); "
+                f"convert it once with `orz convert upgrade {ckpt}`, then start the run again"]
+    problems = []
+    for name, arch in archs.items():
+        try:
+            meta = read_megatron_meta(ckpt / name)
+        except ModelConfigError as err:
+            problems.append(str(err))
+            continue
+        differs = first_different_tensor(arch_from_dict(meta["hf_config"], ckpt / name), arch)
+        if differs:
+            problems.append(f"{ckpt / name}: a checkpoint of another model than this run's ({differs})")
+    return problems
+
+
 def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
-    """What a checkpoint (its run's config, `saved`) cannot resume into. orz's format re-shards a
-    dense model at any TP/PP/DP and a mixture of experts at any TP/PP/EP/DP too, but only whole
-    experts: a MoE whose experts were, or would be, split over ETP ranks resumes at its saved
-    TP, PP, EP and ETP (the re-sharding in the workers: `optimizer_shards`)."""
+    """What a checkpoint (its run's config, `saved`) cannot resume into. Megatron re-shards a dense
+    model at any TP/PP/DP and a mixture of experts at any TP/PP/EP/DP too; experts split over ETP
+    ranks train on GPU only, where their re-sharding is untested: such a MoE resumes at its saved
+    TP, PP, EP and ETP."""
     if arch is None or arch.moe is None:
         return []
     problems = []
@@ -267,8 +299,9 @@ def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
         changed = [f"{name}.{key}={getattr(role, key)} (saved {saved[name].get(key, 1)})"
                    for key in ("tp", "pp", "ep", "etp") if getattr(role, key) != saved[name].get(key, 1)]
         if changed and (role.etp, saved[name].get("etp", 1)) != (1, 1):
-            problems.append(f"{', '.join(changed)}: orz's checkpoints re-shard whole experts only ({name}.etp=1 "
-                            f"saved and resumed), not an expert split over ETP ranks; resume at the saved sizes, or "
+            problems.append(f"{', '.join(changed)}: orz re-shards whole experts only ({name}.etp=1 saved and "
+                            f"resumed); Megatron's re-sharding of experts split over ETP ranks is untested (GPU "
+                            f"only); resume at the saved sizes, or "
                             f"start a new run from the HF weights (trainer.export_hf writes them at a run's end; "
                             f"`orz convert mcore2hf` makes them from a checkpoint)")
     return problems
@@ -420,6 +453,7 @@ _RANGES = (
     ("trainer.eval_n", lambda v: v >= 1, ">= 1"),
     ("trainer.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("trainer.keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("trainer.keep_every", lambda v: v >= 0, ">= 0 (0: only the last trainer.keep_checkpoints stay)"),
     ("trainer.max_restarts", lambda v: v >= 0, ">= 0"),
     ("trainer.dump_samples_every", lambda v: v >= 0, ">= 0 (0: never)"),
     ("trainer.ray_num_cpus", lambda v: v >= 0, ">= 0 (0: Ray's default)"),

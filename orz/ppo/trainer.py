@@ -105,6 +105,9 @@ class RayPPOTrainer:
         self.evaluators = {}
         self.fault = Fault.parse(cfg.trainer.fault)  # main has refused a malformed one
         self.phase = "start"  # what the iteration in flight is doing (named if it fails)
+        if resume_from is not None:
+            trained = {name: spec for name, spec in self._role_specs().items() if spec.train}
+            checkpoints.recut_where_needed(resume_from, trained, WorkerGroup, console.print)
         self._setup_roles()
         self._setup_controllers()
         state = checkpoints.saved_state(resume_from) if resume_from is not None else None
@@ -129,6 +132,14 @@ class RayPPOTrainer:
             total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
         )
 
+    def _role_specs(self) -> dict[str, RoleSpec]:
+        """What each Megatron role of the run is built from, in start order."""
+        cfg = self.run_cfg
+        role_args = {"actor": {"routing_replay": cfg.rollout.routing_replay}, "ref": {"train": False},
+                     "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
+                     "reward_model": {"value_head": True, "train": False, "model_path": cfg.reward.model.path}}
+        return {name: self._role(name, **role_args[name]) for name in placement.roles(cfg)}
+
     def _setup_roles(self):
         """Every role's workers and the engines, started side by side (each loads its model in its
         own processes). Colocated, the engines start after the roles: vLLM sizes its share of a
@@ -139,10 +150,6 @@ class RayPPOTrainer:
         # Colocated: one bundle per GPU for a worker of every role and an engine (run_rules checks the sizes).
         self.bundles = Bundles.create(layout.num_engines, sum(role.cpus_per_worker for role in roles.values())
                                       + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
-        rm = cfg.reward.model
-        role_args = {"actor": {"routing_replay": r.routing_replay}, "ref": {"train": False},
-                     "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
-                     "reward_model": {"value_head": True, "train": False, "model_path": rm.path}}
         longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))
                       for _, staged in stage_configs(cfg))
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
@@ -153,7 +160,7 @@ class RayPPOTrainer:
 
         with ThreadPoolExecutor(len(roles) + 1, thread_name_prefix="orz-start") as pool:
             fleet = None if cfg.trainer.colocate else pool.submit(start_fleet)
-            groups = {name: pool.submit(WorkerGroup, self._role(name, **role_args[name]), self.bundles) for name in roles}
+            groups = {name: pool.submit(WorkerGroup, spec, self.bundles) for name, spec in self._role_specs().items()}
             groups = {name: group.result() for name, group in groups.items()}
             self.fleet = start_fleet() if fleet is None else fleet.result()
         self.actor = groups["actor"]
@@ -479,8 +486,9 @@ class RayPPOTrainer:
             "kl_ctl": self.kl_ctl.state_dict(), "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
             "config": to_dict(self.run_cfg),
         }
+        t = self.run_cfg.trainer
         self.last_checkpoint = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
-                                                self.batches_ahead, self.run_cfg.trainer.keep_checkpoints)
+                                                self.batches_ahead, t.keep_checkpoints, t.keep_every)
         return self.last_checkpoint
 
     def _resume(self, ckpt: Path) -> None:

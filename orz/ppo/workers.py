@@ -15,7 +15,6 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import ray
 import torch
