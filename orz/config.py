@@ -394,7 +394,13 @@ def _split(override: str) -> tuple[str, Any]:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key.sub=value")
     key, raw = override.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:  # e.g. a flow value the shell cut: 'rollout.envs={x:'
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"override {override!r}: its value is not valid YAML ({problem}"
+                          f"{f', {err.context}' if getattr(err, 'context', None) else ''}); quote the whole key=value "
+                          "for the shell, e.g. 'rollout.envs={x: y}'") from None
 
 
 def load_recipe(path: str | Path) -> ExperimentConfig:

@@ -69,3 +69,15 @@ def test_a_malformed_fault_is_refused_before_anything_starts(capsys):
 
     assert train.main(["model.path=/nonexistent", "trainer.fault=critic@2"]) == 2
     assert "trainer.fault='critic@2' must be ROLE@ITERATION" in capsys.readouterr().err
+
+
+def test_a_malformed_yaml_override_is_one_error_line_naming_it():
+    """A YAML flow value the shell cut ('rollout.envs={x:' without quotes around a space) ends in
+    one `error:` line naming the argument and what YAML expected, and exit status 2."""
+    out = subprocess.run([sys.executable, "-m", "orz.train", "rollout.envs={x:"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"error: override 'rollout.envs={{x:': its value is not valid YAML (expected the node content, "
+                     f"but found '<stream end>', while parsing a flow node); quote the whole key=value for the "
+                     f"shell, e.g. 'rollout.envs={{x: y}}'"], out.stderr

@@ -16,32 +16,51 @@ def tied_model(tmp_path_factory):
     return str(make_tiny_hf(tmp_path_factory.mktemp("tied"), num_layers=2, tie_word_embeddings=True))
 
 
-def _train_step(rank, world, skip, path):
-    """Build, load, one forward/backward and Adam step: every patched code path."""
+def _train_step(rank, world, skip, path, ckpt_dir):
+    """Build, load, an Adam step (with the distributed optimizer), a checkpoint in the cut that loads
+    anywhere, a fresh model loading it and a second step: every patched code path. Returns whether
+    both steps were taken, and the Adam step counts the second left (each parameter's own)."""
     megatron_patches.apply(skip=skip)
-    from orz.models.checkpoint import HFCheckpoint
+    from orz.models import dist_checkpoint
+    from orz.models.checkpoint import RESHARDABLE, HFCheckpoint
     from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=1, pp=world)
     ckpt = HFCheckpoint(path)
-    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3))
-    engine.load_hf(ckpt)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
-    out = engine.train_step([ModelInputs(tokens)], lambda logits, b: (logits.float().mean(), {}))
-    return out["update_ok"]
+    ok = []
+    for step in range(2):
+        engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3, use_distributed_optimizer=True))
+        engine.load_hf(ckpt)
+        if step:
+            dist_checkpoint.load(engine, ckpt_dir)
+        ok.append(engine.train_step([ModelInputs(tokens)], lambda logits, b: (logits.float().mean(), {}))["update_ok"])
+        if not step:
+            dist_checkpoint.save(engine, ckpt_dir, {}, ckpt.config, RESHARDABLE)
+    steps = {float(s["step"]) for one in dist_checkpoint.chain(engine.optimizer) for s in one.optimizer.state.values()}
+    return all(ok), steps
 
 
-def test_all_patches_make_pp2_training_work(tied_model):
-    assert run_world(_train_step, 2, (), tied_model) == [True, True]
+def test_all_patches_make_pp2_training_and_checkpoints_work(tied_model, tmp_path):
+    assert run_world(_train_step, 2, (), tied_model, str(tmp_path)) == [(True, {2.0})] * 2
+
+
+# What Megatron does without each patch: the error it raises, or None where it runs and counts
+# Adam's steps wrong. Only PP hits the tied embedding's LM-head copy and the shape exchange before p2p.
+WITHOUT = dict.fromkeys(megatron_patches.PATCHES, "(?i)cuda") | {
+    "optimizer_state_before_first_step": r"assert len\(steps\) == 1", "optimizer_step_kept_aside": "KeyError: 'step'",
+    "optimizer_step_per_parameter": None}
 
 
 @pytest.mark.parametrize("name", list(megatron_patches.PATCHES))
-def test_patch_is_still_needed(name, tied_model):
-    # Only PP hits these: the tied embedding's LM-head copy, and the shape exchange before p2p.
+def test_patch_is_still_needed(name, tied_model, tmp_path):
     world = 2 if name in ("tied_embedding_init", "variable_pipeline_shapes") else 1
-    with pytest.raises(RuntimeError, match="(?i)cuda"):
-        run_world(_train_step, world, (name,), tied_model)
+    if WITHOUT[name] is None:
+        assert run_world(_train_step, world, (name,), tied_model, str(tmp_path))[0][1] != {2.0}
+        return
+    with pytest.raises(RuntimeError, match=WITHOUT[name]):
+        run_world(_train_step, world, (name,), tied_model, str(tmp_path))
 
 
 def test_apply_is_a_no_op_with_cuda(monkeypatch):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from orz.config import load_config
 from orz.data.datasets import DatasetFormatError
+from orz.models.checkpoint import read_megatron_meta
 from orz.train import run as train
 from adam_step import beyond_adam_steps
 from jsonl_files import write_jsonl
@@ -130,9 +131,11 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes_in_bf16(ray_clus
     # The token budget cuts each DP shard into passes of at most 96 padded tokens; the critic splits by rows.
     assert all(row["actor/pass_tokens_max"] <= 96 and row["actor/micro_batches"] > 1 for row in history)
     assert all(row["critic/micro_batches"] == 2 for row in history)  # 16 samples, 2 steps, 4 rows a pass
-    shards = sorted(p.name for p in (whole / "checkpoints/iter_000002/actor/mp_rank_00_000").iterdir())
-    assert shards == ["model.safetensors", "optim.pt", "optim_dp_00_0.pt", "optim_dp_01_0.pt"]
-    assert (whole / "checkpoints/iter_000002/critic/mp_rank_00_001/optim.pt").is_file()
+    # Megatron's format, a file per rank; the distributed optimizer in its fast cut, each DP rank's own shard
+    actor, critic = (read_megatron_meta(whole / f"checkpoints/iter_000002/{role}") for role in ("actor", "critic"))
+    assert (actor["optimizer"], actor["optimizer_sharding"], actor["dtype"]) == ("distributed", "dp_reshardable", "bfloat16")
+    assert actor["layout"]["dp"] == 2 and critic["layout"]["pp"] == 2 and critic["value_head"]
+    assert len(list((whole / "checkpoints/iter_000002/actor").glob("*.distcp"))) == 2
     _resumed_matches(whole, overrides, 1, tmp_path, capsys)
 
 
@@ -243,6 +246,43 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
     assert rows[1]["timing/overlap_rollout_train"] > 0
     _resumed_matches(whole, overrides, 2, tmp_path, capsys)
+
+
+def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, tiny_run, tmp_path, monkeypatch):
+    """timing/overlap_rollout_train is measured from when things ran: a run whose batch ahead is
+    made to finish before the actor's passes start reports 0 (and its passes as the engines' idle
+    time), where a duration-based figure would report the shorter of the two; the run above,
+    unhindered, reports more than 0."""
+    import threading
+
+    from orz.ppo.trainer import RayPPOTrainer
+
+    ahead = []  # an event per batch generated ahead, set once it is built
+    share_cores, prefetch, forward = RayPPOTrainer._share_cores, RayPPOTrainer._prefetch, RayPPOTrainer._forward
+
+    def share_cores_then_mark(self, engines_generate):
+        if engines_generate:  # called just before the batch ahead is submitted
+            ahead.append(threading.Event())
+        return share_cores(self, engines_generate)
+
+    def prefetch_then_tell(self, *args):
+        try:
+            return prefetch(self, *args)
+        finally:
+            ahead[-1].set()
+
+    def forward_after_it(self, experience):
+        assert ahead and ahead[-1].wait(300)
+        return forward(self, experience)
+
+    monkeypatch.setattr(RayPPOTrainer, "_share_cores", share_cores_then_mark)
+    monkeypatch.setattr(RayPPOTrainer, "_prefetch", prefetch_then_tell)
+    monkeypatch.setattr(RayPPOTrainer, "_forward", forward_after_it)
+    train(load_config(None, [*tiny_run(tmp_path, "grpo", iterations=2), "trainer.max_staleness=1"]))
+    first = _history(tmp_path)[1]
+    assert len(ahead) == 1  # the premise: iteration 1 generated batch 2 ahead, beside its passes
+    assert first["timing/overlap_rollout_train"] == 0
+    assert first["timing/idle_engines"] == pytest.approx(first["timing/forward"] + first["timing/update"], rel=1e-9)
 
 
 def test_a_sample_more_versions_behind_than_max_staleness_is_refused():

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from orz.config import load_config
+from orz.models.checkpoint import read_megatron_meta
 from orz.ppo.workers import WorkerGroup
 from orz.train import run as train
 from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, ray_sessions, \
@@ -165,7 +166,7 @@ def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_
     assert [row["fault/restarts"] for row in history[1:]] == [0, 1, 1]
     assert all("critic/vf_loss" in row for row in history[1:])
     assert all(row["mismatch/logp_abs_diff_max"] == 0 for row in history[1:])  # π_old is the engine's
-    assert list(out.glob("checkpoints/iter_*/critic/mp_rank_00_000/optim.pt"))
+    assert list(out.glob("checkpoints/iter_*/critic/orz_checkpoint.json"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -264,24 +265,27 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
     assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
 
 
-# The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on.
-MOE_ACTOR = ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001"]
+# The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on;
+# Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
+ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001"],
+         "qwen3": ["actor.tp=2", "actor.pp=2"], "llama31": []}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe"])
 def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family, arith_qwen3, arith_llama31,
                                                                          arith_qwen3_moe, ray_cluster, tiny_run,
                                                                          tmp_path):
-    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads), a tiny
-    llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2): two iterations, each synced to
-    the engine and checked against the digests of what it holds, the engine's log-probs equal to
-    the actor's. A reward that varies within the groups (the share of digits in a response; no
-    entropy bonus) makes GRPO's gradient non-zero."""
+    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
+    tp=2, pp=2), a tiny llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2): two
+    iterations, each synced to the engine and checked against the digests of what it holds, the
+    engine's log-probs equal to the actor's. A reward that varies within the groups (the share of
+    digits in a response; no entropy bonus) makes GRPO's gradient non-zero. The last checkpoint,
+    exported by `orz convert mcore2hf`, is what the run's own export wrote, bit for bit."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe}[family]
     out = tmp_path / family
     overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.sync_check=held", "algorithm.entropy_coef=0",
                  "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
-                 *(MOE_ACTOR if family == "qwen3_moe" else []), joined(ray_cluster)]
+                 *ACTOR[family], joined(ray_cluster)]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
     env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
@@ -295,9 +299,26 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     # scaling, q/k norms and a tied LM head all applied alike on both sides).
     assert history[2]["rollout/sample_weight_version"] == 1
     assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3  # (the MoE's routes happen to have no near-ties here)
+    if family != "llama31":
+        _check_export_of_the_checkpoint(out, tmp_path / "exported")
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
         _check_moe_resume(out, overrides, env, history)
+
+
+def _check_export_of_the_checkpoint(out, exported):
+    """`orz convert mcore2hf` on the last checkpoint's actor (saved by ranks that each held a TP
+    shard, a stage or an EP rank's experts) writes what trainer.export_hf wrote at the same
+    iteration, bit for bit and in the model's dtype, and transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from orz.convert import main as convert
+
+    assert convert(["mcore2hf", "--mcore", str(out / "checkpoints/iter_000002/actor"), "--out", str(exported)]) == 0
+    ours, theirs = load_file(exported / "model.safetensors"), load_file(out / "hf/model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) and ours[name].dtype == theirs[name].dtype for name in ours)
+    AutoModelForCausalLM.from_pretrained(exported)
 
 
 def _check_moe_resume(out, overrides, env, history):
@@ -311,11 +332,10 @@ def _check_moe_resume(out, overrides, env, history):
     checkpoints = out / "checkpoints"
     shutil.rmtree(checkpoints / "iter_000002")
     (checkpoints / "latest").write_text("iter_000001")
-    assert sorted(p.name for p in (checkpoints / "iter_000001/actor").glob("mp_rank_*")) == [
-        "mp_rank_00_000_000", "mp_rank_00_000_001"]
+    assert read_megatron_meta(checkpoints / "iter_000001/actor")["layout"]["ep"] == 2
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides, "actor.ep=1"], capture_output=True,
                          text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
     again = _history(out)[-1]
     assert again["step"] == 2 and again["reward/mean"] == history[2]["reward/mean"]  # the same samples
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/moe_aux_loss"):

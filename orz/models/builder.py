@@ -175,16 +175,16 @@ def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisib
 
 
 class ValueHead(torch.nn.Module):
-    """V(s) = w·h + b, replicated on every TP rank; called like Megatron's output layer."""
+    """V(s) = w·h + b, replicated on every TP rank; called like Megatron's output layer, and named
+    like it (`output_layer.weight`, `.bias`), so that the model's checkpoint finds it there."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
-        torch.nn.init.zeros_(self.linear.weight)  # start with V = 0: no arbitrary baseline
-        torch.nn.init.zeros_(self.linear.bias)
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))  # V = 0 at the start:
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))  # no arbitrary baseline
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return self.linear(hidden_states), None  # (S, B, 1)
+        return F.linear(hidden_states, self.weight, self.bias), None  # (S, B, 1)
 
 
 def build_value_model(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:

@@ -57,7 +57,7 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 HF_EMBEDDING, HF_NORM, HF_LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 HF_SCORE = "score.weight"  # a sequence-classification (reward) model's head
-VALUE_HEAD = "output_layer.linear"  # a value model's ValueHead in Megatron's names
+VALUE_HEAD = "output_layer"  # a value model's ValueHead in Megatron's names
 
 
 @dataclass(frozen=True)

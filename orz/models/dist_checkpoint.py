@@ -110,11 +110,11 @@ def _check_shapes(state: dict, directory: Path) -> None:
     global shape differs from this model's, by Megatron name."""
     saved = dist_checkpointing.load_tensors_metadata(str(directory))
     for key, tensor in _sharded_tensors(state["model"]):
-        if key in saved and tuple(saved[key].global_shape) != tuple(tensor.global_shape):
-            hint = (" (the vocabulary is padded to another size: set model.vocab_divisible_by so that both "
-                    "layouts pad alike)") if "word_embeddings" in key or "output_layer" in key else ""
+        # Megatron loads the rows both share of a vocabulary padded to another size (another TP)
+        first = 1 if tensor.allow_shape_mismatch else 0
+        if key in saved and tuple(saved[key].global_shape)[first:] != tuple(tensor.global_shape)[first:]:
             raise ModelConfigError(f"{directory}: {key} was saved with shape {tuple(saved[key].global_shape)}, "
-                                   f"this model has {tuple(tensor.global_shape)}: a checkpoint of another model{hint}")
+                                   f"this model has {tuple(tensor.global_shape)}: a checkpoint of another model")
 
 
 def _sharded_tensors(tree):
@@ -140,11 +140,6 @@ def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_opti
     if kind is not None and meta["optimizer"] not in (None, kind):
         raise ModelConfigError(f"{directory}: saved with the {meta['optimizer']} optimizer, this run has the {kind} "
                                "one (<role>.use_distributed_optimizer): resume as it was saved")
-    if kind == "plain" and meta["chained"] != len(chain(engine.optimizer)):
-        raise ModelConfigError(f"{directory}: saved at {describe(meta['layout'])}, where the experts have "
-                               f"{'an optimizer of their own' if meta['chained'] > 1 else 'no optimizer of their own'}"
-                               f", unlike {describe(mine)}: without <role>.use_distributed_optimizer, resume at EP 1 "
-                               "or at EP > 1 as it was saved")
     if kind is not None and meta["optimizer"] is None:
         raise ModelConfigError(f"{directory}: holds weights only (no optimizer state) and cannot be resumed; "
                                "start a run from it instead")
@@ -176,19 +171,36 @@ def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_opti
 
 @torch.no_grad()  # the fp32 masters are leaves that require grad
 def _load_into_another_chain(optimizer, loaded: dict, saved_chain: int) -> None:
-    """A model-shaped distributed optimizer state, saved by a chain of another length (a MoE moved
-    between EP 1 and EP > 1): its tensors came back by key into this chain's places; its param
-    groups are this chain's own, with the saved Adam step."""
+    """An optimizer state saved by a chain of another length (a MoE moved between EP 1 and EP > 1,
+    where Megatron gives the experts an optimizer of their own). Its model-shaped tensors came back
+    by key into this chain's places; its param groups, kept per optimizer, cannot follow: each
+    optimizer takes its own, with the saved Adam step."""
     live = chain(optimizer)
-    saved_common = [loaded[i] for i in range(saved_chain)] if saved_chain > 1 else [loaded]
-    step = saved_common[0]["optimizer"]["param_groups"][0]["step"]
+    step = _saved_step(loaded[0] if saved_chain > 1 else loaded)
     for i, one in enumerate(live):
-        groups = one.state_dict()["optimizer"]
-        for group in groups["param_groups"]:
-            group["step"] = step
         entry = loaded[i] if len(live) > 1 else loaded
-        one.load_state_dict({"optimizer": groups, "param_state": entry["param_state"],
-                             "param_state_sharding_type": RESHARDABLE})
+        if isinstance(one, DistributedOptimizer):
+            groups = one.state_dict()["optimizer"]
+            for group in groups["param_groups"]:
+                group["step"] = step
+            one.load_state_dict({"optimizer": groups, "param_state": entry["param_state"],
+                                 "param_state_sharding_type": RESHARDABLE})
+            continue
+        groups = one.optimizer.state_dict()["param_groups"]  # torch's, as the plain optimizers keep them
+        if "fp32_from_fp16_params" in entry:  # mixed precision: the fp32 masters beside the moments
+            one.load_state_dict({"optimizer": {"state": entry["optimizer"]["state"] | {"common_step": step},
+                                               "param_groups": groups},
+                                 "fp32_from_fp16_params": entry["fp32_from_fp16_params"]})
+        else:
+            one.load_state_dict({"state": entry["state"] | {"common_step": step}, "param_groups": groups})
+
+
+def _saved_step(common: dict):
+    """The Adam step in a saved optimizer's common state: the distributed optimizer keeps it in its
+    param groups, the plain ones as `common_step` beside the per-parameter states."""
+    if "param_state_sharding_type" in common:
+        return common["optimizer"]["param_groups"][0]["step"]
+    return (common["optimizer"] if "fp32_from_fp16_params" in common else common)["state"]["common_step"]
 
 
 def recut(engine, source: str | Path) -> Path:

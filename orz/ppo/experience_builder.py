@@ -10,7 +10,8 @@ and it is then cut, by whole groups, to prompts_per_iteration × n_samples. Each
 goes to the reward router as soon as its samples finish (one turn, or every turn with its
 environment: rollout/multiturn.py), so scoring overlaps generation. The score of a sample is its
 verifier's (+ its environment's rewards, + the reward model's, weighted), then the overlong
-penalty. `reward/*`, `response/*` and `rollout/*` figures are over every draw, kept or not.
+penalty. `reward/*` and the multi-turn figures are over every draw, kept or not (what the policy
+scored); `response/*` and `rollout/*` over the kept samples (what the update trains on).
 """
 from __future__ import annotations
 

@@ -67,14 +67,23 @@ console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output 
 
 
 class Timer:
+    """Each phase's seconds (`timing/<phase>`) and when it ran (perf_counter start and end)."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.spans: dict[str, tuple[float, float]] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
         yield
-        self.seconds[f"timing/{phase}"] = time.perf_counter() - start
+        self.spans[phase] = start, time.perf_counter()
+        self.seconds[f"timing/{phase}"] = self.spans[phase][1] - start
+
+
+def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """How long two (start, end) spans ran at once."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
 class RayPPOTrainer:
@@ -249,7 +258,7 @@ class RayPPOTrainer:
             if colocated:
                 with timer("sleep"):
                     self.fleet.sleep()
-            ahead, prefetch = self.iteration + k, None
+            ahead, prefetch, generating = self.iteration + k, None, (0.0, 0.0)
             if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
                 self._share_cores(engines_generate=True)
                 prefetch = self._background.submit(self._prefetch, ahead, self.version)
@@ -271,18 +280,20 @@ class RayPPOTrainer:
             with timer("wait_rollout"):
                 if prefetch is not None:
                     show("waiting for the next batch")
-                    self.batches_ahead.append(prefetch.result())
+                    batch, generating = prefetch.result()
+                    self.batches_ahead.append(batch)
             if colocated:
                 with timer("wake_up"):
                     self.fleet.wake_up()
             if not partial:
                 sync = self._sync(timer, show)
         metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
-        # What ran at once this iteration: the background rollout beside the actor's work.
-        generating = self.batches_ahead[-1][1]["timing/rollout"] if prefetch is not None else 0.0
-        train = timer.seconds["timing/train"]
-        metrics |= {"timing/overlap_rollout_train": min(generating, train),
-                    "timing/idle_engines": train - min(generating, train),
+        # What ran at once: the engines generating the batch ahead while the actor's passes (log-probs,
+        # update) ran, from when each ran; the passes' other seconds left the engines idle.
+        passes = [timer.spans[phase] for phase in ("forward", "update")]
+        overlap = sum(overlap_seconds(generating, span) for span in passes)
+        metrics |= {"timing/overlap_rollout_train": overlap,
+                    "timing/idle_engines": sum(end - start for start, end in passes) - overlap,
                     "timing/idle_actor": timer.seconds["timing/wait_rollout"] + (0.0 if k else metrics["timing/rollout"])}
         generated = float(experience.response_mask.sum())
         metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/rollout"], 1e-9)
@@ -316,10 +327,12 @@ class RayPPOTrainer:
             self.version += 1
             return self.fleet.sync(self.weights, self.version)
 
-    def _prefetch(self, batch: int, version: int) -> tuple[Experience, dict]:
-        """The batch built in the background; once it is done the workers may take every core."""
+    def _prefetch(self, batch: int, version: int) -> tuple[tuple[Experience, dict], tuple[float, float]]:
+        """The batch built in the background, and when (perf_counter start and end); once it is
+        done the workers may take every core."""
+        start = time.perf_counter()
         try:
-            return self.experiences.build(batch, version)
+            return self.experiences.build(batch, version), (start, time.perf_counter())
         finally:  # before the result is set: the next iteration's share comes after this one
             self._share_cores(engines_generate=False)
 
