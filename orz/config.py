@@ -43,6 +43,10 @@ class ModelConfig:
     # Switch-style E·Σ_e f_e·P_e). 0 for RL fine-tuning: a pre-trained router is already balanced and
     # the loss would pull the policy away from the reward; the HF config's router_aux_loss_coef is not read.
     moe_aux_loss_coef: float = 0.0
+    # Tokens whose logits the trainer holds at once when it takes log-probs and entropy (the update,
+    # π_old, the reference): memory O(chunk × vocabulary / TP) whatever the response length
+    # (orz/models/logprobs.py). None: as many as 64 MiB of float32 logits per rank hold.
+    logprob_chunk_tokens: int | None = None
 
 
 @dataclass

@@ -120,12 +120,9 @@ def _tool_solution(row: dict, with_tool: bool) -> Segments:
 
 def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: str):
     """Supervised pre-training on (prompt, worked solution + EOS); loss on the solution only."""
-    from megatron.core import parallel_state as ps
-
     from orz.data.tokenizers import load_tokenizer
     from orz.models.checkpoint import HFCheckpoint, save_hf
     from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
-    from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(1, 1, seed=spec.seed)
@@ -159,9 +156,8 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
         target_mask = torch.tensor([m[1:] + [0] * (width - len(m)) for m in trained], dtype=torch.float32)
         n_tokens = target_mask.sum()
 
-        def nll(logits, b):
-            logprobs, _ = logprobs_and_entropy(logits[:, :-1], b.input_ids[:, 1:], ckpt.arch.vocab_size,
-                                               ps.get_tensor_model_parallel_group(), with_entropy=False)
+        def nll(hidden, b):
+            logprobs = engine.next_token_logprobs(hidden, b.input_ids)
             loss = -(logprobs * target_mask).sum() / n_tokens
             return loss, {"loss": loss.item()}
 

@@ -78,6 +78,6 @@ def test_a_malformed_yaml_override_is_one_error_line_naming_it():
                          timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert lines == [f"error: override 'rollout.envs={{x:': its value is not valid YAML (expected the node content, "
-                     f"but found '<stream end>', while parsing a flow node); quote the whole key=value for the "
-                     f"shell, e.g. 'rollout.envs={{x: y}}'"], out.stderr
+    assert lines == ["error: override 'rollout.envs={x:': its value is not valid YAML (expected the node content, "
+                     "but found '<stream end>', while parsing a flow node); quote the whole key=value for the "
+                     "shell, e.g. 'rollout.envs={x: y}'"], out.stderr

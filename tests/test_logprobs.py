@@ -1,67 +1,101 @@
-"""Vocab-parallel log-probs and entropy against a plain log_softmax over the full vocabulary."""
+"""Log-probs and entropy from hidden states and the LM head, chunk by chunk, against torch's
+log_softmax over the whole vocabulary (float64) and against the path from whole logits the trainer
+used before: values and gradients, at TP 1 and 2, on a vocabulary TP does not divide, with chunks
+that do and do not divide the tokens."""
+import pytest
 import torch
+
 from orz.models.local_world import run_world
+from orz.models.logprobs import default_chunk_tokens, logprobs_from_logits, token_logprobs
 
-from orz.models.logprobs import logprobs_and_entropy
-
-B, S, V, PADDED = 3, 5, 11, 12  # V=11 padded to 12 for TP=2 (one padding column)
-
-
-def _reference(logits, tokens):
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy
+N, H, V, PADDED = 13, 8, 11, 12  # V=11 padded to 12 for TP=2 (one padding row of the LM head)
 
 
 def _inputs():
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(B, S, V, generator=g) * 3
-    tokens = torch.randint(0, V, (B, S), generator=g)
-    upstream = torch.randn(B, S, generator=g)
-    return logits, tokens, upstream
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    tokens = torch.randint(0, V, (N,), generator=g)
+    upstream = torch.randn(2, N, generator=g)  # ∂loss/∂log p and ∂loss/∂H
+    return hidden, weight, tokens, upstream
 
 
-def test_single_rank_matches_log_softmax():
-    logits, tokens, _ = _inputs()
-    logp, entropy = logprobs_and_entropy(logits, tokens)
-    ref_logp, ref_entropy = _reference(logits, tokens)
-    assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
-    assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+def _reference(hidden, weight, tokens, upstream, temperature=1.0):
+    """float64 log_softmax over the whole vocabulary; values and the gradients of Σ g·log p + g'·H."""
+    hidden, weight = (t.double().requires_grad_(True) for t in (hidden, weight))
+    logp = torch.log_softmax(hidden @ weight.t() / temperature, dim=-1)
+    token_logp = logp.gather(-1, tokens[:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    (token_logp * upstream[0] + entropy * upstream[1]).sum().backward()
+    return token_logp.detach(), entropy.detach(), hidden.grad, weight.grad
 
 
-def test_temperature_and_padding_columns():
-    logits, tokens, _ = _inputs()
-    padded = torch.cat([logits, torch.full((B, S, 1), 50.0)], dim=-1)  # a huge padding logit
-    logp, entropy = logprobs_and_entropy(padded, tokens, vocab_size=V, temperature=0.7)
-    ref_logp, ref_entropy = _reference(logits / 0.7, tokens)
-    assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
-    assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+def _chunked(hidden, weight, tokens, upstream, **kwargs):
+    hidden, weight = (t.clone().requires_grad_(True) for t in (hidden, weight))
+    logp, entropy = token_logprobs(hidden, weight, tokens, **kwargs)
+    (logp * upstream[0] + entropy * upstream[1]).sum().backward()
+    return logp.detach(), entropy.detach(), hidden.grad, weight.grad
 
 
-def _tp2(rank, world, logits, tokens, upstream):
+@pytest.mark.parametrize("chunk", [1, 4, 13, 0])  # 4 leaves a last chunk of 1; 0: the default (one chunk here)
+def test_single_rank_values_and_gradients_match_log_softmax(chunk):
+    hidden, weight, tokens, upstream = _inputs()
+    got = _chunked(hidden, weight, tokens, upstream, temperature=0.7, chunk_tokens=chunk)
+    for mine, ref in zip(got, _reference(hidden, weight, tokens, upstream, temperature=0.7)):
+        torch.testing.assert_close(mine.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_of_the_lm_head_take_no_probability_and_no_gradient():
+    hidden, weight, tokens, upstream = _inputs()
+    padded = torch.cat([weight, hidden.abs().sum(0, keepdim=True)])  # a padding row with a huge logit
+    logp, entropy, grad_hidden, grad_weight = _chunked(hidden, padded, tokens, upstream, vocab_size=V, chunk_tokens=5)
+    ref = _reference(hidden, weight, tokens, upstream)
+    torch.testing.assert_close(logp.double(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_hidden.double(), ref[2], atol=1e-5, rtol=1e-5)
+    assert not grad_weight[V:].any()
+
+
+def test_the_chunks_equal_the_path_from_whole_logits_in_float32():
+    """Today's numbers: the same fp32 matmul and softmax. Log-probs and entropy within 1e-6 (+1e-6 relative), the
+    gradients' norms within 1e-6 relative (elementwise they differ by float32 rounding, ~1e-6)."""
+    hidden, weight, tokens, upstream = _inputs()
+    h, w = (t.clone().requires_grad_(True) for t in (hidden, weight))
+    logp, entropy = logprobs_from_logits((h @ w.t())[None], tokens[None], temperature=0.7)
+    (logp[0] * upstream[0] + entropy[0] * upstream[1]).sum().backward()
+    got = _chunked(hidden, weight, tokens, upstream, temperature=0.7, chunk_tokens=3)
+    torch.testing.assert_close(got[0], logp[0].detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], entropy[0].detach(), atol=1e-6, rtol=1e-6)
+    for mine, ref in zip(got[2:], (h.grad, w.grad)):
+        assert abs(mine.norm() - ref.norm()) <= 1e-6 * ref.norm()
+
+
+def _tp2(rank, world, hidden, weight, tokens, upstream, chunk):
     from megatron.core import parallel_state as ps
 
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=2)
-    padded = torch.cat([logits, torch.zeros(B, S, PADDED - V)], dim=-1)
-    shard = padded.chunk(2, dim=-1)[rank].clone().requires_grad_(True)
-    logp, entropy = logprobs_and_entropy(shard, tokens, V, ps.get_tensor_model_parallel_group())
-    (logp * upstream + entropy * upstream.flip(0)).sum().backward()
-    return logp.detach(), entropy.detach(), shard.grad
+    padded = torch.cat([weight, torch.zeros(PADDED - V, H)])
+    shard = padded.chunk(2)[rank].clone()
+    return _chunked(hidden, shard, tokens, upstream, vocab_size=V, group=ps.get_tensor_model_parallel_group(),
+                    chunk_tokens=chunk)
 
 
-def test_tp2_values_and_gradients_match_full_vocabulary():
-    logits, tokens, upstream = _inputs()
-    ranks = run_world(_tp2, 2, logits, tokens, upstream)
-    ref_logp, ref_entropy = _reference(logits, tokens)
-    full = logits.double().requires_grad_(True)
-    r_logp, r_entropy = _reference(full, tokens)
-    (r_logp * upstream + r_entropy * upstream.flip(0)).sum().backward()
-    grad = torch.cat([ranks[0][2], ranks[1][2]], dim=-1)
-    for logp, entropy, _ in ranks:
-        assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
-        assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
-    assert torch.allclose(grad[..., :V].double(), full.grad, atol=1e-5)
-    assert torch.count_nonzero(grad[..., V:]) == 0  # no gradient into padding
+@pytest.mark.parametrize("chunk", [4, 13])
+def test_tp2_values_and_gradients_match_the_whole_vocabulary(chunk):
+    """Each rank holds half the LM head: the max and the sums cross it, ∂/∂h sums both halves."""
+    hidden, weight, tokens, upstream = _inputs()
+    ranks = run_world(_tp2, 2, hidden, weight, tokens, upstream, chunk)
+    logp, entropy, grad_hidden, grad_weight = _reference(hidden, weight, tokens, upstream)
+    for mine in ranks:
+        torch.testing.assert_close(mine[0].double(), logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine[1].double(), entropy, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine[2].double(), grad_hidden, atol=1e-5, rtol=1e-5)
+    whole = torch.cat([ranks[0][3], ranks[1][3]])
+    torch.testing.assert_close(whole[:V].double(), grad_weight, atol=1e-5, rtol=1e-5)
+    assert not whole[V:].any()  # no gradient into padding
+
+
+def test_the_default_chunk_holds_its_float32_logits_within_64_mib():
+    assert default_chunk_tokens(151936) == 110 and default_chunk_tokens(64) == 262144

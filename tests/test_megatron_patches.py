@@ -35,7 +35,8 @@ def _train_step(rank, world, skip, path, ckpt_dir):
         engine.load_hf(ckpt)
         if step:
             dist_checkpoint.load(engine, ckpt_dir)
-        ok.append(engine.train_step([ModelInputs(tokens)], lambda logits, b: (logits.float().mean(), {}))["update_ok"])
+        ok.append(engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(
+            hidden, b.input_ids).mean(), {}))["update_ok"])
         if not step:
             dist_checkpoint.save(engine, ckpt_dir, {}, ckpt.config, RESHARDABLE)
     steps = {float(s["step"]) for one in dist_checkpoint.chain(engine.optimizer) for s in one.optimizer.state.values()}

@@ -85,9 +85,7 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
 def _train_one_step(rank, world, tp, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
-    from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
-    from megatron.core import parallel_state as ps
 
     init_model_parallel(tp, 1)
     ckpt = HFCheckpoint(path)
@@ -99,10 +97,8 @@ def _train_one_step(rank, world, tp, tokens, path):
     initial_optimizer = copy.deepcopy(engine.optimizer.state_dict())
     total_tokens = tokens[:, 1:].numel()
 
-    def nll(logits, batch):
-        logprobs, _ = logprobs_and_entropy(
-            logits[:, :-1], batch.input_ids[:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
-        )
+    def nll(hidden, batch):
+        logprobs = engine.next_token_logprobs(hidden, batch.input_ids)
         loss = -logprobs.sum() / total_tokens
         return loss, {"loss": loss.detach()}
 

@@ -82,21 +82,16 @@ def _train_steps(rank, world, tokens, path):
     """On a world of 2 (DP=2, each rank its share of `tokens`): one NLL step at EP=1 and at EP=2
     from the same weights, then one step of the load-balancing loss alone (both ranks on all
     of `tokens`) at EP=2."""
-    from megatron.core import parallel_state as ps
-
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
-    from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
     ckpt = HFCheckpoint(path)
     optim = OptimConfig(lr=1e-3, clip_grad=100.0, adam_eps=1e-6)  # eps: see test_models' train step
     total_tokens = tokens[:, 1:].numel()
 
-    def nll(logits, batch):
-        logprobs, _ = logprobs_and_entropy(
-            logits[:, :-1], batch.input_ids[:, 1:], ckpt.arch.vocab_size, ps.get_tensor_model_parallel_group()
-        )
+    def nll(hidden, batch):
+        logprobs = engine.next_token_logprobs(hidden, batch.input_ids)
         loss = -logprobs.sum() / total_tokens
         return loss, {"loss": loss.detach()}
 

@@ -475,3 +475,60 @@ def test_a_moe_resumes_at_another_ep_and_another_dp_with_its_experts_resharded(m
         metrics, weights = run_world(_resume_step_two, role.dp, role, moe, str(tmp_path / ckpt),
                                      resave and str(tmp_path / resave), timeout=300)[0]
         assert _unlike_step_two(metrics, weights, reference) == [], layout
+
+
+def _multi_turn_update(rank, world, role, model, from_whole_logits):
+    """One update on rows whose responses hold environment tokens (loss mask 0 on every third),
+    log-probs in chunks of 3 tokens; or (from_whole_logits) by the path from whole logits the
+    trainer used before, the reference. Its metrics, and how many positions reached the LM head."""
+    from orz.models import logprobs as lp
+    from orz.ppo import workers
+
+    prompts, responses, advantages = _rollouts()
+    masks = [[int(t % 3 != 1) for t in range(len(r))] for r in responses]
+    exp = experience_from_rollouts(prompts, responses, [[-4.0] * len(r) for r in responses], pad_id=0, loss_masks=masks)
+    exp = replace(exp, old_logprobs=torch.full(exp.response_mask.shape, OLD_LOGPROB) * exp.response_mask,
+                  advantages=advantages.expand_as(exp.response_mask) * exp.response_mask)
+    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=1, logprob_chunk_tokens=3),
+                       rank, world)
+    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    positions = []
+    chunked = lp.token_logprobs
+
+    def counting(hidden, *args, **kwargs):
+        positions.append(hidden.shape[0])
+        return chunked(hidden, *args, **kwargs)
+
+    lp.token_logprobs = counting
+
+    def whole_logits(self, hidden, batch, temperature, with_entropy):
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        e = batch.micro.experience  # (B, S, V/TP) as Megatron's column-parallel LM head made them
+        group = self.ps.get_tensor_model_parallel_group()
+        logits = copy_to_tensor_model_parallel_region(hidden, group=group) @ self.engine.lm_head_weight().t()
+        logprobs, entropy = lp.logprobs_from_logits(logits[:, :-1], e.sequences[:, 1:], self.engine.arch.vocab_size,
+                                                    group, temperature, with_entropy)
+        return (e.gather_response(torch.nn.functional.pad(v, (1, 0))) if v is not None else None
+                for v in (logprobs, entropy))
+
+    if from_whole_logits:
+        workers.MegatronWorker._token_logprobs = lambda self, *args: tuple(whole_logits(self, *args))
+    metrics = _step(w, world, MiniBatch.of(exp, rows=torch.arange(16)))
+    return metrics, positions, int(exp.response_mask.sum()), int(exp.attention_mask.sum())
+
+
+@pytest.mark.parametrize("layout", ["dp1", "tp2pp2"])
+def test_chunked_logprobs_equal_the_whole_logits_path_on_multi_turn_rows(layout, model):
+    """The update's loss, entropy and gradient norm from log-probs taken in chunks at the loss's
+    positions only (environment tokens and prompts never reach the LM head) equal today's path from
+    whole logits: within 1e-6 relative, at TP 1 and at TP 2 × PP 2 (a vocabulary of 64, padded
+    neither way; test_logprobs pads one)."""
+    workers, role = LAYOUTS[layout]
+    ranks = run_world(_multi_turn_update, workers, role, model, False)
+    (chunked, _, loss_tokens, real_tokens), positions = ranks[0], next(r[1] for r in ranks if r[1])  # the last stage's
+    reference = run_world(_multi_turn_update, workers, role, model, True)[0][0]
+    assert sum(positions) == loss_tokens < real_tokens  # the premise: env tokens were skipped
+    assert chunked["actor/grad_norm"] > 0
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/approx_kl"):
+        assert abs(chunked[key] - reference[key]) <= 1e-6 * abs(reference[key]), (key, chunked[key], reference[key])

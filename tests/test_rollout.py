@@ -203,10 +203,7 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
 
 
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
-    from megatron.core import parallel_state as ps
-
     from orz.models.megatron_engine import ModelEngine, ModelInputs
-    from orz.models.logprobs import logprobs_and_entropy
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=tp, ep=ep)
@@ -217,9 +214,8 @@ def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperatur
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
 
-    def logprobs(logits, b):
-        lp, _ = logprobs_and_entropy(logits[:, :-1], b.input_ids[:, 1:], ckpt.arch.vocab_size,
-                                     ps.get_tensor_model_parallel_group(), temperature, with_entropy=False)
+    def logprobs(hidden, b):
+        lp = engine.next_token_logprobs(hidden, b.input_ids, temperature)
         return [lp[i, p - 1 : len(s) - 1] for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
     return engine.run([ModelInputs(ids)], collect=logprobs)[0]

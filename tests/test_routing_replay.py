@@ -106,12 +106,11 @@ def _replay_world(rank, world, path):
         engine.model.eval()
         with torch.no_grad():
             out = engine.run([ModelInputs(x, routes=r) for x, r in zip(ids, routes or [None] * len(ids))],
-                             collect=lambda logits, b: torch.log_softmax(logits[:, :-1].float(), -1).gather(
-                                 -1, b.input_ids[:, 1:, None])[..., 0])
+                             collect=lambda hidden, b: engine.next_token_logprobs(hidden, b.input_ids))
         return out, list(engine.chosen_routes)
 
-    def loss(logits, batch):  # raise the log-prob of the given tokens: moves every weight, routers included
-        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])
+    def loss(hidden, batch):  # raise the log-prob of the given tokens: moves every weight, routers included
+        lp = engine.next_token_logprobs(hidden, batch.input_ids)
         return -lp.sum() / 100, {"tokens": float(lp.numel())}
 
     # the engine's side: its weights, its own routes; an Experience carries them through the actor
@@ -134,7 +133,7 @@ def _replay_world(rank, world, path):
     whole = [ModelInputs(shard.sequences, MicroBatch(shard, {}, torch.arange(4)), worker._routes(shard))]
     engine.model.eval()
     with torch.no_grad():
-        whole_replay_lp = engine.run(whole, collect=lambda logits, b: worker._token_logprobs(logits, b, 1.0, False)[0])
+        whole_replay_lp = engine.run(whole, collect=lambda hidden, b: worker._token_logprobs(hidden, b, 1.0, False)[0])
     actor_off = {"replay": worker.logprobs(rollout)[1], "free": worker.logprobs(replace(rollout, routed_experts=None))[1],
                  "whole_replay": whole_replay_lp[0]}
     free_lp, free_routes = logprobs()

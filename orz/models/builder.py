@@ -170,8 +170,23 @@ def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: 
 
 
 def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
-    """This rank's stage of the policy: a GPTModel with vocab-parallel logits (B, S, V/TP)."""
-    return _gpt(arch, cfg, make_vocab_size_divisible_by, tied=arch.tie_word_embeddings)
+    """This rank's stage of the policy: a GPTModel whose last stage returns its final hidden states
+    (B, S, H), not logits. The LM head keeps its weight (`lm_head_weight`), from which log-probs
+    are taken in chunks of tokens (orz/models/logprobs.py): the (B, S, V/TP) logits never exist."""
+    model = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=arch.tie_word_embeddings)
+    if model.post_process:
+        if model.output_layer.sequence_parallel:  # it would all-gather the sequence first (GPU; not built)
+            raise NotImplementedError("the deferred LM head takes hidden states without sequence parallelism")
+        # Its forward returns its input; the module and its parameter stay, as Megatron names them.
+        model.output_layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+    return model
+
+
+def lm_head_weight(model: GPTModel) -> torch.Tensor:
+    """(V/TP, H) the actor's LM head on its last stage: the embedding's copy when they are tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
 
 
 class ValueHead(torch.nn.Module):

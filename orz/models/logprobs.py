@@ -1,38 +1,140 @@
-"""Log-probabilities and entropy of given tokens from vocab-parallel logits.
+"""Log-probabilities and entropy of given tokens, in memory bounded by a chunk of tokens.
 
-Each TP rank holds a slice of the vocabulary, logits (B, S, V/TP); no rank ever holds the full
-vocabulary. With z the logits over the (unpadded) vocabulary and m their max:
+The trainer reads log π(y) (and the entropy) at the positions its loss reads, from the final
+hidden states h (N, H) and the LM head's weight W (V/TP, H), each TP rank holding a slice of the
+vocabulary. The (tokens × vocabulary) logits are never held whole: they are computed a chunk of
+tokens at a time, z = (h_c Wᵀ)/T (the matmul in the model's dtype, the rest in float32), and the
+backward computes them again instead of keeping them. With m the max of z and Z its partition sum:
 
-    log Z = m + log Σᵢ exp(zᵢ − m)          (one all-reduce of the partial sums, one of the max)
-    log p(y) = z_y − log Z                   (z_y lives on one rank: all-reduce of a one-hot pick)
-    H = log Z − Σᵢ pᵢ zᵢ                     (one all-reduce of Σ exp(zᵢ − m)·zᵢ)
+    log Z = m + log Σᵢ exp(zᵢ − m)           (all-reduces over TP: the max, then the partial sums)
+    log p(y) = z_y − log Z                    (z_y lives on one rank: an all-reduce of a one-hot pick)
+    H = log Z − E_p[z],  E_p[z] = Σᵢ pᵢ zᵢ      (an all-reduce of Σ exp(zᵢ − m)·zᵢ)
+    ∂ log p(y)/∂zⱼ = 1[j = y] − pⱼ,   ∂H/∂zⱼ = −pⱼ (zⱼ − E_p[z])
 
-Padded vocabulary columns (Megatron pads V to a multiple of TP) are excluded.
-Gradients flow through the all-reduces as Megatron's TP mappings define (sum forward,
-identity backward: every TP rank computes the same loss).
+so the backward needs only log Z and E_p[z] per token (N floats each). ∂/∂h sums over the TP
+ranks' vocabulary slices (an all-reduce, as Megatron's column-parallel LM head does), and ∂/∂W
+stays on each rank. Padded vocabulary rows (Megatron pads V to a multiple of TP) are left out.
+
+    logprobs, entropy = token_logprobs(h, W, tokens, vocab_size, tp_group, temperature=0.6, chunk_tokens=1024)
+
+`logprobs_from_logits` is the path from whole logits the trainer used before: the reference the
+tests and bench/bench_long_logprobs.py compare against; the trainer never calls it.
 """
 import torch
 import torch.distributed as dist
 
-# Finite, so that exp(padding − m)·padding is 0 rather than NaN (0·∞) in entropy and its gradient.
+# Finite, so that exp(padding − m)·padding is 0 rather than NaN (0·∞) in the entropy and its gradient.
 _PADDING_LOGIT = -1e30
+# The default chunk: its float32 logits stay within this many bytes on a rank, whatever the vocabulary.
+CHUNK_BYTES = 64 << 20
 
 
-def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    return reduce_from_tensor_model_parallel_region(x, group=group)
+def default_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk when none is set: CHUNK_BYTES of float32 logits (~110 tokens at V = 152k)."""
+    return max(1, CHUNK_BYTES // (4 * local_vocab))
 
 
-def _all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+def _tp(group) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def logprobs_and_entropy(
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_size: int | None,
+                   temperature: float) -> torch.Tensor:
+    """(n, V_local) z = (h Wᵀ)/T: the matmul in the weight's dtype, then float32; padding rows masked."""
+    z = (h.to(weight.dtype) @ weight.t()).float() / temperature
+    local_vocab = weight.shape[0]
+    if vocab_size is not None and vocab_start + local_vocab > vocab_size:
+        real = torch.arange(vocab_start, vocab_start + local_vocab, device=z.device) < vocab_size
+        z = z.masked_fill(~real, _PADDING_LOGIT)
+    return z
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, vocab_size, group, temperature, chunk, with_entropy):
+        rank, _ = _tp(group)
+        local_vocab = weight.shape[0]
+        vocab_start = rank * local_vocab
+        n = hidden.shape[0]
+        log_z, mean_z, token_z = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            z = _scaled_logits(hidden[start:end], weight, vocab_start, vocab_size, temperature)  # (c, V_local)
+            m = _all_reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)
+            exp = (z - m[:, None]).exp()
+            sums = torch.stack([exp.sum(-1), (exp * z).sum(-1)])  # one all-reduce for both partial sums
+            local = tokens[start:end] - vocab_start
+            owned = (local >= 0) & (local < local_vocab)
+            picked = z.gather(-1, local.clamp(0, local_vocab - 1)[:, None])[:, 0]
+            sums = _all_reduce(torch.cat([sums, torch.where(owned, picked, 0.0)[None]]), group)
+            log_z[start:end] = m + sums[0].log()
+            mean_z[start:end] = sums[1] / sums[0]
+            token_z[start:end] = sums[2]
+        ctx.save_for_backward(hidden, weight, tokens, log_z, mean_z)
+        ctx.settings = vocab_size, group, temperature, chunk
+        logprobs = token_z - log_z
+        entropy = log_z - mean_z if with_entropy else torch.zeros_like(log_z)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, log_z, mean_z = ctx.saved_tensors
+        vocab_size, group, temperature, chunk = ctx.settings
+        rank, _ = _tp(group)
+        local_vocab = weight.shape[0]
+        vocab_start = rank * local_vocab
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            z = _scaled_logits(h, weight, vocab_start, vocab_size, temperature)  # recomputed, not kept
+            p = (z - log_z[start:end, None]).exp()  # (c, V_local), 0 on padding
+            grad_z = -p * (grad_logprobs[start:end, None] + grad_entropy[start:end, None] * (z - mean_z[start:end, None]))
+            local = tokens[start:end] - vocab_start
+            owned = (local >= 0) & (local < local_vocab)
+            rows = owned.nonzero()[:, 0]
+            grad_z[rows, local[rows]] += grad_logprobs[start:end][rows]
+            grad_z = (grad_z / temperature).to(weight.dtype)  # back through z = (h Wᵀ)/T, in the model's dtype
+            grad_hidden[start:end] = (grad_z @ weight).float()
+            grad_weight += (grad_z.t() @ h.to(weight.dtype)).float()
+        _all_reduce(grad_hidden, group)  # each rank's slice of the vocabulary contributed its part
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    vocab_size: int | None = None,
+    group=None,
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(tokens) (N,) and the entropy of π (N,) (None unless `with_entropy`), float32.
+
+    hidden: (N, H) the final hidden states at the positions that predict `tokens` (N,), global ids.
+    weight: (V_local, H) this rank's slice of the LM head. vocab_size: the real vocabulary (rows at
+    or beyond it are padding; default: none). group: the tensor-parallel group, or None when
+    `weight` holds the whole vocabulary. chunk_tokens: tokens per chunk (0: default_chunk_tokens).
+    Every rank of `group` calls it with the same hidden states and tokens.
+    """
+    if hidden.shape[:-1] != tokens.shape or hidden.dim() != 2:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be (N, H) for tokens {tuple(tokens.shape)} (N,)")
+    chunk = chunk_tokens if chunk_tokens > 0 else default_chunk_tokens(weight.shape[0])
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden, weight, tokens, vocab_size, group, temperature, chunk,
+                                               with_entropy)
+    return logprobs, entropy if with_entropy else None
+
+
+def logprobs_from_logits(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     vocab_size: int | None = None,
@@ -40,38 +142,28 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(tokens) and the entropy of π at each position, computed in float32.
+    """The reference: log π(tokens) and the entropy from whole vocab-parallel logits (B, S, V_local),
+    in float32, differentiable through autograd (the sums over TP with Megatron's mapping: sum
+    forward, identity backward)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    logits: (B, S, V_local), this rank's vocabulary slice; tokens: (B, S) global token ids.
-    vocab_size: the real vocabulary (columns at or beyond it are padding); default: all columns.
-    group: the tensor-parallel process group, or None when the logits hold the full vocabulary.
-    Returns logprobs (B, S) and entropy (B, S) (None unless `with_entropy`).
-    """
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on (B, S)")
-    tp_rank = dist.get_rank(group) if group is not None else 0
+    def all_reduce_sum(x):
+        return x if group is None or dist.get_world_size(group) == 1 else reduce_from_tensor_model_parallel_region(x, group=group)
+
+    rank, _ = _tp(group)
     local_vocab = logits.shape[-1]
-    vocab_start = tp_rank * local_vocab
-    logits = logits.float() / temperature  # (B, S, V_local)
+    vocab_start = rank * local_vocab
+    logits = logits.float() / temperature
     if vocab_size is not None and vocab_start + local_vocab > vocab_size:
         real = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device) < vocab_size
         logits = logits.masked_fill(~real, _PADDING_LOGIT)
-
-    max_logit = _all_reduce_max(logits.detach().amax(dim=-1), group)  # (B, S)
-    shifted = logits - max_logit.unsqueeze(-1)
-    exp = shifted.exp()  # (B, S, V_local); 0 on padding
-    sum_exp = _all_reduce_sum(exp.sum(dim=-1), group)  # (B, S)
+    max_logit = _all_reduce(logits.detach().amax(dim=-1), group, dist.ReduceOp.MAX)
+    exp = (logits - max_logit.unsqueeze(-1)).exp()
+    sum_exp = all_reduce_sum(exp.sum(dim=-1))
     log_z = max_logit + sum_exp.log()
-
-    local_ids = tokens - vocab_start
-    owned = (local_ids >= 0) & (local_ids < local_vocab)
-    picked = logits.gather(-1, local_ids.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    token_logit = _all_reduce_sum(torch.where(owned, picked, torch.zeros_like(picked)), group)
-    logprobs = token_logit - log_z
-
-    entropy = None
-    if with_entropy:
-        weighted = (exp * logits).sum(dim=-1)
-        entropy = log_z - _all_reduce_sum(weighted, group) / sum_exp
+    local = tokens - vocab_start
+    owned = (local >= 0) & (local < local_vocab)
+    picked = logits.gather(-1, local.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
+    logprobs = all_reduce_sum(torch.where(owned, picked, torch.zeros_like(picked))) - log_z
+    entropy = log_z - all_reduce_sum((exp * logits).sum(dim=-1)) / sum_exp if with_entropy else None
     return logprobs, entropy
-

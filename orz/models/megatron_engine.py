@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from orz.models.arch import ModelArch, ModelConfigError
-from orz.models.builder import build_actor, build_value_model, transformer_config, use_transformer_engine
+from orz.models.builder import build_actor, build_value_model, lm_head_weight, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
 from orz.models.convert import (
     HF_SCORE,
@@ -274,7 +274,7 @@ class ModelEngine:
                     output = model(padded.input_ids, padded.position_ids, None)
                 return output, partial(_padding_only, collect is not None)
             output = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding)
-            b, s = batch.input_ids.shape  # the last stage's (B, S, V/TP) cut back to this micro-batch
+            b, s = batch.input_ids.shape  # the last stage's (B, S, H) (or (B, S, 1)) cut back to this micro-batch
             if self.routes is not None:
                 self.chosen_routes.append(self.routes.chosen(tuple(padded.input_ids.shape), b, s))
             if collect is not None:
@@ -325,10 +325,27 @@ class ModelEngine:
             pairs.append((ModelInputs(ids, routes=routes, padding=padding), own))
         return pairs
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V/TP, H) the LM head's weight on the last stage (the actor returns hidden states)."""
+        return lm_head_weight(self.module)
+
+    def next_token_logprobs(self, hidden: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                            chunk_tokens: int = 0) -> torch.Tensor:
+        """(B, S−1) log p(input_ids[:, s+1]) at every position s, from the last stage's (B, S, H)
+        hidden states (orz/models/logprobs.py: in chunks, differentiable)."""
+        from orz.models.logprobs import token_logprobs
+
+        b, s, h = hidden.shape
+        logprobs, _ = token_logprobs(hidden[:, :-1].reshape(-1, h), self.lm_head_weight(), input_ids[:, 1:].reshape(-1),
+                                     self.arch.vocab_size, ps.get_tensor_model_parallel_group(), temperature,
+                                     chunk_tokens, with_entropy=False)
+        return logprobs.view(b, s - 1)
+
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole (unpadded) vocabulary, (B, S, V), gathered over TP, on the last
         stage's TP rank 0; None on every other rank. For checks, not training (V on one rank)."""
-        def gather(output, batch):
+        def gather(hidden, batch):
+            output = hidden @ self.lm_head_weight().t()  # (B, S, V/TP), as the LM head would compute it
             shards = [torch.empty_like(output) for _ in range(self.layout.tp)]
             dist.all_gather(shards, output.contiguous(), group=ps.get_tensor_model_parallel_group())
             return torch.cat(shards, dim=-1)[..., : self.arch.vocab_size]

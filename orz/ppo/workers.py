@@ -41,6 +41,7 @@ class RoleSpec:
     recompute: bool = False
     deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
     vocab_divisible_by: int = 1
+    logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens
     moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
     routing_replay: bool = False  # rollout.routing_replay: the MoE routers replay Experience.routed_experts
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
@@ -220,20 +221,21 @@ class MegatronWorker(FaultSite):
         torch.distributed.all_reduce(counts, group=self.ps.get_pipeline_model_parallel_group())
         return float(counts[0] / counts[1].clamp_min(1))
 
-    def _token_logprobs(self, logits: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool):
-        from orz.models.logprobs import logprobs_and_entropy
+    def _token_logprobs(self, hidden: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool):
+        """(B, T) log π and entropy of the response tokens in the loss, 0 elsewhere, from the last
+        stage's (B, S, H) hidden states: at those positions only (no prompt and no environment
+        token), in chunks of model.logprob_chunk_tokens (orz/models/logprobs.py)."""
+        from orz.models.logprobs import token_logprobs
 
         exp: Experience = batch.micro.experience
-        width = exp.sequences.shape[1]
-        ids = batch.input_ids
-        logprobs, entropy = logprobs_and_entropy(
-            logits[:, :-1], ids[:, 1:], self.engine.arch.vocab_size,
-            self.ps.get_tensor_model_parallel_group(), temperature, with_entropy,
-        )
-        logprob = exp.gather_response(_shift_right(logprobs)[:, :width])
-        if entropy is not None:
-            entropy = exp.gather_response(_shift_right(entropy)[:, :width])
-        return logprob, entropy
+        rows, cols = exp.response_mask.bool().nonzero(as_tuple=True)
+        at = exp.response_positions()[rows, cols]  # (N,) where each response token sits
+        logprobs, entropy = token_logprobs(  # the hidden state one position earlier predicts it
+            hidden[rows, at - 1], self.engine.lm_head_weight(), exp.sequences[rows, at], self.engine.arch.vocab_size,
+            self.ps.get_tensor_model_parallel_group(), temperature, self.spec.logprob_chunk_tokens or 0, with_entropy)
+        shape = exp.response_mask.shape
+        per_token = [torch.zeros(shape).index_put((rows, cols), v) if v is not None else None for v in (logprobs, entropy)]
+        return per_token[0], per_token[1]
 
     # ---- forward passes ----------------------------------------------------------------------
     def _no_grad(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
@@ -256,7 +258,7 @@ class MegatronWorker(FaultSite):
 
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
-        return self._forward(experience, lambda logits, b: self._token_logprobs(logits, b, temperature, False)[0])
+        return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0])
 
     def values(self, experience: Experience):
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
@@ -322,10 +324,10 @@ class MegatronWorker(FaultSite):
         if reads_old:
             shards[1:] = [self._with_old_logprobs(shard, temperature) for shard in shards[1:]]
 
-        def loss_fn(logits, batch):
+        def loss_fn(hidden, batch):
             mb = batch.micro
             exp = mb.experience
-            logprob, entropy = self._token_logprobs(logits, batch, temperature, True)
+            logprob, entropy = self._token_logprobs(hidden, batch, temperature, True)
             old = exp.old_logprobs
             if old is None:  # shard 0's own forward, before any step
                 old = logprob.detach()
@@ -347,7 +349,7 @@ class MegatronWorker(FaultSite):
 
     def _with_old_logprobs(self, shard: MiniBatch, temperature: float) -> MiniBatch:
         """The shard with log π of the current weights, on every last-stage rank (all compute the loss)."""
-        old = self._no_grad(shard, lambda logits, b: self._token_logprobs(logits, b, temperature, False)[0])
+        old = self._no_grad(shard, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0])
         return shard if old is None else replace(shard, experience=replace(shard.experience, old_logprobs=old))
 
     def train_critic(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> dict | None:
