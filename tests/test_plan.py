@@ -41,7 +41,8 @@ def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, 
     layer = (h * d * (2 * a + 2 * g) + 3 * h * f + d * (a + 2 * g)) // tp + 2 * h  # weights, biases / t; norms
     embedding = V * h // tp
     activations_per_layer = tokens * 8 * h + tokens * (4 * a * d + 4 * g * d + 6 * f) // tp  # A(T) without SP
-    logits = tokens * V // tp * 14
+    chunk = min(tokens, (64 << 20) // (4 * V // tp))  # the default: 64 MiB of fp32 logits per rank
+    logits = chunk * V // tp * 16 + tokens * h * 6 + 4 * V // tp * h  # a chunk's logits, per token, LM head grad
     per_stage = L // pp
     if pp == 1:  # (parameters, activations): n = 1 micro-batch in flight
         stages = [(per_stage * layer + embedding + h + embedding, per_stage * activations_per_layer + logits)]
@@ -62,7 +63,8 @@ def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, 
 #   A(T=128), one layer's activations, TP=2 (4·a·d + 4·g·d + 6f = 256 + 128 + 1536 = 1920):
 #     with SP    128·8·64/2 + 128·1920/2 = 32768 + 122880 = 155648
 #     without SP 128·8·64   + 128·1920/2 = 65536 + 122880 = 188416
-#   training logits, TP=2: 128 tokens · 1002/2 · 14 bytes = 897792; forward-only (10 bytes): 641280
+#   log-probs, TP=2 (one chunk holds all 128 tokens): training 128·501·16 + 128·64·6 + 4·501·64
+#     = 1026048 + 49152 + 128256 = 1203456; forward-only 128·501·10 + 128·64·2 = 641280 + 16384 = 657664
 
 
 def tiny_plan(**changes):
@@ -133,11 +135,11 @@ def test_stage_params_by_hand():
 def test_actor_memory_by_hand_no_recompute():
     # actor TP2 PP2 DP2, SP, distributed optimizer, no recompute; the last stage is heaviest:
     #   P = 93824: weights 2P = 187648, grads 4P = 375296, optimizer 12P/DP = 562944
-    #   activations: 1 micro-batch in flight · 2 layers · 155648 + logits 897792 = 1209088
-    # (the first stage: 93760·(2+4+6) + 2 in flight·2·155648 = 1125120 + 622592 = 1747712 < 2334976)
+    #   activations: 1 micro-batch in flight · 2 layers · 155648 + log-probs 1203456 = 1514752
+    # (the first stage: 93760·(2+4+6) + 2 in flight·2·155648 = 1125120 + 622592 = 1747712 < 2640640)
     actor = tiny_plan().row("actor")
-    assert (actor.weights, actor.grads, actor.optimizer, actor.activations) == (187648, 375296, 562944, 1209088)
-    assert actor.total == 2334976 and actor.parallel == "TP2 PP2 DP2" and actor.gpus == 8
+    assert (actor.weights, actor.grads, actor.optimizer, actor.activations) == (187648, 375296, 562944, 1514752)
+    assert actor.total == 2640640 and actor.parallel == "TP2 PP2 DP2" and actor.gpus == 8
 
 
 def test_critic_memory_by_hand_full_recompute():
@@ -158,9 +160,9 @@ def test_optimizer_without_distributed_optimizer_is_on_every_rank():
 
 def test_reference_memory_by_hand():
     # reference TP2 PP1: P = 4·30848 + 2·32064 + 64 = 187584 → weights 375168
-    # activations: one layer without SP 188416 + forward-only logits 641280 = 829696; no grads or optimizer
+    # activations: one layer without SP 188416 + forward-only log-probs 657664 = 846080; no grads or optimizer
     ref = tiny_plan().row("ref")
-    assert (ref.weights, ref.grads, ref.optimizer, ref.activations) == (375168, 0, 0, 829696)
+    assert (ref.weights, ref.grads, ref.optimizer, ref.activations) == (375168, 0, 0, 846080)
 
 
 def test_rollout_memory_by_hand():
@@ -327,10 +329,11 @@ def test_does_not_fit_names_role_component_and_the_overrides_that_fix_it(capsys)
                  "actor.use_distributed_optimizer=false"])
     out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
     assert code == 1
-    assert "actor does not fit" in out and "largest part: activations" in out
+    assert "actor does not fit" in out and "largest part: optimizer" in out  # not the logits, held a chunk at a time
     # 68.2 and 73.9 GiB (the first of two pipeline stages, with two micro-batches in flight)
     fits_tp, fits_pp = qwen25_7b_actor_gib(4, 1, 2, False), qwen25_7b_actor_gib(2, 2, 2, False)
-    assert f"Would fit with: actor.tp=4 actor.dp=2 ({fits_tp} GiB); actor.pp=2 actor.dp=2 ({fits_pp} GiB)" in out
+    assert "Would fit with: actor.use_distributed_optimizer=true" in out  # the biggest part's own fix first
+    assert f"; actor.tp=4 actor.dp=2 ({fits_tp} GiB); actor.pp=2 actor.dp=2 ({fits_pp} GiB)" in out
     p = plan(MODELS["Qwen2.5-7B"], Cluster(nodes=4, gpus_per_node=8, gpu_mem_gib=79.6),
              Placement(actor=TrainParallel(tp=1, dp=4), rollout=Rollout(num_engines=16, max_num_seqs=64)), Workload())
     [problem] = blockers(p)
@@ -482,14 +485,14 @@ def test_moe_memory_by_hand():
     # 512 + 49152/2) + embedding 64000 + norm 64 + head 64000 = 302272, of which experts 3 × 24576 = 73728.
     # Optimizer: 12·(P − P_e)/DP + 12·P_e/EDP with EDP = tp·dp/(ep·etp) = 2.
     # Activations, T = 128, layer 0: 128·(8·64 + 384 + 6·256) = 311296; a sparse layer:
-    # 128·(8·64 + 384 + 8·8 + 2·(2·64 + 6·32)) = 204800; all four kept: 311296 + 3·204800 + logits 128·1000·14.
+    # 128·(8·64 + 384 + 8·8 + 2·(2·64 + 6·32)) = 204800; all four kept: 311296 + 3·204800 + log-probs 128·1000·16 + 128·64·6 + 4·1000·64.
     actor = TrainParallel(tp=1, dp=4, ep=2, micro_batch_tokens=128, use_distributed_optimizer=True)
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=1, reserved_gib=0)
     p = plan(TINY_MOE, cluster, Placement(actor=actor, rollout=Rollout(num_engines=4)), WORK)
     row = p.row("actor")
     assert (row.weights, row.grads) == (2 * 302272, 4 * 302272)
     assert row.optimizer == 12 * (302272 - 73728) // 4 + 12 * 73728 // 2
-    assert row.activations == 311296 + 3 * 204800 + 128 * 1000 * 14
+    assert row.activations == 311296 + 3 * 204800 + 128 * 1000 * 16 + 128 * 64 * 6 + 4 * 1000 * 64
     # vLLM (TP1) holds every expert: one GPU's weights are num_params with V padded to 1024
     assert p.row("rollout").weights == 2 * (TINY_MOE.num_params + 2 * 24 * 64)
 
@@ -522,3 +525,11 @@ def test_expert_parallel_that_cannot_run():
              WORK)
     with pytest.raises(PlanError, match=re.escape("expert parallelism needs a mixture-of-experts model")):
         plan(TINY, cluster, Placement(actor=TrainParallel(tp=2, dp=2, ep=2), rollout=Rollout(num_engines=4)), WORK)
+
+
+def test_the_planner_sizes_the_default_log_prob_chunk_as_the_trainer_does():
+    from orz.models.logprobs import CHUNK_BYTES
+
+    from orz.plan.inputs import LOGPROB_CHUNK_BYTES
+
+    assert LOGPROB_CHUNK_BYTES == CHUNK_BYTES

@@ -8,6 +8,7 @@ GIB = 2**30
 BF16, FP32 = 2, 4
 MEGATRON_VOCAB_MULTIPLE = 1  # orz.models.builder pads the vocabulary to a multiple of TP only
 VLLM_VOCAB_MULTIPLE = 64  # vLLM pads embedding and LM head to 64 rows per TP rank
+LOGPROB_CHUNK_BYTES = 64 << 20  # orz.models.logprobs.CHUNK_BYTES: the default chunk's fp32 logits per rank
 
 
 class PlanError(ConfigError):
@@ -67,6 +68,7 @@ class ModelParallel:
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
     ep: int = 1  # expert parallel: each GPU holds experts / ep of every sparse layer (carved out of tp·dp)
     etp: int = 1  # expert tensor parallel: splits each expert's width
+    logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: tokens whose logits are held at once; 0: the default
 
     def __post_init__(self):
         _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp")

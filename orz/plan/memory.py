@@ -3,7 +3,7 @@ optimizer states; every formula is in the docstring of the function that compute
 from dataclasses import dataclass
 
 from orz.models.arch import ModelArch
-from orz.plan.inputs import (BF16, FP32, GIB, MEGATRON_VOCAB_MULTIPLE, VLLM_VOCAB_MULTIPLE, Cluster, ModelParallel,
+from orz.plan.inputs import (BF16, FP32, GIB, LOGPROB_CHUNK_BYTES, MEGATRON_VOCAB_MULTIPLE, VLLM_VOCAB_MULTIPLE, Cluster, ModelParallel,
                              Placement, Rollout, TrainParallel, Workload, gib)
 
 
@@ -141,14 +141,22 @@ def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_paral
     return replicated + attention + tokens * (8 * moe.num_experts + moe.top_k * (2 * h + 6 * moe.intermediate_size // etp))
 
 
-def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool) -> int:
-    """Vocab-parallel logits of one micro-batch, T·V'/t entries (orz.models.logprobs).
+def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool, chunk_tokens: int = 0) -> int:
+    """What the log-probs of one micro-batch hold beside the layers (orz.models.logprobs): the
+    logits of one chunk of C = min(T, chunk) tokens at a time, C·V'/t entries, never all T.
 
-    bf16 logits (2) + fp32 temperature-scaled copy (4) + fp32 exp (4), + their fp32 gradient in
-    backward (4): 14 bytes per entry when training, 10 forward-only.
+    Per entry: bf16 logits (2) + fp32 scaled logits (4) + fp32 exp (4), and in the backward the
+    fp32 gradient (4) and its bf16 copy for the matmuls (2): 16 bytes training, 10 forward-only.
+    Per token: the gathered hidden state (2·h), and training its fp32 gradient (4·h). Training
+    also accumulates the LM head's gradient in fp32 (4·V'/t·h). chunk 0: as many tokens as
+    LOGPROB_CHUNK_BYTES of fp32 logits per rank (the trainer's default).
     """
-    entries = tokens * arch.padded_vocab_size(tp, MEGATRON_VOCAB_MULTIPLE) // tp
-    return entries * (14 if training else 10)
+    local_vocab = arch.padded_vocab_size(tp, MEGATRON_VOCAB_MULTIPLE) // tp
+    chunk = min(tokens, chunk_tokens or max(1, LOGPROB_CHUNK_BYTES // (FP32 * local_vocab)))
+    h = arch.hidden_size
+    if training:
+        return chunk * local_vocab * 16 + tokens * h * (BF16 + FP32) + FP32 * local_vocab * h
+    return chunk * local_vocab * 10 + tokens * h * BF16
 
 
 def kv_bytes_per_token(arch: ModelArch, tp: int) -> int:
@@ -191,7 +199,7 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
         kept = in_flight * (len(each) * layer_input if par.recompute else sum(each))
         activations = kept + (max(each) if par.recompute else 0)
         if last and head == "lm":
-            activations += logits_bytes(arch, tokens, t, training=True)
+            activations += logits_bytes(arch, tokens, t, training=True, chunk_tokens=par.logprob_chunk_tokens)
         experts = sum(expert_params(arch, i, par.ep, par.etp) for i in layers)
         optimizer = (12 * (params - experts) // par.dp + 12 * experts // par.expert_dp
                      if par.use_distributed_optimizer else 12 * params)
@@ -210,7 +218,8 @@ def forward_memory(arch: ModelArch, par: ModelParallel) -> dict[str, int]:
     layer = max(layer_activation_bytes(arch, par.micro_batch_tokens, par.tp, par.sequence_parallel, i, par.etp)
                 for i in stage_layers(arch, par.pp)[-1])
     return dict(weights=BF16 * params,
-                activations=layer + logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False))
+                activations=layer + logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False,
+                                                 chunk_tokens=par.logprob_chunk_tokens))
 
 
 def engine_params(arch: ModelArch, tp: int) -> int:

@@ -76,18 +76,21 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
     sizes. A role split by rows (micro_batch_size) holds that many of the longest samples."""
     started = roles(cfg)
     longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
+    chunk = cfg.model.logprob_chunk_tokens or 0
 
     def tokens(role) -> int:
         return role.micro_batch_tokens or role.micro_batch_size * longest
 
     def trained(role) -> TrainParallel:
         return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, micro_batch_tokens=tokens(role),
-                             recompute=cfg.model.recompute, use_distributed_optimizer=role.use_distributed_optimizer)
+                             logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
+                             use_distributed_optimizer=role.use_distributed_optimizer)
 
     r, ref = cfg.rollout, started.get("ref")
     return Placement(
         actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
-        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, micro_batch_tokens=tokens(ref))
+        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, micro_batch_tokens=tokens(ref),
+                          logprob_chunk_tokens=chunk)
         if ref else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
