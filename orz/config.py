@@ -76,6 +76,9 @@ class RoleConfig:
     steps_per_iteration: int = 1  # optimizer steps per iteration: the buffer is cut into this many mini-batches
     micro_batch_size: int = 8  # rows per forward/backward pass (ignored when micro_batch_tokens > 0)
     micro_batch_tokens: int = 0  # > 0: length-sorted rows, as many per pass as keep rows × the longest ≤ this
+    # Each pass reads its rows packed (THD): no padding between them, attention and RoPE positions
+    # restarting at each row; with micro_batch_tokens the budget counts real tokens.
+    pack: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1 over DP (GPU; untested on CPU)
 
 

@@ -277,3 +277,48 @@ def test_micro_batch_results_go_back_to_their_rows(experience, size, slack):
         assert sorted(torch.cat([m.rows for m in micro_batches]).tolist()) == list(range(experience.batch_size))
     lengths = [int(m.experience.sequence_lengths().max()) for m in minibatch.micro_batches(size=size)]
     assert lengths == sorted(lengths)
+
+
+def test_dp_shards_balance_tokens_not_rows():
+    """A long tail cut contiguously gives rank 0 both long rows (210 tokens against 30); the
+    balanced cut, longest first to the emptier rank (on a tie the one with fewer rows, then rank
+    0), gives each 120: 100 → 0, 90 → 1, 10 → 1 (100 | 100), 10 → 0 (fewer rows), 10 → 1, 10 → 0
+    (fewer rows), 5 → 1, 5 → 1."""
+    from orz.ppo.experience import balanced_shards
+
+    lengths = torch.tensor([100, 90, 10, 10, 10, 10, 5, 5])
+    shards = balanced_shards(lengths, 2)
+    assert [s.tolist() for s in shards] == [[0, 3, 5], [1, 2, 4, 6, 7]]
+    assert [int(lengths[s].sum()) for s in shards] == [120, 120]
+    assert sorted(torch.cat(shards).tolist()) == list(range(8))  # every row once
+    from orz.ppo.experience import experience_from_rollouts
+
+    exp = experience_from_rollouts([[1]] * 8, [[2] * (n - 1) for n in lengths.tolist()])
+    minibatch = MiniBatch.of(exp, rows=torch.arange(10, 18))  # the shards the workers take
+    assert [int(minibatch.shard(r, 2).experience.sequence_lengths().sum()) for r in (0, 1)] == [120, 120]
+    assert minibatch.shard(0, 2).rows.tolist() == [10, 13, 15]
+
+
+def test_packed_bins_hold_real_tokens_within_the_budget():
+    """First fit, longest first: 9 + 6 | 8 + 7 | 5 + 4 + 3 under 15 real tokens, where padded rows
+    (rows × the longest ≤ 15) need four passes: 3, 4, 5 | 6, 7 | 8 | 9."""
+    from orz.ppo.experience import _packed_bins, _padded_bins
+
+    lengths = torch.tensor([3, 9, 4, 8, 5, 7, 6])
+    bins = _packed_bins(lengths, 15)
+    assert [sorted(lengths[b].tolist(), reverse=True) for b in bins] == [[9, 6], [8, 7], [5, 4, 3]]
+    assert [sorted(lengths[b].tolist()) for b in _padded_bins(lengths, 15)] == [[3, 4, 5], [6, 7], [8], [9]]
+    with pytest.raises(ValueError, match="row 1 has 9 tokens, more than max_tokens=8"):
+        _packed_bins(lengths, 8)
+
+
+def test_packed_inputs_restart_positions_at_each_row_and_unpack_in_place():
+    from orz.models.inputs import ModelInputs
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    inputs = ModelInputs(ids, lengths=torch.tensor([3, 2]))
+    assert inputs.packed(ids).tolist() == [[5, 6, 7, 8, 9]]
+    assert inputs.packed(inputs.position_ids).tolist() == [[0, 1, 2, 0, 1]]
+    assert inputs.cu_seqlens.tolist() == [0, 3, 5]
+    out = torch.arange(5.0).reshape(1, 5, 1)
+    assert inputs.unpack(out)[..., 0].tolist() == [[0, 1, 2], [3, 4, 0]]

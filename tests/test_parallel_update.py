@@ -22,7 +22,7 @@ from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.checkpoint import recut_layout
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics
+from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics, rows_in_place
 from orz.ppo.experience import MiniBatch, experience_from_rollouts
 from adam_step import beyond_adam_steps
 
@@ -96,6 +96,10 @@ LAYOUTS = {  # name: (workers, RoleConfig)
     "pp2_tokens": (2, RoleConfig(lr=1e-3, pp=2, micro_batch_tokens=24)),
     "dp2_distributed_optimizer": (2, RoleConfig(lr=1e-3, dp=2, micro_batch_size=3, use_distributed_optimizer=True)),
     "dp1_distributed_optimizer": (1, RoleConfig(lr=1e-3, micro_batch_size=3, use_distributed_optimizer=True)),
+    # rows packed (THD) into passes of at most 24 real tokens: attention and RoPE restart at each row
+    "dp1_packed": (1, RoleConfig(lr=1e-3, micro_batch_tokens=24, pack=True)),
+    "dp2_packed": (2, RoleConfig(lr=1e-3, dp=2, micro_batch_tokens=24, pack=True)),
+    "pp2_packed": (2, RoleConfig(lr=1e-3, pp=2, micro_batch_tokens=24, pack=True)),
 }
 
 
@@ -110,7 +114,7 @@ def reference(model, reference_checkpoint):
 
 
 # What each rank's passes looked like: its DP shard's micro-batches, so they follow the layout.
-LAYOUT_METRICS = {"actor/micro_batches", "actor/pass_tokens_max"}
+LAYOUT_METRICS = {"actor/micro_batches", "actor/pass_tokens_max", "actor/padding_frac"}
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -132,6 +136,9 @@ def test_layout_matches_dp1_and_resumes_exactly(layout, model, reference, tmp_pa
         assert (out["weights"][name] - w).abs().max() <= 1e-5, name
     assert all(torch.equal(out["resumed_weights"][n], out["weights"][n]) for n in out["weights"])
     assert out["resumed_metrics"] == out["metrics"][1]
+    # the premise of the packed layouts: several rows per pass, and no slot spent on padding
+    packed = role.pack
+    assert all((m["actor/padding_frac"] == 0) == packed and m["actor/micro_batches"] >= 2 for m in out["metrics"])
 
 
 def test_bf16_trains_from_the_loaded_weights_reproducibly_and_resumes_its_fp32_masters_exactly(model, tmp_path):
@@ -308,7 +315,7 @@ def _logprobs(rank, world, role, model, experience):
     w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     parts = [None] * world
     dist.all_gather_object(parts, w.logprobs(experience, temperature=0.7))
-    return torch.cat([rows for _, rows in sorted(p for p in parts if p)]) if rank == 0 else None
+    return rows_in_place(parts) if rank == 0 else None
 
 
 @pytest.mark.parametrize("layout", ["dp1", "dp2", "pp2_tokens"])
@@ -351,7 +358,7 @@ def _update_with_and_without_old(rank, world, role, model):
     separate = worker()
     parts = [None] * world
     dist.all_gather_object(parts, separate.logprobs(_whole(minibatches), temperature=0.7))
-    old = torch.cat([rows for _, rows in sorted(p for p in parts if p)])
+    old = rows_in_place(parts)
     given = [replace(mb, experience=replace(mb.experience, old_logprobs=rows[:, :mb.experience.response_mask.shape[1]]))
              for mb, rows in zip(minibatches, old.split(8))]
     with_pass = train(separate, given)

@@ -86,6 +86,7 @@ OUT_OF_RANGE = {
     "trainer.save_every": -1,
     "trainer.keep_checkpoints": 0,
     "trainer.keep_every": -1,
+    "model.logprob_chunk_tokens": 0,
     "trainer.max_restarts": -1,
     "trainer.dump_samples_every": -1,
     "trainer.ray_num_cpus": -1,
@@ -299,6 +300,7 @@ MOE_ARCH = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_siz
     ("moe", ["critic.ep=2", "critic.etp=2", "critic.dp=2"], r"^critic.ep=2 × critic.etp=2 must divide critic.tp × "),
     ("moe", ["actor.tp=2"], r"^actor.tp=2: Megatron trains a mixture of experts at TP > 1 only with sequence"),
     ("moe", ["actor.etp=2", "actor.dp=2"], r"^actor.etp=2: experts split over ETP ranks crash Megatron's local experts"),
+    ("moe", ["actor.pack=true", "actor.ep=2", "actor.dp=2"], r"^actor.pack=true with actor.ep=2: packed passes are not "),
     ("dense", ["actor.ep=2", "actor.dp=2"], r"^actor.ep=2, actor.etp=1: expert parallelism needs a mixture-of-experts "
                                             r"model, and this qwen3 model is dense"),
 ])
@@ -352,6 +354,7 @@ def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layo
                        r"enable_return_routed_experts\), which vLLM runs on Model Runner V2 only"),
     ("moe", True, ["model.recompute=true"], r"^rollout.routing_replay=true with model.recompute=true"),
     ("moe", True, ["rollout.partial=true", "trainer.max_staleness=1"], r"^rollout.routing_replay=true with rollout.partial"),
+    ("moe", True, ["actor.pack=true"], r"^actor.pack=true with rollout.routing_replay=true: replayed routes are laid "),
 ])
 def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on_gpu, overrides, message, monkeypatch):
     from orz.models.arch import arch_from_dict

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -273,13 +274,19 @@ class ModelEngine:
                 with _load_balancing_off(self.config):  # and out of the load-balancing loss (all padding)
                     output = model(padded.input_ids, padded.position_ids, None)
                 return output, partial(_padding_only, collect is not None)
-            output = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding)
+            if padded.lengths is None:
+                output = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding)
+                rows_of = lambda out: out  # noqa: E731
+            else:  # packed (THD): one sequence of every row's real tokens
+                output = model(padded.packed(padded.input_ids), padded.packed(padded.position_ids), None,
+                               packed_seq_params=_packed_seq_params(padded))
+                rows_of = padded.unpack
             b, s = batch.input_ids.shape  # the last stage's (B, S, H) (or (B, S, 1)) cut back to this micro-batch
             if self.routes is not None:
                 self.chosen_routes.append(self.routes.chosen(tuple(padded.input_ids.shape), b, s))
             if collect is not None:
-                return output, lambda out, non_loss_data=False: collect(out[:b, :s], batch)
-            return output, lambda out: _loss_with_count(loss_fn, batch, out[:b, :s])
+                return output, lambda out, non_loss_data=False: collect(rows_of(out)[:b, :s], batch)
+            return output, lambda out: _loss_with_count(loss_fn, batch, rows_of(out)[:b, :s])
 
         seq_length = pairs[0][0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         out = get_forward_backward_func()(
@@ -404,6 +411,13 @@ def _load_balancing_off(config):
         yield
     finally:
         config.moe_aux_loss_coeff = coefficient
+
+
+def _packed_seq_params(inputs: ModelInputs) -> PackedSeqParams:
+    """Megatron's description of packed rows: each attends, and counts its RoPE positions, on its own."""
+    cu_seqlens, longest = inputs.cu_seqlens, int(inputs.lengths.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _padding_only(collecting: bool, output: torch.Tensor, non_loss_data: bool = False):

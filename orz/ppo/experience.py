@@ -239,6 +239,39 @@ def _padded_bins(lengths: Tensor, capacity: int) -> list[Tensor]:
     return bins + [order[start:]]
 
 
+def _packed_bins(lengths: Tensor, capacity: int) -> list[Tensor]:
+    """Row indices in bins of at most `capacity` real tokens each (first fit, longest rows first:
+    packed rows waste no slot on padding, so the fewest bins is what counts)."""
+    if capacity <= 0:
+        raise ValueError(f"max_tokens must be positive, got {capacity}")
+    bins, room = [], []
+    for index in torch.argsort(lengths, descending=True, stable=True).tolist():
+        length = int(lengths[index])
+        if length > capacity:
+            raise ValueError(f"row {index} has {length} tokens, more than max_tokens={capacity}")
+        fit = next((b for b, left in enumerate(room) if left >= length), None)
+        if fit is None:
+            bins.append([])
+            room.append(capacity)
+            fit = len(bins) - 1
+        bins[fit].append(index)
+        room[fit] -= length
+    return [torch.tensor(sorted(b)) for b in bins]
+
+
+def balanced_shards(lengths: Tensor, world_size: int) -> list[Tensor]:
+    """Row indices for each of `world_size` data-parallel ranks, their tokens as even as a greedy
+    cut makes them: longest rows first, each to the rank with the fewest tokens so far (then the
+    fewest rows, then the lowest rank). Contiguous shards give one rank the long tail's rows while
+    the others wait."""
+    tokens, shards = [0] * world_size, [[] for _ in range(world_size)]
+    for index in torch.argsort(lengths, descending=True, stable=True).tolist():
+        rank = min(range(world_size), key=lambda r: (tokens[r], len(shards[r]), r))
+        shards[rank].append(index)
+        tokens[rank] += int(lengths[index])
+    return [torch.tensor(sorted(s), dtype=torch.long) for s in shards]
+
+
 # ---------------------------------------------------------------------------------------------
 # Mini-batches and micro-batches.
 
@@ -266,6 +299,11 @@ class MiniBatch:
     loss_denominators: Mapping[str, Tensor]  # aggregation mode → 0-d normaliser D over all of it
     rows: Tensor | None = None  # (B_mini,) int64: where its rows sit in the Experience it was cut from
 
+    @property
+    def source_rows(self) -> Tensor:
+        """Where each row sits in the Experience it was first cut from (itself, when not cut)."""
+        return torch.arange(self.experience.batch_size) if self.rows is None else self.rows
+
     @classmethod
     def of(cls, experience: Experience, norm_len: int | None = None, rows: Tensor | None = None) -> MiniBatch:
         """``norm_len`` is for "seq-mean-token-sum-norm"; None means T of ``experience``. A
@@ -275,18 +313,21 @@ class MiniBatch:
         return cls(experience, denominators, rows)
 
     def shard(self, rank: int, world_size: int) -> MiniBatch:
-        """Data-parallel rank ``rank``'s contiguous share of the rows, keeping the global normalisers."""
+        """Data-parallel rank ``rank``'s share of the rows, its tokens balanced against the other
+        ranks' (balanced_shards), keeping the global normalisers."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        rows = torch.arange(self.experience.batch_size).tensor_split(world_size)[rank]
-        return MiniBatch(self.experience.select(rows), self.loss_denominators,
-                         None if self.rows is None else self.rows[rows])
+        rows = balanced_shards(self.experience.sequence_lengths(), world_size)[rank]
+        return MiniBatch(self.experience.select(rows), self.loss_denominators, self.source_rows[rows])
 
-    def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None) -> list[MicroBatch]:
+    def micro_batches(self, *, size: int | None = None, max_tokens: int | None = None,
+                      packed: bool = False) -> list[MicroBatch]:
         """Rows sorted by prompt + response length, so that each micro-batch pads to lengths like
         its own, then split by row count (``size``) or by a token budget (``max_tokens``: as many
-        rows as fit with rows × the longest ≤ max_tokens, dynamic batching). Padding columns are
-        trimmed; each micro-batch's ``rows`` say where its results go back (``in_row_order``)."""
+        rows as fit with rows × the longest ≤ max_tokens, dynamic batching). ``packed``: the model
+        reads each micro-batch's rows packed, so the budget counts real tokens (_packed_bins).
+        Padding columns are trimmed; each micro-batch's ``rows`` say where its results go back
+        (``in_row_order``)."""
         if (size is None) == (max_tokens is None):
             raise ValueError("pass exactly one of size or max_tokens")
         lengths = self.experience.sequence_lengths()
@@ -295,7 +336,7 @@ class MiniBatch:
                 raise ValueError(f"size must be positive, got {size}")
             bins = torch.argsort(lengths, stable=True).split(size)
         else:
-            bins = _padded_bins(lengths, max_tokens)
+            bins = (_packed_bins if packed else _padded_bins)(lengths, max_tokens)
         return [MicroBatch(self.experience.select(rows).trim(), self.loss_denominators, rows)
                 for rows in bins if len(rows)]
 

@@ -180,6 +180,13 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
             problems.append(f"{name}.etp={role.etp}: experts split over ETP ranks crash Megatron's local experts over "
                             f"gloo (a worker dies in its first update; GPU only, untested here); on CPU use "
                             f"{name}.etp=1 and {name}.ep")
+        if role.pack and role.ep > 1:
+            problems.append(f"{name}.pack=true with {name}.ep={role.ep}: packed passes are not built for experts spread "
+                            f"over EP ranks (their replicas' passes must match in shape); set {name}.pack=false or "
+                            f"{name}.ep=1")
+        if role.pack and name == "actor" and r.routing_replay:
+            problems.append("actor.pack=true with rollout.routing_replay=true: replayed routes are laid out by padded "
+                            "rows (not built for packed passes); set one of them false")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
             problems.append(f"{name}.micro_batch_size={role.micro_batch_size} must be >= 1 "
                             f"(or set {name}.micro_batch_tokens)")

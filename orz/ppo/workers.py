@@ -193,18 +193,21 @@ class MegatronWorker(FaultSite):
         return self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
 
     def _micro_batches(self, shard: MiniBatch) -> list:
-        """This DP rank's share, by the role's token budget or row count."""
+        """This DP rank's share, by the role's token budget (of real tokens when packed) or row count."""
         cfg = self.spec.cfg
         if cfg.micro_batch_tokens > 0:
-            return shard.micro_batches(max_tokens=cfg.micro_batch_tokens)
+            return shard.micro_batches(max_tokens=cfg.micro_batch_tokens, packed=cfg.pack)
         return shard.micro_batches(size=cfg.micro_batch_size)
 
     def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
         """Megatron inputs, each micro-batch at its own width (PP exchanges shapes), with the routes
-        to replay when the engine replays them (-1 on padding) and, for a MoE, where the padding is."""
+        to replay when the engine replays them (-1 on padding) and, for a MoE, where the padding is;
+        with <role>.pack, its rows packed (their lengths)."""
         moe = self.engine.arch.moe is not None
         return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience),
-                            ~mb.experience.attention_mask.bool() if moe else None) for mb in micro_batches]
+                            ~mb.experience.attention_mask.bool() if moe else None,
+                            mb.experience.sequence_lengths() if self.spec.cfg.pack else None)
+                for mb in micro_batches]
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
         """(B, S, L, K) the recorded routes to replay, -1 on padding; None: the routers choose."""
@@ -252,9 +255,11 @@ class MegatronWorker(FaultSite):
             outputs = self.engine.run(self._inputs(micro), collect=collect)
         return shard.in_row_order(micro, outputs) if outputs else None
 
-    def _forward(self, experience: Experience, per_micro_batch) -> tuple[int, torch.Tensor] | None:
-        rows = self._no_grad(MiniBatch.of(experience).shard(*self._dp), per_micro_batch)
-        return (self._dp[0], rows) if self._reports else None
+    def _forward(self, experience: Experience, per_micro_batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(which rows of `experience` this DP rank had, their (B_shard, T) results) on reporting ranks."""
+        shard = MiniBatch.of(experience).shard(*self._dp)
+        rows = self._no_grad(shard, per_micro_batch)
+        return (shard.source_rows, rows) if self._reports else None
 
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
@@ -296,9 +301,13 @@ class MegatronWorker(FaultSite):
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
                 step[f"{self.spec.name}/threads"] = float(torch.get_num_threads())  # at the step's end
-                # What the token budget (or row count) made of the shard: passes, and the widest one's rows × width.
+                # What the token budget (or row count) made of the shard: passes, the largest one's token
+                # slots (rows × width; packed: its real tokens), and the share of slots that pad.
+                real = [int(mb.experience.sequence_lengths().sum()) for mb in micro]
+                slots = real if self.spec.cfg.pack else [mb.experience.sequences.numel() for mb in micro]
                 step[f"{self.spec.name}/micro_batches"] = float(len(micro))
-                step[f"{self.spec.name}/pass_tokens_max"] = float(max(mb.experience.sequences.numel() for mb in micro))
+                step[f"{self.spec.name}/pass_tokens_max"] = float(max(slots))
+                step[f"{self.spec.name}/padding_frac"] = 1.0 - sum(real) / sum(slots)
             steps.append(step)
         if not self._reports:
             return None
@@ -476,13 +485,21 @@ class ActorUpdate:
 
 @dataclass(frozen=True)
 class PendingRows:
-    """Refs to the reporting ranks' (dp_rank, rows); `.get()` concatenates them in DP order."""
+    """Refs to the reporting ranks' (row indices, rows); `.get()` puts every rank's rows in place."""
 
     refs: list
 
     def get(self) -> torch.Tensor:
-        parts = sorted((r for r in ray.get(self.refs) if r is not None), key=lambda part: part[0])
-        return torch.cat([rows for _, rows in parts])
+        return rows_in_place(ray.get(self.refs))
+
+
+def rows_in_place(parts: list) -> torch.Tensor:
+    """The (row indices, rows) each reporting rank gave (None elsewhere), as one (B, T) tensor."""
+    parts = [part for part in parts if part is not None]
+    out = parts[0][1].new_zeros((sum(len(index) for index, _ in parts), parts[0][1].shape[1]))
+    for index, rows in parts:
+        out[index] = rows
+    return out
 
 
 @dataclass(frozen=True)
