@@ -114,7 +114,7 @@ def reference(model, reference_checkpoint):
 
 
 # What each rank's passes looked like: its DP shard's micro-batches, so they follow the layout.
-LAYOUT_METRICS = {"actor/micro_batches", "actor/pass_tokens_max", "actor/padding_frac"}
+LAYOUT_METRICS = {"actor/micro_batches", "actor/pass_tokens_max", "perf/padding_frac"}
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -138,7 +138,7 @@ def test_layout_matches_dp1_and_resumes_exactly(layout, model, reference, tmp_pa
     assert out["resumed_metrics"] == out["metrics"][1]
     # the premise of the packed layouts: several rows per pass, and no slot spent on padding
     packed = role.pack
-    assert all((m["actor/padding_frac"] == 0) == packed and m["actor/micro_batches"] >= 2 for m in out["metrics"])
+    assert all((m["perf/padding_frac"] == 0) == packed and m["actor/micro_batches"] >= 2 for m in out["metrics"])
 
 
 def test_bf16_trains_from_the_loaded_weights_reproducibly_and_resumes_its_fp32_masters_exactly(model, tmp_path):

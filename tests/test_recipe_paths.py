@@ -232,10 +232,12 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
     trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
     holds batches generated ahead (saved every 2 iterations, resumed from the earlier one)
-    continues to the uninterrupted run's metrics."""
-    def overrides(out):
+    continues to the uninterrupted run's metrics. At k=1 the actor's passes are packed and its
+    log-probs taken in chunks of 7 tokens, which the resume repeats exactly too."""
+    def overrides(out):  # k=1 also packs the actor's passes and takes log-probs 7 tokens at a time
+        packed = ["actor.pack=true", "actor.micro_batch_tokens=256", "model.logprob_chunk_tokens=7"] if k == 1 else []
         return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.save_every=2",
-                "trainer.keep_checkpoints=5"]
+                "trainer.keep_checkpoints=5", *packed]
 
     whole = tmp_path / "whole"
     train(load_config(None, overrides(whole)))
@@ -245,6 +247,9 @@ def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, t
     assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
     assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
     assert rows[1]["timing/overlap_rollout_train"] > 0
+    assert any(row["actor/grad_norm"] > 0 for row in rows)  # the premise of the resume check: it trained
+    assert all((row["perf/padding_frac"] == 0) == (k == 1) for row in rows)  # packed: no slot pads
+    assert all(row["perf/peak_memory_gib/actor_update"] > 0.1 for row in rows)
     _resumed_matches(whole, overrides, 2, tmp_path, capsys)
 
 

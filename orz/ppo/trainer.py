@@ -289,6 +289,8 @@ class RayPPOTrainer:
             if not partial:
                 sync = self._sync(timer, show)
         metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
+        for group in self._groups():  # each role's peak memory in its forward and update phases
+            metrics |= group.peak_memory_gib()
         # What ran at once: the engines generating the batch ahead while the actor's passes (log-probs,
         # update) ran, from when each ran; the passes' other seconds left the engines idle.
         passes = [timer.spans[phase] for phase in ("forward", "update")]

@@ -11,6 +11,7 @@ for save_async and load_async, the workers' Ray refs; the others wait for their 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -47,6 +48,21 @@ class RoleSpec:
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # VmHWM := the resident set now
+
+
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmHWM")).split()[1]) / 2**20
 
 
 def combine_metrics(parts: list[dict]) -> dict[str, float]:
@@ -105,6 +121,7 @@ class MegatronWorker(FaultSite):
         self._threads = spec.cfg.threads
         torch.set_num_threads(self._threads)
         self._world_store = None  # rank 0's, once host_world has run
+        self._peaks: dict[str, float] = {}  # phase -> peak GiB since peak_memory_gib last ran
 
     def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
         return f"{self.spec.name}-{self.rank}"
@@ -241,8 +258,27 @@ class MegatronWorker(FaultSite):
         return per_token[0], per_token[1]
 
     # ---- forward passes ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _phase_memory(self, phase: str):
+        """The peak memory of this process while the phase runs, kept for peak_memory_gib: on GPU
+        the allocator's peak, on CPU the peak resident set (VmHWM, reset through /proc/self/clear_refs)."""
+        reset_peak_memory()
+        try:
+            yield
+        finally:
+            self._peaks[phase] = max(self._peaks.get(phase, 0.0), peak_memory_gib())
+
+    def peak_memory_gib(self) -> dict[str, float]:
+        """{phase: GiB} since the last call: "forward" (log-probs, values, scores), "update"."""
+        peaks, self._peaks = self._peaks, {}
+        return peaks
+
     def _no_grad(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
         """(B_shard, T) per_micro_batch(output, batch) in row order on the last stage, else None."""
+        with self._phase_memory("forward"):
+            return self._no_grad_passes(shard, per_micro_batch)
+
+    def _no_grad_passes(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
         micro = self._micro_batches(shard)
         self.engine.model.eval()
 
@@ -277,6 +313,10 @@ class MegatronWorker(FaultSite):
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, shards: list[MiniBatch], loss_fn) -> dict | None:
         """One optimizer step per mini-batch, given as this DP rank's shards."""
+        with self._phase_memory("update"):
+            return self._steps(shards, loss_fn)
+
+    def _steps(self, shards: list[MiniBatch], loss_fn) -> dict | None:
 
         def threaded_loss(output, batch):
             self._take_threads()
@@ -307,7 +347,8 @@ class MegatronWorker(FaultSite):
                 slots = real if self.spec.cfg.pack else [mb.experience.sequences.numel() for mb in micro]
                 step[f"{self.spec.name}/micro_batches"] = float(len(micro))
                 step[f"{self.spec.name}/pass_tokens_max"] = float(max(slots))
-                step[f"{self.spec.name}/padding_frac"] = 1.0 - sum(real) / sum(slots)
+                padding = "perf/padding_frac" if self.spec.name == "actor" else f"perf/{self.spec.name}_padding_frac"
+                step[padding] = 1.0 - sum(real) / sum(slots)
             steps.append(step)
         if not self._reports:
             return None
@@ -586,6 +627,16 @@ class WorkerGroup:
 
     def offload(self) -> None:
         ray.get(self._call("offload"))
+
+    def peak_memory_gib(self) -> dict[str, float]:
+        """`perf/peak_memory_gib/<role>_<phase>`: the largest of the workers' peaks in each phase
+        since the last call."""
+        peaks = {}
+        for worker in ray.get(self._call("peak_memory_gib")):
+            for phase, gib in worker.items():
+                key = f"perf/peak_memory_gib/{self.spec.name}_{phase}"
+                peaks[key] = max(peaks.get(key, 0.0), gib)
+        return peaks
 
     def arm_fault(self, message: str) -> None:
         """trainer.fault: every worker raises at the start of its next update (orz/faults.py)."""
