@@ -4,7 +4,7 @@
         --n 32 --temperature 0.6 --top-p 0.95 --max-tokens 8192 [--template think_answer|chat] \\
         [--out DIR] [--engines N] [--seed S] [--env python | --env NAME=package.module:Class] [--max-turns T]
 
---model is an HF directory or a Megatron checkpoint written by orz (it holds orz_megatron.json; it
+--model is an HF directory or a Megatron checkpoint written by orz (it holds orz_checkpoint.json; it
 is converted to a temporary HF directory under --out, with the tokenizer from --tokenizer).
 Benchmark files are read locally (see orz/evaluation/benchmarks.py for their formats); every
 file is checked before any engine starts. Writes DIR/report.json (settings and every figure),
@@ -24,7 +24,7 @@ from pathlib import Path
 from orz.config import DataConfig, ExperimentConfig, RolloutConfig
 from orz.data.datasets import DatasetFormatError
 from orz.models.arch import ModelConfigError
-from orz.models.checkpoint import MEGATRON_META
+from orz.models.checkpoint import MEGATRON_META, is_earlier_format, read_megatron_meta
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ def resolve_model(model: str | Path, tokenizer: str | None, workdir: str | Path)
             raise ModelConfigError(f"{model} is a Megatron checkpoint, which holds no tokenizer: "
                                    f"pass --tokenizer DIR")
         return str(mcore2hf(str(model), str(Path(workdir) / "hf"), like=tokenizer)), tokenizer
+    if is_earlier_format(model):
+        read_megatron_meta(model)  # refuses it, naming `orz convert upgrade`
     if not (model / "config.json").is_file():
         raise ModelConfigError(f"{model}: neither an HF directory (config.json) nor an orz Megatron checkpoint "
                                f"({MEGATRON_META})")

@@ -263,7 +263,7 @@ def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, t
     from orz.ppo.trainer import RayPPOTrainer
 
     ahead = []  # an event per batch generated ahead, set once it is built
-    share_cores, prefetch, forward = RayPPOTrainer._share_cores, RayPPOTrainer._prefetch, RayPPOTrainer._forward
+    share_cores, prefetch, step = RayPPOTrainer._share_cores, RayPPOTrainer._prefetch, RayPPOTrainer.step
 
     def share_cores_then_mark(self, engines_generate):
         if engines_generate:  # called just before the batch ahead is submitted
@@ -276,13 +276,17 @@ def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, t
         finally:
             ahead[-1].set()
 
-    def forward_after_it(self, experience):
-        assert ahead and ahead[-1].wait(300)
-        return forward(self, experience)
+    def step_waiting_for_it(self, show=lambda phase: None):
+        def show_after_it(phase):  # the passes start (their timers) right after this announcement
+            if phase == "log-probs and values":
+                assert ahead and ahead[-1].wait(300)
+            show(phase)
+
+        return step(self, show_after_it)
 
     monkeypatch.setattr(RayPPOTrainer, "_share_cores", share_cores_then_mark)
     monkeypatch.setattr(RayPPOTrainer, "_prefetch", prefetch_then_tell)
-    monkeypatch.setattr(RayPPOTrainer, "_forward", forward_after_it)
+    monkeypatch.setattr(RayPPOTrainer, "step", step_waiting_for_it)
     train(load_config(None, [*tiny_run(tmp_path, "grpo", iterations=2), "trainer.max_staleness=1"]))
     first = _history(tmp_path)[1]
     assert len(ahead) == 1  # the premise: iteration 1 generated batch 2 ahead, beside its passes

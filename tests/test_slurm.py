@@ -189,10 +189,12 @@ def test_a_run_that_does_not_fit_is_refused_before_any_command(in_repo, model, t
     rc, out, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
                              *user_overrides(model)], capsys)
     assert rc == 0 and f"it fits {shipped}" in err
-    # A user's override is planned too: without recomputation the actor no longer fits.
+    # A user's override is planned too: without recomputation or the distributed optimizer the actor
+    # no longer fits.
     rc, _, err = run_main(["check", "--nodes", "4", "--gpus-per-node", "8", "--cluster", shipped, RECIPE,
-                           *user_overrides(model), "model.recompute=false"], capsys)
-    assert rc == 1 and f"actor does not fit: {qwen25_7b_actor_gib(2, 1, 4, True)} GiB per GPU" in err  # 90.2
+                           *user_overrides(model), "model.recompute=false", "actor.use_distributed_optimizer=false"],
+                          capsys)
+    assert rc == 1 and f"actor does not fit: {qwen25_7b_actor_gib(2, 1, 4, False)} GiB per GPU" in err  # 107.5
 
 
 def test_the_plan_uses_the_jobs_nodes_not_the_files(in_repo, model, capsys):
