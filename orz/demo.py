@@ -234,7 +234,7 @@ def accuracy_without_tool(cfg: ExperimentConfig) -> float:
     from orz.data.tokenizers import load_tokenizer
     from orz.evaluation.benchmarks import benchmark_from_rows
     from orz.evaluation.runner import Evaluator, eval_settings
-    from orz.ppo.run_rules import context_length
+    from orz.run.run_rules import context_length
     from orz.rollout.fleet import EngineFleet, FleetConfig
 
     model = Path(cfg.trainer.output_dir) / "hf"

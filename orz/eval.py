@@ -46,7 +46,7 @@ class CliConfig:
 
 def parse_args(argv: list[str] | None = None):
     from orz.evaluation.runner import EvalConfig
-    from orz.ppo import run_rules
+    from orz.run import run_rules
     from orz.reward.router import RouterConfig
 
     defaults = EvalConfig()

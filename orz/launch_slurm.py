@@ -190,8 +190,8 @@ def resolve_run(recipe: str | Path, overrides: Sequence[str], submit_dir: str | 
 
 
 def _layout(cfg: ExperimentConfig):
-    """Where the trainer would put the run's processes (orz.ppo.placement, which imports torch)."""
-    from orz.ppo.placement import Layout
+    """Where the trainer would put the run's processes (orz.run.placement, which imports torch)."""
+    from orz.run.placement import Layout
 
     try:
         return Layout.of(cfg)
@@ -200,8 +200,8 @@ def _layout(cfg: ExperimentConfig):
 
 
 def config_problems(cfg: ExperimentConfig) -> list[str]:
-    """The trainer's own refusals (orz.ppo.run_rules.check: stage keys, KL settings), one a line."""
-    from orz.ppo import run_rules
+    """The trainer's own refusals (orz.run.run_rules.check: stage keys, KL settings), one a line."""
+    from orz.run import run_rules
 
     try:
         run_rules.check(cfg, on_gpu=True)
@@ -211,7 +211,7 @@ def config_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def gpu_demand(cfg: ExperimentConfig) -> dict[str, int]:
-    """GPUs each role asks Ray for (orz.ppo.placement.Layout.gpu_demand)."""
+    """GPUs each role asks Ray for (orz.run.placement.Layout.gpu_demand)."""
     return _layout(cfg).gpu_demand()
 
 

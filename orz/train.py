@@ -65,7 +65,8 @@ def run(cfg: ExperimentConfig) -> dict:
     from orz.faults import Fault
     from orz.logs import output_to, quiet_driver
     from orz.models.checkpoint import HFCheckpoint
-    from orz.ppo import checkpoints, placement, run_rules
+    from orz.ppo import checkpoints
+    from orz.run import placement, run_rules
     from orz.ppo.trainer import console
     from orz.stopping import StopSignals
 

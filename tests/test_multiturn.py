@@ -154,7 +154,7 @@ def _rows(path: Path, envs: list[str]) -> str:
 
 def test_a_row_naming_an_unknown_environment_is_refused_naming_file_and_row(tool_model, tmp_path):
     from orz.data.datasets import DatasetFormatError
-    from orz.ppo.run_rules import read_data
+    from orz.run.run_rules import read_data
 
     rows = _rows(tmp_path / "rows.jsonl", ["python", "chess"])
     cfg = load_config(None, [f"model.path={tool_model}", f"data.train=[{rows}]"])

@@ -533,3 +533,23 @@ def test_the_planner_sizes_the_default_log_prob_chunk_as_the_trainer_does():
     from orz.plan.inputs import LOGPROB_CHUNK_BYTES
 
     assert LOGPROB_CHUNK_BYTES == CHUNK_BYTES
+
+
+def test_a_recipe_with_a_reward_model_plans_it_on_its_own_model_and_gpus():
+    """reward.model is a role: forward only, a value head on its own model's trunk, its own GPUs.
+    Qwen2.5-7B as the reward model of a 0.5B policy: its row holds the 7B's bf16 weights (the LM head
+    replaced by h + 1), no grads or optimizer; its GPUs count in the cluster's demand."""
+    from orz.config import load_config
+    from orz.plan.memory import stage_params
+    from orz.plan.recipe import placement_of
+
+    cfg = load_config(None, ["model.path=Qwen2.5-0.5B", "algorithm.advantage=grpo", "reward.model.path=Qwen2.5-7B",
+                             "reward.model.tp=2", "rollout.num_engines=2"])
+    placement = placement_of(cfg)
+    assert placement.reward_model.gpus == 2 and placement.reward_model_arch == MODELS["Qwen2.5-7B"]
+    p = plan(MODELS["Qwen2.5-0.5B"], Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=79.6), placement, WORK)
+    row = p.row("reward_model")
+    seven_b = MODELS["Qwen2.5-7B"]
+    assert row.weights == 2 * stage_params(seven_b, 2, 1, "value", 1)[0] and (row.grads, row.optimizer) == (0, 0)
+    assert row.weights > 10 * p.row("actor").weights // 2  # the 7B's, not the policy's (~15× its parameters)
+    assert row.gpus == 2 and sum(r.gpus for r in p.memory) == 1 + 2 + 2  # actor, reward model, engines

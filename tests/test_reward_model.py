@@ -149,7 +149,7 @@ def test_training_on_the_reward_models_score_alone_raises_it(ray_cluster, tiny_r
 
 def test_reward_model_settings_are_refused_before_any_worker(tmp_path, arith_model):
     from orz.config import ConfigError, load_config
-    from orz.ppo import run_rules
+    from orz.run import run_rules
 
     def check(*overrides):
         run_rules.check(load_config(None, [f"model.path={arith_model}", "data.train=[synthetic:arithmetic]", *overrides]))

@@ -1,4 +1,4 @@
-"""orz.ppo.run_rules: what a config implies (roles, whitening, the schedule's length) and every
+"""orz.run.run_rules: what a config implies (roles, whitening, the schedule's length) and every
 refusal before any worker starts, in one line naming the keys: a setting out of its range or
 naming none of its choices, a data file that cannot be read, and settings that cannot take effect
 (staleness, stages, KL, parallel sizes the model cannot split, colocation, environments,
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from orz.config import ConfigError, ExperimentConfig, RoleConfig, load_config
-from orz.ppo import run_rules
+from orz.run import run_rules
 from orz.train import run as train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def test_one_sided_bands_and_sequence_is_pass_and_batch_invariance_passes_where_
 
 
 def test_trainer_planner_and_slurm_check_give_one_placement_verdict():
-    """Placement is decided once (orz.ppo.placement): colocated roles whose sizes do not match the
+    """Placement is decided once (orz.run.placement): colocated roles whose sizes do not match the
     engines' GPUs get the same line from the trainer's refusal, the planner and the Slurm check."""
     from orz import launch_slurm, plan
 
@@ -373,7 +373,7 @@ def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on
 
 
 def test_run_rules_roles_whitening_and_schedule_length():
-    from orz.ppo import placement, run_rules
+    from orz.run import placement, run_rules
 
     ppo = load_config(None, ["algorithm.advantage=gae"])
     grpo_kl = load_config(None, ["algorithm.advantage=grpo", "algorithm.kl_coef=0.01"])
@@ -390,7 +390,7 @@ def test_run_rules_roles_whitening_and_schedule_length():
 
 
 def test_a_role_with_no_thread_is_refused():
-    from orz.ppo import run_rules
+    from orz.run import run_rules
 
     with pytest.raises(ConfigError, match=r"actor.threads=0, actor.threads_alone=0: a worker needs at least one thread"):
         run_rules.check(load_config(None, ["model.path=/m", "actor.threads=0"]))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from orz.config import ConfigError, load_config
-from orz.ppo import run_rules
+from orz.run import run_rules
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.trackers import open_trackers
 from run_history import wandb_records

@@ -18,8 +18,8 @@ ASSUMPTIONS = (
     "KV cache sized for max_num_seqs sequences of the longest length, so vLLM never preempts",
     "time: FLOPs at train_mfu of peak bf16; decode step = max(weights + KV read at hbm_efficiency of peak "
     "bandwidth, FLOPs at train_mfu); continuous batching at full concurrency",
-    "not counted: the slowest sequence's tail, prefix caching, weight sync, rewards (a reward-model role too), "
-    "offload/onload, data movement",
+    "not counted: the slowest sequence's tail, prefix caching, weight sync, the verifiers' time, offload/onload, "
+    "data movement",
 )
 
 

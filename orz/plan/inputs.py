@@ -3,6 +3,7 @@ fleet, the placement of them all, and one iteration's workload."""
 from dataclasses import dataclass, fields
 
 from orz.config import ConfigError
+from orz.models.arch import ModelArch
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -119,12 +120,23 @@ class Placement:
     rollout: Rollout
     critic: TrainParallel | None = None  # None for critic-free algorithms (GRPO, RLOO, REINFORCE++)
     ref: ModelParallel | None = None  # None when no KL term needs reference log-probs
+    reward_model: ModelParallel | None = None  # reward.model: forward only, a value head on its own model
+    reward_model_arch: ModelArch | None = None  # that model's architecture (the actor's when None)
     colocate: bool = False  # every role on every GPU, phases taking turns (ORZ's colocate_all)
     offload_idle_roles: bool = False  # colocated: idle roles move their states to CPU and vLLM sleeps
 
     def megatron_roles(self) -> dict[str, ModelParallel]:
-        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref}
+        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward_model": self.reward_model}
         return {name: par for name, par in roles.items() if par is not None}
+
+    def arch_of(self, role: str, actor_arch: ModelArch) -> ModelArch:
+        """The model a role runs: the reward model's own, every other role the actor's."""
+        return self.reward_model_arch or actor_arch if role == "reward_model" else actor_arch
+
+
+def head_of(role: str) -> str:
+    """What a role's last stage ends in: a value head (critic, reward model) or the LM head."""
+    return "value" if role in ("critic", "reward_model") else "lm"
 
 
 @dataclass(frozen=True)

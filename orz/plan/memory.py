@@ -3,8 +3,8 @@ optimizer states; every formula is in the docstring of the function that compute
 from dataclasses import dataclass
 
 from orz.models.arch import ModelArch
-from orz.plan.inputs import (BF16, FP32, GIB, LOGPROB_CHUNK_BYTES, MEGATRON_VOCAB_MULTIPLE, VLLM_VOCAB_MULTIPLE, Cluster, ModelParallel,
-                             Placement, Rollout, TrainParallel, Workload, gib)
+from orz.plan.inputs import (BF16, FP32, GIB, LOGPROB_CHUNK_BYTES, MEGATRON_VOCAB_MULTIPLE, VLLM_VOCAB_MULTIPLE, Cluster,
+                             ModelParallel, Placement, Rollout, TrainParallel, Workload, gib, head_of)
 
 
 @dataclass(frozen=True)
@@ -208,18 +208,19 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
     return max(candidates, key=lambda c: sum(c.values()))
 
 
-def forward_memory(arch: ModelArch, par: ModelParallel) -> dict[str, int]:
-    """Bytes per GPU of a forward-only role (reference): weights 2·P, activations A(T) + logits.
+def forward_memory(arch: ModelArch, par: ModelParallel, head: str = "lm") -> dict[str, int]:
+    """Bytes per GPU of a forward-only role (reference: LM head; reward model: value head):
+    weights 2·P, activations A(T) + the log-probs' logits (LM head only).
 
     Nothing is kept across layers, so the working set is one layer's activations plus the last
     stage's forward-only logits (logits_bytes); the last stage, which holds both, is the heaviest.
     """
-    params = stage_params(arch, par.tp, par.pp, "lm", MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)[-1]
+    params = stage_params(arch, par.tp, par.pp, head, MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)[-1]
     layer = max(layer_activation_bytes(arch, par.micro_batch_tokens, par.tp, par.sequence_parallel, i, par.etp)
                 for i in stage_layers(arch, par.pp)[-1])
-    return dict(weights=BF16 * params,
-                activations=layer + logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False,
-                                                 chunk_tokens=par.logprob_chunk_tokens))
+    logits = logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False,
+                          chunk_tokens=par.logprob_chunk_tokens) if head == "lm" else 0
+    return dict(weights=BF16 * params, activations=layer + logits)
 
 
 def engine_params(arch: ModelArch, tp: int) -> int:
@@ -256,8 +257,8 @@ def memory_rows(arch: ModelArch, cluster: Cluster, placement: Placement, workloa
     """One row per role. Separate GPUs: the limit is the GPU's memory. Colocated: the GPU's memory
     less what the other roles keep resident (_resident). vLLM's limit is gpu_memory_utilization × memory."""
     mem, reserved, rollout = int(cluster.gpu_mem_gib * GIB), int(cluster.reserved_gib * GIB), placement.rollout
-    roles = {name: (train_memory(arch, par, "value" if name == "critic" else "lm") if isinstance(par, TrainParallel)
-                    else forward_memory(arch, par), par.label(), par.gpus)
+    roles = {name: (train_memory(arch, par, head_of(name)) if isinstance(par, TrainParallel)
+                    else forward_memory(placement.arch_of(name, arch), par, head_of(name)), par.label(), par.gpus)
              for name, par in placement.megatron_roles().items()}
     roles["rollout"] = (rollout_memory(arch, rollout, workload), rollout.label(), rollout.num_engines * rollout.engine_tp)
     others = len(roles) - 1 if placement.colocate else 0

@@ -9,9 +9,9 @@ from orz.config import ConfigError, ExperimentConfig, from_dict, stage_configs
 from orz.models.arch import ModelArch, ModelConfigError, arch_from_dict, read_arch
 from orz.models.presets import MODELS
 from orz.plan.estimate import Plan, plan
-from orz.ppo.placement import roles
 from orz.plan.inputs import (Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel, Workload,
                              _require_positive)
+from orz.run.placement import roles
 
 
 def resolve_model(name: str) -> tuple[str, ModelArch]:
@@ -72,7 +72,7 @@ def load_cluster(path: str | Path | None, **changes) -> ClusterFile:
 
 
 def placement_of(cfg: ExperimentConfig) -> Placement:
-    """The recipe's roles, decided by the trainer's own rule (orz.ppo.placement.roles), and their
+    """The recipe's roles, decided by the trainer's own rule (orz.run.placement.roles), and their
     sizes. A role split by rows (micro_batch_size) holds that many of the longest samples."""
     started = roles(cfg)
     longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
@@ -86,12 +86,15 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
                              logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
                              use_distributed_optimizer=role.use_distributed_optimizer)
 
-    r, ref = cfg.rollout, started.get("ref")
+    r, ref, rm = cfg.rollout, started.get("ref"), started.get("reward_model")
     return Placement(
         actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
         ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, micro_batch_tokens=tokens(ref),
                           logprob_chunk_tokens=chunk)
         if ref else None,
+        reward_model=ModelParallel(tp=rm.tp, pp=rm.pp, dp=rm.dp, ep=rm.ep, etp=rm.etp, micro_batch_tokens=tokens(rm))
+        if rm else None,
+        reward_model_arch=resolve_model(rm.path)[1] if rm else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
         colocate=cfg.trainer.colocate,
@@ -111,7 +114,7 @@ def plan_recipe(cfg: ExperimentConfig, cluster: ClusterFile) -> list[tuple[str, 
     """(stage label, plan) for every stage of the run (one, labelled "", without stages)."""
     if not cfg.model.path:
         raise PlanError("model.path is not set: give a preset (model.path=Qwen2.5-7B) or an HF model directory")
-    from orz.ppo import run_rules  # imports torch: kept out of the arithmetic above
+    from orz.run import run_rules  # imports torch: kept out of the arithmetic above
 
     name, arch = resolve_model(cfg.model.path)
     try:

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from orz.models.arch import ModelArch
-from orz.plan.inputs import BF16, GPUS, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload
+from orz.plan.inputs import BF16, GPUS, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload, head_of
 from orz.plan.memory import engine_params, expert_params, kv_bytes_per_token, matmul_params, rollout_concurrency
 
 
@@ -87,8 +87,9 @@ def timing(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Wo
     tokens, s = workload.samples * workload.mean_seq_tokens, workload.mean_seq_tokens
     forward, train = [], []
     for name, par in placement.megatron_roles().items():
-        one = forward_flops(arch, tokens, s, "value" if name == "critic" else "lm") / (par.gpus * flop_s)
-        forward.append(one + all_to_all_s(arch, cluster, par, tokens, 1))
+        model = placement.arch_of(name, arch)
+        one = forward_flops(model, tokens, s, head_of(name)) / (par.gpus * flop_s)
+        forward.append(one + all_to_all_s(model, cluster, par, tokens, 1))
         if isinstance(par, TrainParallel):
             passes = 4 if par.recompute else 3
             train.append(one * passes + all_to_all_s(arch, cluster, par, tokens, passes))

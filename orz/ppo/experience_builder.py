@@ -29,7 +29,7 @@ from orz.data.sampler import PromptLoader
 from orz.data.templates import encode_prompt, make_template, reward_model_inputs
 from orz.data.tokenizers import load_tokenizer
 from orz.models.checkpoint import HFCheckpoint
-from orz.ppo import run_rules
+from orz.run import run_rules
 from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
 from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, Verdict, reward_metrics

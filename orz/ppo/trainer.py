@@ -39,7 +39,8 @@ from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
-from orz.ppo import checkpoints, placement, run_rules
+from orz.ppo import checkpoints
+from orz.run import placement, run_rules
 from orz.ppo.workers import ActorSettings, RoleSpec, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,

@@ -30,7 +30,7 @@ from orz.models.arch import ModelConfigError, read_hf_config
 from orz.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, check_band,
 )
-from orz.ppo.placement import Layout, Sizes, role_problems, roles
+from orz.run.placement import Layout, Sizes, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.code import EXTRACTIONS, SCORINGS
 from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
