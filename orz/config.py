@@ -45,7 +45,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0
     # Tokens whose logits the trainer holds at once when it takes log-probs and entropy (the update,
     # π_old, the reference): memory O(chunk × vocabulary / TP) whatever the response length
-    # (orz/models/logprobs.py). None: as many as 64 MiB of float32 logits per rank hold.
+    # (orz/models/logprobs.py). None: as many as 128 MiB of float32 logits per rank hold.
     logprob_chunk_tokens: int | None = None
 
 

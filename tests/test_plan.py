@@ -41,7 +41,7 @@ def qwen25_7b_actor_gib(tp: int, pp: int, dp: int, distributed_optimizer: bool, 
     layer = (h * d * (2 * a + 2 * g) + 3 * h * f + d * (a + 2 * g)) // tp + 2 * h  # weights, biases / t; norms
     embedding = V * h // tp
     activations_per_layer = tokens * 8 * h + tokens * (4 * a * d + 4 * g * d + 6 * f) // tp  # A(T) without SP
-    chunk = min(tokens, (64 << 20) // (4 * V // tp))  # the default: 64 MiB of fp32 logits per rank
+    chunk = min(tokens, (128 << 20) // (4 * V // tp))  # the default: 128 MiB of fp32 logits per rank
     logits = chunk * V // tp * 16 + tokens * h * 6 + 4 * V // tp * h  # a chunk's logits, per token, LM head grad
     per_stage = L // pp
     if pp == 1:  # (parameters, activations): n = 1 micro-batch in flight

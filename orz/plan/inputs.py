@@ -9,7 +9,7 @@ GIB = 2**30
 BF16, FP32 = 2, 4
 MEGATRON_VOCAB_MULTIPLE = 1  # orz.models.builder pads the vocabulary to a multiple of TP only
 VLLM_VOCAB_MULTIPLE = 64  # vLLM pads embedding and LM head to 64 rows per TP rank
-LOGPROB_CHUNK_BYTES = 64 << 20  # orz.models.logprobs.CHUNK_BYTES: the default chunk's fp32 logits per rank
+LOGPROB_CHUNK_BYTES = 128 << 20  # orz.models.logprobs.CHUNK_BYTES: the default chunk's fp32 logits per rank
 
 
 class PlanError(ConfigError):

@@ -460,7 +460,7 @@ _RANGES = (
     ("trainer.eval_n", lambda v: v >= 1, ">= 1"),
     ("trainer.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("trainer.keep_checkpoints", lambda v: v >= 1, ">= 1"),
-    ("model.logprob_chunk_tokens", lambda v: v is None or v >= 1, ">= 1 (or unset: 64 MiB of float32 logits per rank)"),
+    ("model.logprob_chunk_tokens", lambda v: v is None or v >= 1, ">= 1 (or unset: 128 MiB of float32 logits per rank)"),
     ("trainer.keep_every", lambda v: v >= 0, ">= 0 (0: only the last trainer.keep_checkpoints stay)"),
     ("trainer.max_restarts", lambda v: v >= 0, ">= 0"),
     ("trainer.dump_samples_every", lambda v: v >= 0, ">= 0 (0: never)"),
