@@ -111,7 +111,7 @@ def test_the_whole_actor_objective_by_hand():
 
 # ---- end to end: four stages of two stale iterations each (max_staleness=1: the second
 # iteration of a stage trains on samples of the weights before the last update).
-STAGES = ("[{iterations: 2, overrides: {}}, "
+STAGES = ("[{iterations: 2, overrides: {algorithm.is_cap: 1.0}}, "
           "{iterations: 2, overrides: {algorithm.mismatch_mask: [0.9, 1.1]}}, "
           "{iterations: 2, overrides: {algorithm.mismatch_reject_geo: [0.95, 1.05]}}, "
           "{iterations: 2, overrides: {algorithm.is_level: sequence}}]")
@@ -136,13 +136,13 @@ def _ratios(sample) -> torch.Tensor:
     return (torch.tensor(sample["old_logprobs"]) - torch.tensor(sample["rollout_logprobs"])).exp()
 
 
-def _pg_loss(samples, keep, level="token") -> float:
-    """token-mean of −A·w over the kept tokens, w = min(r, 2) per token, or min(Π r, 2) over the
+def _pg_loss(samples, keep, level="token", cap=2.0) -> float:
+    """token-mean of −A·w over the kept tokens, w = min(r, cap) per token, or min(Π r, cap) over the
     sequence's kept tokens: the policy loss at ratio π/π_old = 1, which the first (here the only)
     mini-batch has."""
     def weights(s, k):
         r = _ratios(s)
-        return r.clamp(max=2.0) if level == "token" else (r.log() * k).sum().exp().clamp(max=2.0).expand_as(r)
+        return r.clamp(max=cap) if level == "token" else (r.log() * k).sum().exp().clamp(max=cap).expand_as(r)
 
     numerator = sum(float((-torch.tensor(s["advantages"]) * weights(s, k) * k).sum()) for s, k in zip(samples, keep))
     return numerator / sum(float(k.sum()) for k in keep)
@@ -159,13 +159,16 @@ def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
     for stale in (1, 3, 5, 7):  # the second iteration of each stage trains on the previous weights' samples
         assert rows[stale]["mismatch/kl_k3"] > max(10 * rows[stale - 1]["mismatch/kl_k3"], 1e-4)
 
-    # Stage 1, no mask: IS weights min(r, 2) weigh the loss the actor reports.
+    # Stage 1, no mask, algorithm.is_cap=1: IS weights min(r, 1) weigh the loss the actor reports.
     for row, samples in zip(rows[:2], dumps[:2]):
         assert row["mismatch/masked_token_frac"] == 0 and row["mismatch/rejected_seq_frac"] == 0
         full = [torch.ones(len(s["advantages"])) for s in samples]
-        assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, full), abs=1e-5)
+        assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, full, cap=1.0), abs=1e-5)
         for s in samples:
-            torch.testing.assert_close(torch.tensor(s["info/is_weights"]), _ratios(s).clamp(max=2.0))
+            torch.testing.assert_close(torch.tensor(s["info/is_weights"]), _ratios(s).clamp(max=1.0))
+    assert sum(int((_ratios(s) > 1.0).sum()) for s in dumps[1]) > 0  # the premise: the cap bound
+    assert max(max(s["info/is_weights"]) for s in dumps[1]) == 1.0
+    assert abs(_pg_loss(dumps[1], full, cap=2.0) - rows[1]["actor/pg_loss"]) > 1e-5  # the actor applied it
     without_weights = [{**s, "rollout_logprobs": s["old_logprobs"]} for s in dumps[1]]
     assert abs(_pg_loss(without_weights, full) - rows[1]["actor/pg_loss"]) > 1e-4  # the weights mattered
 
@@ -178,6 +181,7 @@ def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
         if any(k.any() for k in keep):
             assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, keep), abs=1e-5)
     row, samples = stage[1]
+    assert any(k.any() for k in keep)  # its loss was checked above: some token kept
     assert row["mismatch/masked_token_frac"] > 0
     unmasked = _pg_loss(samples, [torch.ones(len(s["advantages"])) for s in samples])
     assert abs(unmasked - row["actor/pg_loss"]) > 1e-4  # the mask changed the update
@@ -192,6 +196,8 @@ def test_a_stale_run_measures_masks_and_rejects_as_its_dumps_say(stale_run):
         keep = [torch.full((len(s["advantages"]),), 0.0 if out else 1.0) for s, out in zip(samples, rejected.tolist())]
         assert row["actor/pg_loss"] == pytest.approx(_pg_loss(samples, keep), abs=1e-5)
     assert 0 < rows[5]["mismatch/rejected_seq_frac"] < 1
+    unrejected = _pg_loss(dumps[5], [torch.ones(len(s["advantages"])) for s in dumps[5]])
+    assert abs(unrejected - rows[5]["actor/pg_loss"]) > 1e-4  # the rejection changed the update
 
     # Stage 4: sequence-level IS, w = min(Πₜ rₜ, 2) on every token of the sequence.
     for row, samples in zip(rows[6:8], dumps[6:8]):

@@ -50,6 +50,8 @@ def test_step_results_from_plain_dicts():
 
 
 def test_python_tool_runs_the_closed_block_in_the_sandbox():
+    import time
+
     from orz.reward.sandbox import Sandbox, SandboxLimits
 
     assert closed_block("a<code>print(1)</code>", "<code>", "</code>") == "print(1)"
@@ -62,8 +64,12 @@ def test_python_tool_runs_the_closed_block_in_the_sandbox():
     error = tool.step("<code>1/0</code>")
     assert error.counts["tool_errors"] == 1 and "[output cut]" in error.observation  # the traceback, cut to 40
     assert len(error.observation) == 40
+    started = time.monotonic()
     hung = tool.step("<code>while True: pass</code>")
-    assert "timed out after 1 s" in hung.observation and hung.counts["tool_timeouts"] == 1
+    # ended by tool_timeout_s (1 s wall clock), not by the sandbox's 5 s CPU limit: a timeout and an error
+    assert 1.0 <= time.monotonic() - started < 5.0 and "timed out after 1 s" in hung.observation
+    assert hung.counts == {"tool_calls": 1, "tool_errors": 1, "tool_timeouts": 1, "tool_format_errors": 0}
+    assert not hung.done
     assert tool.step("the answer is 42").done  # no code: the sample ends
 
 
@@ -342,6 +348,7 @@ class _AnswersAfter:
         import time
 
         time.sleep(self.seconds)
+        self.answered = time.monotonic()
         return {"observation": None, "done": True}
 
 
@@ -354,22 +361,28 @@ def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
     from types import SimpleNamespace
 
     from orz.rollout.engine import SamplingConfig
-    from orz.rollout.multiturn import TurnLimits, _Run
+    from orz.rollout.multiturn import TurnLimits, _Run, env_scores
 
     limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
     rollout = SimpleNamespace(fleet=SimpleNamespace(engines=[], cfg=SimpleNamespace(request_timeout_s=60.0)),
                               env_threads=2, limits=limits)
     run = _Run(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1), 0)
-    for key, seconds in ((0, 0.0), (1, 0.4)):
-        run.instances[key] = _AnswersAfter(seconds)
+    envs = {key: _AnswersAfter(seconds) for key, seconds in ((0, 0.0), (1, 0.4))}
+    for key, env in envs.items():
+        run.instances[key] = env
         run._call_env(key, "step", "")
+    deadlines = dict(run.deadlines)
     time.sleep(0.6)
+    # the premise: one answered before its deadline, one after, and both before the loop looked
+    assert envs[0].answered <= deadlines[0] < deadlines[1] < envs[1].answered < time.monotonic()
     run._next_event()
     run._next_event()
     run.close()
     in_time, late = run.conversations[0], run.conversations[1]
     assert in_time.env_error == ""
     assert late.env_error == "timeout: no answer within rollout.env_timeout_s=0.2"
+    # a sample whose environment timed out scores 0, whatever its verifier said
+    assert env_scores([in_time, late], torch.tensor([1.0, 1.0]), {}).tolist() == [1.0, 0.0]
     assert [[c.index for c in group] for group in run.ready] == [[0], [1]]
 
 
@@ -454,3 +467,96 @@ def test_orz_eval_runs_rows_with_their_environment(ray_cluster, tool_model, tmp_
                 calls += 1
                 assert after["ids"][:len(before)] == before  # "error: the call is not JSON" follows, as <unk>s
     assert calls > 0  # the premise: the python tool was called
+
+
+def _stub_run(limits, prompts):
+    """A multi-turn _Run whose one engine records the requests it is given (key, context, seed,
+    max_tokens, stop), with no Ray and no environment threads: the test plays the model's turns
+    and the environment's answers itself."""
+    from types import SimpleNamespace
+
+    from orz.data.tokenizers import char_tokenizer
+    from orz.rollout.engine import SamplingConfig
+    from orz.rollout.multiturn import _Run
+
+    asked = []
+    engine = SimpleNamespace(submit=SimpleNamespace(remote=lambda session, requests: asked.extend(requests)))
+    rollout = SimpleNamespace(fleet=SimpleNamespace(engines=[engine], cfg=SimpleNamespace(request_timeout_s=60.0)),
+                              env_threads=0, limits=limits, tokenizer=char_tokenizer([string.digits + " ok:"]),
+                              stops={})
+    return _Run(rollout, [(p, {}, "e") for p in prompts], SamplingConfig(n=1), 0), asked
+
+
+def _model_says(run, key, ids, finish_reason="stop"):
+    run._model_turn({"index": key, "response_ids": ids, "text": "x" * len(ids), "logprobs": [-1.0] * len(ids),
+                     "token_versions": [0] * len(ids), "finish_reason": finish_reason})
+
+
+def test_max_model_len_bounds_each_turn_and_ends_the_sample_that_reaches_it():
+    """rollout.max_model_len = 12 with a 3-token prompt and turns of up to 4 tokens: a turn is asked
+    for no more tokens than fit (12 − context), an observation that leaves no room ends the sample
+    with "length" (≥: 3 + 4 + 5 = 12 ends it, 3 + 4 + 4 = 11 leaves one token), and a prompt that
+    fills the context is never sent to the engine."""
+    from orz.rollout.envs import StepResult
+    from orz.rollout.multiturn import TurnLimits
+
+    limits = TurnLimits(max_turns=5, max_new_tokens=4, max_model_len=12, max_observation_tokens=8, env_timeout_s=60)
+    run, asked = _stub_run(limits, [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1] * 12])
+    for key in range(4):
+        run._ask_model(key)
+    assert [request[3] for request in asked] == [4, 4, 4]  # min(4, 12 − 3): the bound not yet active
+    assert run.ready[0][0].finish_reason == "length" and run.ready[0][0].index == 3  # 12 tokens: nothing asked
+    tokenizer = run.r.tokenizer
+    # sample 0: observation of 2 → context 9: the next turn is asked for 12 − 9 = 3 < max_new_tokens
+    _model_says(run, 0, [5, 6, 7, 8])
+    run._after_step(0, StepResult("12", None, False))
+    assert asked[-1][0] == 0 and len(asked[-1][1]) == 9 and asked[-1][3] == 3
+    _model_says(run, 0, [5, 6, 7], "length")  # context 12: nothing left
+    run._after_step(0, StepResult(" 1", None, False))
+    c = run.conversations[0]
+    assert c.finish_reason == "length" and c.turns[-1].origin == "model" and len(c.prompt_ids + c.response_ids) == 12
+    assert len(asked) == 4  # not asked again
+    # samples 1 and 2 after a 4-token turn (context 7): an observation of 4 fits, one of 5 ends the sample
+    for key, observation in ((1, " 123"), (2, " 1234")):
+        _model_says(run, key, [5, 6, 7, 8])
+        run._after_step(key, StepResult(observation, None, False))
+    assert asked[-1][0] == 1 and asked[-1][3] == 1 and len(asked[-1][1]) == 11
+    two = run.conversations[2]
+    assert two.finish_reason == "length" and two.turns[-1].origin == "model"
+    assert len(tokenizer.encode(" 1234", add_special_tokens=False)) == 5  # the premise: 3 + 4 + 5 = 12
+
+
+def test_an_observation_longer_than_max_observation_tokens_is_cut_to_it():
+    """rollout.max_observation_tokens = 5: an environment's 11-token observation enters the
+    conversation as its first 5 tokens, none of them in the loss, and the next turn's context
+    holds exactly those."""
+    from orz.rollout.envs import StepResult
+    from orz.rollout.multiturn import TurnLimits
+
+    limits = TurnLimits(max_turns=3, max_new_tokens=4, max_model_len=64, max_observation_tokens=5, env_timeout_s=60)
+    run, asked = _stub_run(limits, [[1, 2, 3]])
+    run._ask_model(0)
+    _model_says(run, 0, [5, 6, 7, 8])
+    ids = run.r.tokenizer.encode(" 1234567890", add_special_tokens=False)
+    assert len(ids) == 11 > 5  # the premise: the cut binds
+    run._after_step(0, StepResult(" 1234567890", None, False))
+    c = run.conversations[0]
+    assert c.turns[-1].ids == ids[:5] and c.turns[-1].text == run.r.tokenizer.decode(ids[:5])
+    assert c.loss_mask == [1] * 4 + [0] * 5 and c.logprobs[-5:] == [0.0] * 5
+    assert asked[-1][1] == [1, 2, 3, 5, 6, 7, 8, *ids[:5]]
+
+
+def test_turn_limits_and_the_python_tool_take_the_rollouts_settings():
+    """The run's settings reach the driver's limits (TurnLimits.of, positional) and the python tool
+    (make_envs): a swap of two of them would pass every test that uses the defaults."""
+    from orz.config import CodeScoringConfig
+    from orz.data.tokenizers import char_tokenizer
+    from orz.rollout.multiturn import TurnLimits, make_envs
+    from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
+
+    rollout = RolloutConfig(env="python", max_turns=2, max_new_tokens=3, max_observation_tokens=40, env_timeout_s=7.0,
+                            tool_timeout_s=0.5)
+    assert TurnLimits.of(rollout, 11) == TurnLimits(2, 3, 11, 40, 7.0)
+    tool = make_envs(rollout, CodeScoringConfig(allow_weak_sandbox=True), {"python"}, char_tokenizer(["abc"]))["python"]()
+    assert tool.limits.wall_s == 0.5
+    assert tool.max_chars == 40 - len(OUTPUT_OPEN) - len(OUTPUT_CLOSE)

@@ -327,10 +327,14 @@ def test_partial_rollout_finishes_the_batch_ahead_with_the_new_weights(ray_clust
     assert [row["rollout/sample_weight_version"] for row in rows] == [0, 0, 1]
     assert [row["rollout/staleness_max"] for row in rows] == [0, 1, 1]
     assert rows[0]["rollout/partial_samples"] == 0  # generated before any update
-    # 16 responses of ~25 tokens two at a time (~1 s) against an update of 16 rows (~0.2 s): the
+    # 16 responses of ~25 tokens two at a time (~1 s) against an update of 16 rows (~0.1 s): the
     # interrupt finds two responses under way, or, when it comes before the batch ahead has been
-    # submitted, stops it after its first step.
-    assert all(0 < row["rollout/partial_samples"] <= row["rollout/samples"] for row in rows[1:])
+    # submitted, stops it after its first step. The first update is slower (~1.5 s on a quiet
+    # machine: its first steps), and the batch ahead beside it may finish first.
+    assert any(0 < row["rollout/partial_samples"] for row in rows[1:])  # the premise: some were continued
+    for i, row in enumerate(rows, start=1):  # the kept samples whose tokens came from more than one version
+        draws = [json.loads(line) for line in (out / "samples" / f"iter_{i:06d}_draws.jsonl").read_text().splitlines()]
+        assert row["rollout/partial_samples"] == sum(len(d["weight_versions"]) > 1 for d in draws if d["kept"])
     assert all(row["response/length_max"] == 40 for row in rows)
 
 

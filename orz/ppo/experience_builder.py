@@ -224,12 +224,14 @@ class ExperienceBuilder:
 
     def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
         """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
-        dynamic-sampling filter saw it, its group, and whether it went into the batch."""
+        dynamic-sampling filter saw it, its group, whether it went into the batch, and the weight
+        versions its tokens came from (more than one: continued by newer weights, partial rollout)."""
         (self.out / "samples").mkdir(exist_ok=True)
         with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
             for draw, sample, score, group, keep in drawn:
                 record = {"draw": draw, "group": group, "response": sample.text, "score": score,
-                          "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep}
+                          "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep,
+                          "weight_versions": sorted(set(sample.token_versions))}
                 if isinstance(sample, Conversation):  # every turn in order: origin "model" or "env", text, ids
                     record |= {"turns": [vars(turn) for turn in sample.turns], "env": sample.env,
                                "env_reward": sample.env_reward, "env_error": sample.env_error}

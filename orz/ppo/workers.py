@@ -330,6 +330,10 @@ class MegatronWorker(FaultSite):
             out = self.engine.train_step(inputs, threaded_loss)
             self.scheduler.step(increment=1)
             agreement = self._routing_agreement(micro) if inputs[0].routes is not None else None
+            real = [int(mb.experience.sequence_lengths().sum()) for mb in micro]
+            slots = real if self.spec.cfg.pack else [mb.experience.sequences.numel() for mb in micro]
+            tokens = torch.tensor([sum(real), sum(slots)], dtype=torch.float64)  # over every DP rank
+            torch.distributed.all_reduce(tokens, group=self.ps.get_data_parallel_group())
             step = combine_metrics(out["metrics"]) if self._reports else {}
             if self._reports and agreement is not None:
                 step["mismatch/routing_agreement"] = agreement
@@ -342,13 +346,11 @@ class MegatronWorker(FaultSite):
                 step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
                 step[f"{self.spec.name}/threads"] = float(torch.get_num_threads())  # at the step's end
                 # What the token budget (or row count) made of the shard: passes, the largest one's token
-                # slots (rows × width; packed: its real tokens), and the share of slots that pad.
-                real = [int(mb.experience.sequence_lengths().sum()) for mb in micro]
-                slots = real if self.spec.cfg.pack else [mb.experience.sequences.numel() for mb in micro]
+                # slots (rows × width; packed: its real tokens), and the share of every DP rank's slots that pad.
                 step[f"{self.spec.name}/micro_batches"] = float(len(micro))
                 step[f"{self.spec.name}/pass_tokens_max"] = float(max(slots))
                 padding = "perf/padding_frac" if self.spec.name == "actor" else f"perf/{self.spec.name}_padding_frac"
-                step[padding] = 1.0 - sum(real) / sum(slots)
+                step[padding] = float(1.0 - tokens[0] / tokens[1])
             steps.append(step)
         if not self._reports:
             return None
