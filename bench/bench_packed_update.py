@@ -7,8 +7,8 @@ A random Llama (--hidden, --layers, --vocab) in one Megatron rank at one thread,
 one GRPO optimizer step on --rows rows whose response lengths are drawn as bench_rollout.py draws
 them (lognormal around --median, clipped to [8, --cap]; prompts of 32 tokens), split into passes of
 at most --budget tokens: padded rows × the longest, or packed real tokens. Each side's time is the
-median of --repeats steps after a warm-up step (at lr 1e-6 the weights hardly move between them,
-and a step's time does not depend on them). The ideal saving of packing is the padded time ×
+median of --repeats steps after a warm-up step, the two sides' steps interleaved in one process
+(at lr 1e-6 the weights hardly move between them, and a step's time does not depend on them). The ideal saving of packing is the padded time ×
 perf/padding_frac (the share of its token slots that pad); `saving_over_ideal` is what packing
 saved of it (target ≥ 0.7). Useful work: 6 × parameters per real token.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SMOKE_LIMITS, best_limits, emit, machine, machine_limits, median_seconds, parse_args, set_threads  # noqa: E402
+from common import SMOKE_LIMITS, best_limits, emit, machine, machine_limits, parse_args, set_threads  # noqa: E402
 
 from orz.config import AlgorithmConfig, RoleConfig  # noqa: E402
 from orz.models.local_world import run_world  # noqa: E402
@@ -49,22 +50,25 @@ def _batch(rows: int, median: float, sigma: float, cap: int, vocab: int, seed: i
 
 
 def _updates(rank, world, model, batch, budget, repeats):
-    """{side: (median seconds of a step, its padding_frac)} in this rank."""
+    """{side: (median seconds of a step, its padding_frac)}: both sides' workers in this rank, their
+    steps interleaved (a warm-up step each first), so that the machine's drift falls on both alike."""
+    import time
+
     from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec
 
     settings = ActorSettings(AlgorithmConfig(advantage="grpo"), 1.0, 0.0, 0.0)
-    out = {}
+    workers, seconds, padding = {}, {"padded": [], "packed": []}, {}
     for side, pack in (("padded", False), ("packed", True)):
         role = RoleConfig(lr=1e-6, micro_batch_tokens=budget, pack=pack)
-        worker = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=repeats + 1), 0, 1)
-        worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        padding = []
-
-        def step():
-            padding.append(worker.train_actor([batch], settings).metrics["perf/padding_frac"])
-
-        out[side] = (median_seconds(step, repeats), padding[-1])
-    return out
+        workers[side] = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=repeats + 1), 0, 1)
+        workers[side].setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    for repeat in range(repeats + 1):
+        for side, worker in workers.items():
+            start = time.perf_counter()
+            padding[side] = worker.train_actor([batch], settings).metrics["perf/padding_frac"]
+            if repeat:  # the first is the warm-up
+                seconds[side].append(time.perf_counter() - start)
+    return {side: (statistics.median(seconds[side]), padding[side]) for side in workers}
 
 
 def main(argv=None) -> None:
@@ -77,7 +81,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parse_args(parser, {"rows": 8, "median": 16, "cap": 64, "budget": 128, "hidden": 32, "layers": 1,
                                "vocab": 64, "repeats": 1}, argv)
     from transformers import AutoModelForCausalLM
