@@ -5,7 +5,7 @@ from orz.models.arch import ModelArch
 from orz.plan.inputs import Cluster, Placement, PlanError, Workload
 from orz.plan.memory import RoleMemory, memory_rows
 from orz.plan.timing import Timing, timing
-from orz.run.placement import Layout, Sizes, role_problems
+from orz.run.placement import Layout, role_problems
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,11 @@ class Plan:
 def placement_problems(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> list[str]:
     """Everything that stops the placement from running at all, whatever the memory, as the trainer
     and the Slurm check decide it (orz.run.placement); each names the recipe's key."""
-    roles = placement.megatron_roles()
-    sizes = {name: Sizes(par.tp, par.pp, par.dp, par.ep, par.etp) for name, par in roles.items()}
+    roles = placement.megatron_roles()  # each the trainer's Sizes, and what its passes hold
     rollout = placement.rollout
-    layout = Layout(sizes, rollout.num_engines, rollout.engine_tp, placement.colocate)
+    layout = Layout(roles, rollout.num_engines, rollout.engine_tp, placement.colocate)
     problems = [problem for name, par in roles.items()
-                for problem in role_problems(name, sizes[name], par.micro_batch_tokens, placement.arch_of(name, arch),
+                for problem in role_problems(name, par, par.micro_batch_tokens, placement.arch_of(name, arch),
                                              workload.max_seq_tokens)]
     tp = rollout.engine_tp
     if arch.num_heads % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):

@@ -4,6 +4,7 @@ from dataclasses import dataclass, fields
 
 from orz.config import ConfigError
 from orz.models.arch import ModelArch
+from orz.run.placement import Sizes
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -59,16 +60,12 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class ModelParallel:
-    """A Megatron role's sizes, named as in the recipe's RoleConfig."""
+class ModelParallel(Sizes):
+    """A Megatron role as the planner sizes it: the trainer's placement of it (Sizes: tp, pp, dp,
+    ep, etp, one GPU per worker) and what its passes hold."""
 
-    tp: int = 1  # tensor parallel: splits every matmul, needs NVLink
-    pp: int = 1  # pipeline stages: splits the layers
-    dp: int = 1  # data parallel replicas
     micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
-    ep: int = 1  # expert parallel: each GPU holds experts / ep of every sparse layer (carved out of tp·dp)
-    etp: int = 1  # expert tensor parallel: splits each expert's width
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: tokens whose logits are held at once; 0: the default
 
     def __post_init__(self):
@@ -76,7 +73,7 @@ class ModelParallel:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.workers
 
     @property
     def expert_dp(self) -> int:
