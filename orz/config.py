@@ -261,6 +261,9 @@ class TrainerConfig:
     # A checkpoint directory (<run>/checkpoints/iter_N, of this run or another) to continue from
     # instead of the latest; the run writes on into output_dir. "": the latest (trainer.resume).
     resume_from: str = ""
+    # GPU: Megatron writes a checkpoint's files in the background while training goes on; it
+    # becomes `latest` when the trainer finishes it, before the next one (refused on CPU).
+    async_save: bool = False
     max_restarts: int = 3  # a Megatron worker died: rebuild the roles, resume from the last checkpoint
     export_hf: bool = True  # write the final actor as an HF directory
     # Where the figures go besides metrics.jsonl ("jsonl", always): tensorboard, wandb, mlflow

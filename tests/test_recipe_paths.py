@@ -322,8 +322,11 @@ def test_partial_rollout_finishes_the_batch_ahead_with_the_new_weights(ray_clust
     response's version is its oldest token's."""
     out = tmp_path / "run"
     train(load_config(None, [*tiny_run(out, "grpo", iterations=3), "trainer.max_staleness=1", "rollout.partial=true",
-                             "rollout.max_num_seqs=2", "rollout.stop=[]", "rollout.max_new_tokens=40"]))
+                             "rollout.max_num_seqs=2", "rollout.stop=[]", "rollout.max_new_tokens=40",
+                             "trainer.keep_checkpoints=1", "trainer.keep_every=2"]))
     rows = _history(out)[1:]
+    # saved every iteration: the last one stays, and every second (trainer.keep_every=2)
+    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000002", "iter_000003"]
     assert [row["rollout/sample_weight_version"] for row in rows] == [0, 0, 1]
     assert [row["rollout/staleness_max"] for row in rows] == [0, 1, 1]
     assert rows[0]["rollout/partial_samples"] == 0  # generated before any update

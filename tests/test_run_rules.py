@@ -530,3 +530,10 @@ def test_trainer_resume_from_names_what_it_is_not_before_start(edit, message, tm
         return
     with pytest.raises(ConfigError, match=message):
         train(cfg)
+
+
+def test_async_save_is_refused_on_cpu_naming_the_key():
+    with pytest.raises(ConfigError, match=r"trainer.async_save=true: Megatron's asynchronous save .* on CPU set it "
+                                          r"false: the save is synchronous"):
+        run_rules.check(load_config(None, ["trainer.async_save=true"]), on_gpu=False)
+    run_rules.check(load_config(None, ["trainer.async_save=true"]), on_gpu=True)  # a GPU run takes it

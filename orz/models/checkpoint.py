@@ -76,21 +76,32 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
 
     On failure the partial directory is removed and an existing `dest` is left untouched.
     """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = fresh_beside(dest)
     try:
         yield tmp
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            dest.rename(old)
-        tmp.rename(dest)
-        if old is not None:
-            shutil.rmtree(old)
+        replace_with(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def fresh_beside(dest: str | Path) -> Path:
+    """A new hidden directory beside `dest`, to be written and then renamed into place (replace_with)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+
+
+def replace_with(tmp: Path, dest: str | Path) -> None:
+    """`tmp` becomes `dest` in one rename; an existing `dest` goes once it has."""
+    dest = Path(dest)
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        dest.rename(old)
+    tmp.rename(dest)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def save_hf(

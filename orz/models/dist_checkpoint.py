@@ -84,25 +84,54 @@ def _state(engine, loading: bool, sharding: str, with_optimizer: bool, with_rng:
     return state
 
 
-def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: str = FAST) -> None:
+def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: str = FAST,
+         asynchronous: bool = False):
     """Writes the model, its optimizer (in `sharding`'s cut) and each rank's RNG into `directory`
-    (made if missing; it must be empty), then rank 0 writes orz_checkpoint.json: `meta` plus what `load` checks."""
+    (made if missing; it must be empty), then rank 0 writes orz_checkpoint.json: `meta` plus what
+    `load` checks. asynchronous (GPU): returns Megatron's AsyncRequest, whose finalisation (once
+    every rank's files are written: PendingSaves) writes orz_checkpoint.json; else None, when done."""
     directory = Path(directory)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     kind = optimizer_kind(engine)
-    chained = len(chain(engine.optimizer)) if kind else 0
-    dist_checkpointing.save(_state(engine, False, sharding, True, True), str(directory),
-                            content_metadata={_SHARDING_KEY: sharding})
+    record = {"format": "torch_dist", "hf_config": hf_config, "layout": layout_sizes(engine),
+              "padded_vocab": engine.layout.padded_vocab, "value_head": engine.layout.value_head,
+              "dtype": str(engine.config.params_dtype).removeprefix("torch."), "optimizer": kind,
+              "chained": len(chain(engine.optimizer)) if kind else 0,
+              "optimizer_sharding": sharding if kind == "distributed" else None} | meta
+
+    def write_meta():
+        if dist.get_rank() == 0:
+            (directory / MEGATRON_META).write_text(json.dumps(record, indent=1))
+
+    # "mcore": Megatron's own background writer (its default, "nvrx", needs nvidia-resiliency-ext)
+    background = {"async_sharded_save": True, "async_strategy": "mcore"} if asynchronous else {}
+    request = dist_checkpointing.save(_state(engine, False, sharding, True, True), str(directory),
+                                      content_metadata={_SHARDING_KEY: sharding}, **background)
+    if asynchronous:  # untested here: GPU only (tests/gpu)
+        request.add_finalize_fn(write_meta)
+        return request
     dist.barrier()
-    if dist.get_rank() == 0:
-        record = {"format": "torch_dist", "hf_config": hf_config, "layout": layout_sizes(engine),
-                  "padded_vocab": engine.layout.padded_vocab, "value_head": engine.layout.value_head,
-                  "dtype": str(engine.config.params_dtype).removeprefix("torch."), "optimizer": kind, "chained": chained,
-                  "optimizer_sharding": sharding if kind == "distributed" else None} | meta
-        (directory / MEGATRON_META).write_text(json.dumps(record, indent=1))
+    write_meta()
     dist.barrier()
+    return None
+
+
+class PendingSaves:
+    """This rank's asynchronous saves in flight (GPU; untested here): `add` an AsyncRequest that
+    `save` returned, `finish` waits until every rank's files are written and finalises them."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+
+    def add(self, request) -> None:
+        self.queue.schedule_async_request(request)
+
+    def finish(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
 
 
 def _check_shapes(state: dict, directory: Path) -> None:

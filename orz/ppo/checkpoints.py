@@ -5,25 +5,26 @@ generated ahead (trainer.max_staleness > 0), whose weights no checkpoint holds. 
 newest complete one. The last trainer.keep_checkpoints are kept, and with trainer.keep_every=k
 every k-th iteration's too.
 
-    path = save(root, iteration, {"actor": actor, "critic": critic}, state, batches_ahead, keep=3, every=100)
+    path = save(root, iteration, {"actor": actor, "critic": critic}, state, batches_ahead, keep=3, every=100).finish()
     recut_where_needed(path, {"actor": actor_spec})     # before the roles start, at another layout
     state, batches_ahead = load(path, {"actor": actor, "critic": critic})
 
-Written atomically (orz.models.checkpoint.atomic_dir: a temporary directory renamed once every
-role and the state are on disk), then `latest` is replaced: a crash or a full disk never leaves
-a checkpoint that looks complete, and the previous one stays.
+Written atomically (a hidden directory beside it, renamed once every role and the state are on
+disk), then `latest` is replaced: a crash or a full disk never leaves a checkpoint that looks
+complete, and the previous one stays. With trainer.async_save (GPU) the roles write their files in
+the background and the trainer finishes the checkpoint (the rename, `latest`) before the next one.
 """
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
 import torch
 
-from orz.models.checkpoint import atomic_dir, describe, read_megatron_meta, recut_layout
+from orz.models.checkpoint import describe, fresh_beside, read_megatron_meta, recut_layout, replace_with
 
 STATE, BATCHES_AHEAD = "trainer_state.json", "pending_batches.pt"
 
@@ -47,27 +48,56 @@ def iteration_of(ckpt: Path) -> int:
     return int(ckpt.name.removeprefix("iter_"))
 
 
-def save(root: Path, iteration: int, groups: dict, state: dict, batches_ahead, keep: int, every: int = 0) -> Path:
-    """Writes root/iter_<iteration>: every group's checkpoint (group.save_async), `state` and the
-    batches generated ahead; then points `latest` at it and removes the ones neither among the
-    last `keep` nor at a multiple of `every` (0: none). CheckpointError when it could not be written."""
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written into `tmp` (hidden beside `final`): `finish` waits for the roles'
+    asynchronous saves (none: returns at once), renames it into place and only then moves `latest`
+    to it, so that a kill before leaves the previous one as the one to resume."""
+
+    root: Path
+    final: Path
+    tmp: Path
+    groups: dict
+    keep: int
+    every: int
+
+    def finish(self) -> Path:
+        """The complete checkpoint; the ones neither among the last `keep` nor at a multiple of
+        `every` (0: none) are removed. CheckpointError when it could not be written."""
+        try:
+            for group in self.groups.values():
+                group.finish_saves()
+            replace_with(self.tmp, self.final)
+            pointer = self.root / "latest.tmp"
+            pointer.write_text(self.final.name)
+            pointer.replace(self.root / "latest")
+        except (OSError, ray.exceptions.RayTaskError) as err:
+            raise self._not_written(err) from err
+        for old in sorted(self.root.glob("iter_*"))[:-self.keep]:
+            if not (self.every and iteration_of(old) % self.every == 0):
+                shutil.rmtree(old, ignore_errors=True)
+        return self.final
+
+    def _not_written(self, err: Exception) -> CheckpointError:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        previous = latest(self.root)
+        return CheckpointError(f"{self.final}: checkpoint not written ({err}); the latest complete one "
+                               f"({previous.name if previous else 'none'}) is intact")
+
+
+def save(root: Path, iteration: int, groups: dict, state: dict, batches_ahead, keep: int, every: int = 0,
+         asynchronous: bool = False) -> PendingCheckpoint:
+    """Starts root/iter_<iteration>: every group's checkpoint (group.save_async; asynchronous: its
+    files still being written, GPU), `state` and the batches generated ahead; `.finish()` completes it."""
     final = root / f"iter_{iteration:06d}"
+    pending = PendingCheckpoint(root, final, fresh_beside(final), groups, keep, every)
     try:
-        with atomic_dir(final) as tmp:
-            ray.get([ref for name, group in groups.items() for ref in group.save_async(str(tmp / name))])
-            (tmp / STATE).write_text(json.dumps(state, indent=1, default=str))
-            torch.save(list(batches_ahead), tmp / BATCHES_AHEAD)
-        pointer = root / "latest.tmp"
-        pointer.write_text(final.name)
-        pointer.replace(root / "latest")
+        ray.get([ref for name, group in groups.items() for ref in group.save_async(str(pending.tmp / name), asynchronous)])
+        (pending.tmp / STATE).write_text(json.dumps(state, indent=1, default=str))
+        torch.save(list(batches_ahead), pending.tmp / BATCHES_AHEAD)
     except (OSError, ray.exceptions.RayTaskError) as err:
-        previous = latest(root)
-        raise CheckpointError(f"{final}: checkpoint not written ({err}); the latest complete one "
-                              f"({previous.name if previous else 'none'}) is intact") from err
-    for old in sorted(root.glob("iter_*"))[:-keep]:
-        if not (every and iteration_of(old) % every == 0):
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+        raise pending._not_written(err) from err
+    return pending
 
 
 def recut_where_needed(ckpt: Path, specs: dict, start_group, say=print) -> None:

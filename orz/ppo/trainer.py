@@ -107,7 +107,8 @@ class RayPPOTrainer:
         # Batches generated ahead (max_staleness > 0: by a background thread while the actor trains), not yet trained on.
         self.batches_ahead: deque[tuple[Experience, dict]] = deque()
         self._background = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")
-        self.last_checkpoint = resume_from
+        self.last_checkpoint = resume_from  # the latest complete one
+        self._saving: checkpoints.PendingCheckpoint | None = None  # one still being written (trainer.async_save)
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.data = RunData(cfg.trainer.seed) if data is None else data
@@ -235,8 +236,10 @@ class RayPPOTrainer:
                     progress.update(task, description="checkpoint")
                     self.save_checkpoint()
                 if stop.is_set() and not last:
+                    self.finish_checkpoint()
                     console.print(f"orz: SIGUSR1: stopped after iteration {self.iteration} with a checkpoint")
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
+        self.finish_checkpoint()
         if cfg.export_hf:
             self.actor.export_hf(str(self.out / "hf"))
         plot = self.logger.close()
@@ -504,9 +507,18 @@ class RayPPOTrainer:
             "config": to_dict(self.run_cfg),
         }
         t = self.run_cfg.trainer
-        self.last_checkpoint = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
-                                                self.batches_ahead, t.keep_checkpoints, t.keep_every)
-        return self.last_checkpoint
+        self.finish_checkpoint()
+        self._saving = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
+                                        self.batches_ahead, t.keep_checkpoints, t.keep_every, t.async_save)
+        if not t.async_save:
+            self.finish_checkpoint()
+        return self._saving.final
+
+    def finish_checkpoint(self) -> None:
+        """Completes the checkpoint still being written (trainer.async_save), if any: only then is
+        it the latest."""
+        if self._saving is not None:
+            self.last_checkpoint, self._saving = self._saving.finish(), None
 
     def _resume(self, ckpt: Path) -> None:
         """Roles, weight version, controllers and the batches generated ahead from `ckpt`; the

@@ -122,6 +122,7 @@ class MegatronWorker(FaultSite):
         torch.set_num_threads(self._threads)
         self._world_store = None  # rank 0's, once host_world has run
         self._peaks: dict[str, float] = {}  # phase -> peak GiB since peak_memory_gib last ran
+        self._saves = None  # asynchronous saves in flight (dist_checkpoint.PendingSaves; GPU)
 
     def __repr__(self) -> str:  # Ray names the actor by it in the tracebacks it sends back; = its log's name
         return f"{self.spec.name}-{self.rank}"
@@ -461,15 +462,25 @@ class MegatronWorker(FaultSite):
             lambda tensors: str(save_hf(out_dir, tensors, config, extra_files_from=self.spec.model_path)))
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self, root: str) -> None:
+    def save(self, root: str, asynchronous: bool = False) -> None:
         """The role's checkpoint in Megatron's format (orz/models/dist_checkpoint.py): weights, the
         optimizer's fp32 masters, moments and param groups, each rank's RNG, and the scheduler's
-        step count (its settings come from the stage's config: `configure`)."""
+        step count (its settings come from the stage's config: `configure`). asynchronous (GPU,
+        trainer.async_save): the files are written in the background until `finish_saves`."""
         from orz.models import dist_checkpoint
         from orz.models.checkpoint import HFCheckpoint
 
         meta = {"role": self.spec.name} | ({"scheduler_steps": self.scheduler.num_steps} if self.spec.train else {})
-        dist_checkpoint.save(self.engine, root, meta, HFCheckpoint(self.spec.model_path).config)
+        request = dist_checkpoint.save(self.engine, root, meta, HFCheckpoint(self.spec.model_path).config,
+                                       asynchronous=asynchronous)
+        if request is not None:
+            self._saves = self._saves or dist_checkpoint.PendingSaves()
+            self._saves.add(request)
+
+    def finish_saves(self) -> None:
+        """Waits for this rank's asynchronous saves (none: returns at once)."""
+        if self._saves is not None:
+            self._saves.finish()
 
     def load(self, root: str) -> None:
         """The inverse of `save`, exactly at the saved layout, and re-sharded by Megatron at another
@@ -618,8 +629,12 @@ class WorkerGroup:
         """Every worker takes `threads` torch threads from its next micro-batch on (not waited for)."""
         self._call("use_threads", threads)
 
-    def save_async(self, root: str) -> list[ray.ObjectRef]:
-        return self._call("save", root)
+    def save_async(self, root: str, asynchronous: bool = False) -> list[ray.ObjectRef]:
+        """Every worker's part of the checkpoint; asynchronous: written in the background until finish_saves."""
+        return self._call("save", root, asynchronous)
+
+    def finish_saves(self) -> None:
+        ray.get(self._call("finish_saves"))
 
     def load_async(self, root: str) -> list[ray.ObjectRef]:
         return self._call("load", root)

@@ -153,6 +153,10 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += colocation_problems(cfg)
     problems += mismatch_problems(cfg)
     problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
+    if cfg.trainer.async_save and not on_gpu:
+        problems.append("trainer.async_save=true: Megatron's asynchronous save copies the tensors off the GPU and "
+                        "writes them from a background process it checks with CUDA tensors (GPU only); on CPU set "
+                        "it false: the save is synchronous")
     if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
         problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
                         "samples from seeds of its own)")

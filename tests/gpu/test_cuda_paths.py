@@ -128,3 +128,32 @@ def test_weight_gather_and_buckets_on_gpu_reach_a_cpu_receiver(world, tmp_path):
     assert all(torch.equal(received[n], t.cpu()) and digest(received[n]) == digest(t.cpu()) for n, t in named.items())
     _report("weight_buckets_gpu_to_cpu", tensors=len(named), bytes=sum(t.numel() * t.element_size()
                                                                         for t in named.values()))
+
+
+def test_an_asynchronous_save_finishes_then_loads_back_exactly(world, tmp_path):
+    """trainer.async_save's path: Megatron writes the files in the background; orz_checkpoint.json
+    (what makes it a checkpoint orz reads) appears only once the save is finished, and a fresh model
+    loads back the weights and the optimizer's state exactly."""
+    from orz.models import dist_checkpoint
+    from orz.models.checkpoint import MEGATRON_META
+    from orz.models.inputs import ModelInputs
+    from orz.models.tiny import make_tiny_hf
+
+    path = make_tiny_hf(tmp_path / "llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2)
+    ckpt, engine = _engine(path)
+    tokens = torch.randint(0, 512, (2, 64), device="cuda")
+    engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(hidden, b.input_ids).mean(), {}))
+    start = time.perf_counter()
+    request = dist_checkpoint.save(engine, tmp_path / "ck", {"scheduler_steps": 1}, ckpt.config, asynchronous=True)
+    returned = time.perf_counter() - start
+    saves = dist_checkpoint.PendingSaves()
+    saves.add(request)
+    assert not (tmp_path / "ck" / MEGATRON_META).exists()  # not a checkpoint until finished
+    saves.finish()
+    assert (tmp_path / "ck" / MEGATRON_META).is_file()
+    _, fresh = _engine(path)
+    dist_checkpoint.load(fresh, tmp_path / "ck")
+    for (name, a), (_, b) in zip(engine.module.state_dict().items(), fresh.module.state_dict().items()):
+        if not name.endswith("_extra_state"):
+            assert torch.equal(a, b), name
+    _report("async_save", seconds_to_return=returned, seconds_in_all=time.perf_counter() - start)
