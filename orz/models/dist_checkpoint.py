@@ -3,6 +3,7 @@ torch_dist, as Megatron-LM, verl, slime and NeMo-RL write it.
 
     save(engine, directory, meta, hf_config)   # every rank of the model's world; an empty directory
     meta = load(engine, directory)     # every rank, at any TP/PP/DP/EP the re-sharding rules below allow
+    request = save(..., asynchronous=True); saves = PendingSaves(); saves.add(request); saves.finish()  # GPU
 
 A directory holds Megatron's files (`.metadata`, `__R_0.distcp`, `common.pt`, `metadata.json`) and
 `orz_checkpoint.json`: the HF config, the layout it was saved at, the optimizer and its sharding, and

@@ -510,9 +510,10 @@ class RayPPOTrainer:
         self.finish_checkpoint()
         self._saving = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
                                         self.batches_ahead, t.keep_checkpoints, t.keep_every, t.async_save)
+        final = self._saving.final
         if not t.async_save:
             self.finish_checkpoint()
-        return self._saving.final
+        return final
 
     def finish_checkpoint(self) -> None:
         """Completes the checkpoint still being written (trainer.async_save), if any: only then is
