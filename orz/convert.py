@@ -1,4 +1,5 @@
-"""Checkpoint conversion between HF directories and Megatron's format (the one orz's trainer writes).
+"""Checkpoint conversion between HF directories and Megatron's format (the one orz's trainer writes;
+`model.path` of a run and `orz eval --model` read hf2mcore's output too).
 
     orz convert hf2mcore --hf Qwen2.5-7B --out ckpt/mcore --tp 4 --pp 2
     orz convert mcore2hf --mcore runs/x/checkpoints/iter_000300/actor --out hf [--like Qwen2.5-7B]
@@ -27,7 +28,15 @@ import torch
 
 from orz.config import ConfigError, ExperimentConfig, from_dict
 from orz.models.arch import ModelConfigError, arch_from_dict
-from orz.models.checkpoint import HFCheckpoint, atomic_dir, is_earlier_format, read_megatron_meta, save_hf
+from orz.models.checkpoint import (
+    HF_FILES,
+    HFCheckpoint,
+    atomic_dir,
+    copy_hf_files,
+    is_earlier_format,
+    read_megatron_meta,
+    save_hf,
+)
 from orz.models.convert import Layout, param_rules
 from orz.models.local_world import run_world
 
@@ -62,6 +71,8 @@ def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisibl
     with atomic_dir(out_dir) as tmp:
         run_world(_hf2mcore_rank, tp * pp * _smallest_dp(tp, ep, etp), hf_dir, str(tmp), tp, pp, ep, etp,
                   vocab_divisible_by, timeout=3600)
+        (tmp / HF_FILES).mkdir()
+        copy_hf_files(hf_dir, tmp / HF_FILES)
     return Path(out_dir)
 
 
@@ -81,8 +92,10 @@ def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
 
 def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
     """A complete HF directory from any Megatron directory orz wrote; `like` (an HF dir) supplies
-    the tokenizer and other files."""
+    the tokenizer and other files (default: those hf2mcore kept, where it wrote the directory)."""
     meta = read_megatron_meta(mcore_dir)  # refuses any other format, naming it, before a process starts
+    if like is None and (Path(mcore_dir) / HF_FILES).is_dir():
+        like = str(Path(mcore_dir) / HF_FILES)
     if meta["value_head"]:
         raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
                                "causal-LM form; export the actor's")

@@ -5,7 +5,7 @@
         [--out DIR] [--engines N] [--seed S] [--env python | --env NAME=package.module:Class] [--max-turns T]
 
 --model is an HF directory or a Megatron checkpoint written by orz (it holds orz_checkpoint.json; it
-is converted to a temporary HF directory under --out, with the tokenizer from --tokenizer).
+is converted to a temporary HF directory under --out, with the tokenizer hf2mcore kept beside it or --tokenizer's).
 Benchmark files are read locally (see orz/evaluation/benchmarks.py for their formats); every
 file is checked before any engine starts. Writes DIR/report.json (settings and every figure),
 DIR/samples.jsonl (one line per sample) and DIR/table.md, and prints the table. With --env, rows
@@ -24,7 +24,7 @@ from pathlib import Path
 from orz.config import DataConfig, ExperimentConfig, RolloutConfig
 from orz.data.datasets import DatasetFormatError
 from orz.models.arch import ModelConfigError
-from orz.models.checkpoint import MEGATRON_META, is_earlier_format, read_megatron_meta
+from orz.models.checkpoint import HF_FILES, MEGATRON_META, is_earlier_format, read_megatron_meta
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,15 @@ def parse_args(argv: list[str] | None = None):
 
 def resolve_model(model: str | Path, tokenizer: str | None, workdir: str | Path) -> tuple[str, str]:
     """(HF directory for vLLM, tokenizer directory). An orz Megatron checkpoint is converted into
-    `workdir` first; it holds no tokenizer, so `tokenizer` must name one."""
+    `workdir` first, with the tokenizer hf2mcore kept beside it; a trainer's holds none, so
+    `tokenizer` must name one."""
     from orz.convert import mcore2hf
 
     model = Path(model)
     if (model / MEGATRON_META).is_file():
+        tokenizer = tokenizer or (str(model / HF_FILES) if (model / HF_FILES).is_dir() else None)
         if tokenizer is None:
-            raise ModelConfigError(f"{model} is a Megatron checkpoint, which holds no tokenizer: "
+            raise ModelConfigError(f"{model} is a Megatron checkpoint that holds no tokenizer (a trainer's): "
                                    f"pass --tokenizer DIR")
         return str(mcore2hf(str(model), str(Path(workdir) / "hf"), like=tokenizer)), tokenizer
     if is_earlier_format(model):

@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from orz.config import ConfigError, ExperimentConfig, load_config
+from orz.config import ConfigError, ExperimentConfig, apply_overrides, load_config
 from orz.stopping import Stopped
 
 
@@ -83,6 +83,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 Fault.parse(cfg.trainer.fault)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            cfg = hf_start(cfg)
             arch = HFCheckpoint(cfg.model.path).arch
             run_rules.check(cfg, arch)  # before Ray or any worker starts
             resume_from = latest_checkpoint(cfg)
@@ -177,6 +178,22 @@ def _origin(err: BaseException) -> str:
     what = f"{type(cause or err).__name__}: {cause or err}".splitlines()[0]
     actor = re.search(r"ray::([\w.]+)\(\).*?repr=([^)]+)\)", str(err)) if cause is not None else None
     return f"{what} (raised in {actor[2]}, {actor[1]})" if actor else what
+
+
+def hf_start(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A model.path that names a Megatron checkpoint (`orz convert hf2mcore`'s) is converted once
+    into output_dir/model_hf, which the run then reads: the engines load HF weights."""
+    from orz.convert import mcore2hf
+    from orz.models.checkpoint import MEGATRON_META
+    from orz.ppo.trainer import console
+
+    if not (Path(cfg.model.path) / MEGATRON_META).is_file():
+        return cfg
+    converted = Path(cfg.trainer.output_dir) / "model_hf"
+    if not (converted / "config.json").is_file():
+        console.print(f"orz: model.path={cfg.model.path} is a Megatron checkpoint: converting it once into {converted}")
+        mcore2hf(cfg.model.path, str(converted))
+    return apply_overrides(cfg, [f"model.path={converted}"])
 
 
 def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:

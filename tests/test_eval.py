@@ -2,6 +2,7 @@
 and `python -m orz.eval` on the tiny model, whose numbers must equal the Evaluator's called
 directly, as the trainer calls it."""
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -212,9 +213,13 @@ def test_a_megatron_checkpoint_is_converted_for_the_engines(tiny_model, tmp_path
     from orz.models.checkpoint import HFCheckpoint
 
     mcore = hf2mcore(tiny_model, tmp_path / "mcore", tp=1, pp=1)
+    hf_dir, tokenizer_dir = resolve_model(mcore, None, tmp_path / "work")  # the tokenizer hf2mcore kept
+    assert tokenizer_dir == str(mcore / "hf_files")
+    assert load_tokenizer(hf_dir).get_vocab() == load_tokenizer(tiny_model).get_vocab()
+    shutil.rmtree(mcore / "hf_files")  # as a trainer's checkpoint: no tokenizer beside it
     with pytest.raises(ModelConfigError, match="pass --tokenizer"):
-        resolve_model(mcore, None, tmp_path / "work")
-    hf_dir, tokenizer_dir = resolve_model(mcore, tiny_model, tmp_path / "work")
+        resolve_model(mcore, None, tmp_path / "work2")
+    hf_dir, tokenizer_dir = resolve_model(mcore, tiny_model, tmp_path / "work3")
     assert tokenizer_dir == tiny_model and load_tokenizer(hf_dir).get_vocab() == load_tokenizer(tiny_model).get_vocab()
     original, converted = HFCheckpoint(tiny_model), HFCheckpoint(hf_dir)
     assert sorted(original.keys()) == sorted(converted.keys())

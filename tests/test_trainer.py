@@ -283,7 +283,12 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     exported by `orz convert mcore2hf`, is what the run's own export wrote, bit for bit."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe}[family]
     out = tmp_path / family
-    overrides = [*tiny_run(out, "grpo", iterations=2, model=model), "rollout.sync_check=held", "algorithm.entropy_coef=0",
+    start = model
+    if family == "llama31":  # the run starts from `orz convert hf2mcore`'s output: Megatron's format
+        from orz.convert import hf2mcore
+
+        start = hf2mcore(str(model), str(tmp_path / "mcore"))
+    overrides = [*tiny_run(out, "grpo", iterations=2, model=start), "rollout.sync_check=held", "algorithm.entropy_coef=0",
                  "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
                  *ACTOR[family], joined(ray_cluster)]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
@@ -299,7 +304,10 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     # scaling, q/k norms and a tied LM head all applied alike on both sides).
     assert history[2]["rollout/sample_weight_version"] == 1
     assert history[2]["mismatch/logp_abs_diff_max"] < 1e-3  # (the MoE's routes happen to have no near-ties here)
-    if family != "llama31":
+    if family == "llama31":  # converted once for the engines, its tokenizer kept: the same model (logprobs above)
+        assert f"model.path={start} is a Megatron checkpoint: converting it once into {out / 'model_hf'}" in run.stdout
+        assert sorted(p.name for p in (out / "model_hf").iterdir()) == sorted(p.name for p in Path(model).iterdir())
+    else:
         _check_export_of_the_checkpoint(out, tmp_path / "exported")
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])

@@ -104,6 +104,13 @@ def replace_with(tmp: Path, dest: str | Path) -> None:
         shutil.rmtree(old)
 
 
+def copy_hf_files(src_dir: str | Path, dst_dir: str | Path) -> None:
+    """An HF directory's files besides its config and weights (tokenizer, generation config)."""
+    for src in Path(src_dir).iterdir():
+        if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(src, Path(dst_dir) / src.name)
+
+
 def save_hf(
     out_dir: str | Path,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -123,9 +130,7 @@ def save_hf(
     shards.append(current)
     with atomic_dir(out_dir) as tmp:
         if extra_files_from is not None:
-            for src in Path(extra_files_from).iterdir():
-                if src.is_file() and src.name not in _REWRITTEN and not src.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(src, tmp / src.name)
+            copy_hf_files(extra_files_from, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if len(shards) == 1:
             save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
@@ -143,6 +148,7 @@ def save_hf(
 # What orz records beside Megatron's files; read without Megatron (the trainer's process, the planner).
 MEGATRON_META = "orz_checkpoint.json"
 FAST, RESHARDABLE = "dp_reshardable", "fully_reshardable"  # Megatron's two cuts of the distributed optimizer
+HF_FILES = "hf_files"  # hf2mcore's copy of the HF directory's tokenizer and other files, for the way back
 
 
 class NeedsRecut(ModelConfigError):
