@@ -55,10 +55,13 @@ class RoleConfig:
 
     tp: int = 1
     pp: int = 1
-    dp: int = 1  # replicas; the role has tp·pp·dp workers
+    # Context parallelism: each sequence split over cp ranks, attention's keys and values passed
+    # round a ring (Transformer Engine's attention: GPU only, refused on CPU)
+    cp: int = 1
+    dp: int = 1  # replicas; the role has tp·pp·cp·dp workers
     # MoE only: experts spread over ep ranks and each expert's SwiGLU split over etp ranks. As in
-    # Megatron, these groups are carved out of each stage's tp·dp ranks (ep·etp must divide tp·dp):
-    # the role still has tp·pp·dp workers.
+    # Megatron, these groups are carved out of each stage's tp·cp·dp ranks (ep·etp must divide
+    # tp·cp·dp): the role still has tp·pp·cp·dp workers.
     ep: int = 1
     etp: int = 1
     cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is `threads`

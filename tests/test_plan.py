@@ -142,6 +142,19 @@ def test_actor_memory_by_hand_no_recompute():
     assert actor.total == 2640640 and actor.parallel == "TP2 PP2 DP2" and actor.gpus == 8
 
 
+def test_context_parallel_splits_the_layers_tokens_and_the_optimizer_not_the_logits():
+    # actor TP2 PP2 CP2 DP1 on the same 8 GPUs, T = 128: each CP rank's layers hold T/2 = 64 tokens,
+    # 155648/2 = 77824 per layer (linear in T); the log-probs read the gathered hidden states of all
+    # T (1203456, as at CP1); the distributed optimizer shards over DP·CP: 12·93824/2 = 562944.
+    # Last stage: 1 in flight · 2 · 77824 + 1203456 = 1359104 (first: 2 in flight · 2 · 77824 = 311296,
+    # with 93760·12 = 1125120 the lighter)
+    par = TrainParallel(tp=2, pp=2, cp=2, dp=1, micro_batch_tokens=128, sequence_parallel=True,
+                        use_distributed_optimizer=True)
+    actor = tiny_plan(actor=par).row("actor")
+    assert (actor.optimizer, actor.activations) == (562944, 1359104)
+    assert actor.parallel == "TP2 PP2 CP2 DP1" and actor.gpus == 8
+
+
 def test_critic_memory_by_hand_full_recompute():
     # critic TP2 PP2 DP2, full recompute, no SP, value head: the first stage is heaviest:
     #   P = 93760: 187520 + 375040 + 12·93760/2 = 562560
@@ -518,7 +531,7 @@ def test_moe_time_by_hand():
 
 def test_expert_parallel_that_cannot_run():
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gib=80)
-    with pytest.raises(PlanError, match=re.escape("actor.ep=8 × actor.etp=1 must divide actor.tp × actor.dp = 4")):
+    with pytest.raises(PlanError, match=re.escape("actor.ep=8 × actor.etp=1 must divide actor.tp × actor.cp × actor.dp = 4")):
         plan(TINY_MOE, cluster, Placement(actor=TrainParallel(tp=1, dp=4, ep=8), rollout=Rollout(num_engines=4)), WORK)
     with pytest.raises(PlanError, match=re.escape("actor.ep=3 does not divide num_experts=8")):
         plan(TINY_MOE, cluster, Placement(actor=TrainParallel(tp=1, dp=3, ep=3), rollout=Rollout(num_engines=4)),

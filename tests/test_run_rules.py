@@ -92,7 +92,7 @@ OUT_OF_RANGE = {
     "trainer.ray_num_cpus": -1,
     "trainer.max_staleness": -1,
     **{f"{role}.{key}": value for role in ROLES for key, value in {
-        "tp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
+        "tp": 0, "pp": 0, "cp": 0, "dp": 0, "ep": 0, "etp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
         "weight_decay": -0.01, "clip_grad": 0, "adam_betas": [0.9, 1.0], "steps_per_iteration": 0,
         "micro_batch_tokens": -1,
     }.items()},
@@ -296,7 +296,7 @@ MOE_ARCH = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_siz
 
 @pytest.mark.parametrize("family, overrides, message", [
     ("moe", ["actor.ep=3", "actor.dp=3"], r"^actor.ep=3 does not divide num_experts=4 of the model"),
-    ("moe", ["actor.ep=2"], r"^actor.ep=2 × actor.etp=1 must divide actor.tp × actor.dp = 1: the experts' groups"),
+    ("moe", ["actor.ep=2"], r"^actor.ep=2 × actor.etp=1 must divide actor.tp × actor.cp × actor.dp = 1: the experts' groups"),
     ("moe", ["critic.ep=2", "critic.etp=2", "critic.dp=2"], r"^critic.ep=2 × critic.etp=2 must divide critic.tp × "),
     ("moe", ["actor.tp=2"], r"^actor.tp=2: Megatron trains a mixture of experts at TP > 1 only with sequence"),
     ("moe", ["actor.etp=2", "actor.dp=2"], r"^actor.etp=2: experts split over ETP ranks crash Megatron's local experts"),
@@ -537,3 +537,39 @@ def test_async_save_is_refused_on_cpu_naming_the_key():
                                           r"false: the save is synchronous"):
         run_rules.check(load_config(None, ["trainer.async_save=true"]), on_gpu=False)
     run_rules.check(load_config(None, ["trainer.async_save=true"]), on_gpu=True)  # a GPU run takes it
+
+
+@pytest.mark.parametrize("family, on_gpu, overrides, message", [
+    ("dense", False, ["actor.cp=2"], r"^actor.cp=2: context parallelism passes keys and values round a ring inside "
+                                     r"Transformer Engine's attention, which runs on GPU only; on CPU set actor.cp=1$"),
+    ("dense", False, ["critic.cp=2"], r"^critic.cp=2: context parallelism"),
+    ("dense", True, ["actor.cp=2", "actor.pack=true"], r"^actor.cp=2 with actor.pack=true: cutting packed rows over "
+                                                       r"CP ranks is not built"),
+    ("moe", True, ["actor.cp=2", "rollout.routing_replay=true"], r"^actor.cp=2 with rollout.routing_replay=true"),
+])
+def test_context_parallel_is_refused_where_it_cannot_run_naming_the_key(family, on_gpu, overrides, message,
+                                                                        monkeypatch):
+    from orz.models.arch import arch_from_dict
+
+    monkeypatch.setattr(run_rules, "routing_replay_problems", lambda *_: [])  # its own refusals: tested above
+    config = MOE_ARCH if family == "moe" else {k: v for k, v in MOE_ARCH.items() if "expert" not in k} | {
+        "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ConfigError, match=message):
+        run_rules.check(load_config(None, overrides), arch_from_dict(config), on_gpu=on_gpu)
+
+
+def test_context_parallel_ranks_are_workers_of_their_own_and_a_gpu_run_takes_them():
+    """CP ranks are GPUs of the role (tp·pp·cp·dp), their experts' groups carved out of tp·cp·dp; a
+    resume at another CP size is refused (untested, GPU only)."""
+    from orz.config import to_dict
+    from orz.models.arch import arch_from_dict
+    from orz.run.placement import Layout
+
+    cfg = load_config(None, ["algorithm.advantage=grpo", "actor.tp=2", "actor.cp=2", "actor.dp=2", "actor.ep=4"])
+    run_rules.check(cfg, arch_from_dict(MOE_ARCH), on_gpu=True)
+    assert Layout.of(cfg).roles["actor"].workers == 8 and Layout.of(cfg).gpu_demand()["actor"] == 8
+    saved = load_config(None, ["actor.cp=1"], base=cfg)
+    assert run_rules.resume_problems(cfg, to_dict(saved), None) == [
+        "actor.cp=2 (saved 1): a resume at another context-parallel size is untested (GPU only); resume at the "
+        "saved size"]
+    assert run_rules.resume_problems(cfg, to_dict(cfg), None) == []

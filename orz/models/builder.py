@@ -38,6 +38,7 @@ def transformer_config(
     ep: int = 1,
     etp: int = 1,
     moe_aux_loss_coef: float = 0.0,
+    cp: int = 1,
 ) -> TransformerConfig:
     """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
 
@@ -64,6 +65,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -187,7 +187,8 @@ def model_parallel(sizes: dict) -> tuple[int, int, int, int]:
 
 def describe(sizes: dict) -> str:
     experts = f" EP{sizes.get('ep', 1)} ETP{sizes.get('etp', 1)}" if sizes.get("ep", 1) * sizes.get("etp", 1) > 1 else ""
-    return f"TP{sizes['tp']} PP{sizes['pp']} DP{sizes['dp']}{experts}"
+    context = f" CP{sizes['cp']}" if sizes.get("cp", 1) > 1 else ""
+    return f"TP{sizes['tp']} PP{sizes['pp']}{context} DP{sizes['dp']}{experts}"
 
 
 def recut_dir(directory: str | Path) -> Path:

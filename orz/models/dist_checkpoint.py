@@ -49,10 +49,11 @@ _SHARDING_KEY = "distrib_optim_sharding_type"  # where Megatron-LM records the c
 
 
 def layout_sizes(engine) -> dict[str, int]:
-    """The sizes a checkpoint records; tp, pp, ep and etp decide what loads where, dp does not."""
+    """The sizes a checkpoint records; tp, pp, ep and etp decide what loads where, dp does not (nor
+    cp: its ranks hold copies of the weights, as DP replicas do)."""
     layout = engine.layout
     return {"tp": layout.tp, "pp": layout.pp, "dp": ps.get_data_parallel_world_size(), "ep": layout.ep,
-            "etp": layout.etp}
+            "etp": layout.etp, "cp": ps.get_context_parallel_world_size()}
 
 
 def chain(optimizer) -> list:

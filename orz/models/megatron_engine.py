@@ -23,6 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+from orz.models import context_parallel
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.builder import build_actor, build_value_model, lm_head_weight, transformer_config, use_transformer_engine
 from orz.models.checkpoint import HFCheckpoint
@@ -93,8 +94,11 @@ class ModelEngine:
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1 and not use_transformer_engine():
+            raise ModelConfigError(f"context parallelism (CP {cp}) runs in Transformer Engine's attention (GPU only)")
         self.arch = arch
-        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef)
+        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef, cp)
         self.config.calculate_per_token_loss = True
         self.config.deterministic_mode = deterministic  # GPU kernels that do not depend on the batch (untested here)
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
@@ -186,7 +190,7 @@ class ModelEngine:
         joins their gathers.
         """
         tp_group = ps.get_tensor_model_parallel_group()
-        dense_source = ps.get_data_parallel_rank() == 0
+        dense_source = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         own = self.local_state()
         for stage in range(self.layout.pp):
             stage_layout = replace(self.layout, tp_rank=0, pp_rank=stage, ep_rank=0, etp_rank=0)
@@ -263,6 +267,7 @@ class ModelEngine:
         pairs = self._even_shapes(microbatches) if self.layout.ep > 1 else [(mb, mb) for mb in microbatches]
 
         self.chosen_routes = []
+        cp = ps.get_context_parallel_world_size()
 
         def forward_step(data_iterator, model):
             padded, batch = next(data_iterator)
@@ -270,12 +275,17 @@ class ModelEngine:
                 self.routes.replay(padded.routes)
             elif self.routes is not None:
                 self.routes.record()
+            ids, positions, padding = (context_parallel.split(padded) if cp > 1 else
+                                       (padded.input_ids, padded.position_ids, padded.padding))
             if batch is None:  # another replica's extra micro-batch: run for the experts' collectives only,
                 with _load_balancing_off(self.config):  # and out of the load-balancing loss (all padding)
-                    output = model(padded.input_ids, padded.position_ids, None)
+                    output = model(ids, positions, None)
                 return output, partial(_padding_only, collect is not None)
-            if padded.lengths is None:
-                output = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding)
+            if cp > 1:  # this rank's share of each sequence (orz/models/context_parallel.py; GPU only)
+                output = model(ids, positions, None, padding_mask=padding)
+                rows_of = context_parallel.gather
+            elif padded.lengths is None:
+                output = model(ids, positions, None, padding_mask=padding)
                 rows_of = lambda out: out  # noqa: E731
             else:  # packed (THD): one sequence of every row's real tokens
                 output = model(padded.packed(padded.input_ids), padded.packed(padded.position_ids), None,
@@ -286,7 +296,7 @@ class ModelEngine:
                 self.chosen_routes.append(self.routes.chosen(tuple(padded.input_ids.shape), b, s))
             if collect is not None:
                 return output, lambda out, non_loss_data=False: collect(rows_of(out)[:b, :s], batch)
-            return output, lambda out: _loss_with_count(loss_fn, batch, rows_of(out)[:b, :s])
+            return output, lambda out: _loss_with_count(loss_fn, batch, rows_of(out)[:b, :s], 1 / cp)
 
         seq_length = pairs[0][0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         out = get_forward_backward_func()(
@@ -426,11 +436,13 @@ def _padding_only(collecting: bool, output: torch.Tensor, non_loss_data: bool = 
     return _PADDING if collecting else (0.0 * output.sum(), torch.tensor(1, dtype=torch.int), _PADDING)
 
 
-def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor):
+def _loss_with_count(loss_fn: LossFn, batch: ModelInputs, output: torch.Tensor, share: float):
+    """The loss this rank backpropagates: `share` of the micro-batch's (1/CP: every CP rank computes
+    the whole of it from the gathered output)."""
     loss, metrics = loss_fn(output, batch)
     # Returning a count makes Megatron skip its division by the number of micro-batches; the
     # count itself is ignored (see _finalize_without_token_scaling).
-    return loss, torch.tensor(1, dtype=torch.int), metrics
+    return loss * share, torch.tensor(1, dtype=torch.int), metrics
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):

@@ -33,11 +33,11 @@ def join_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0,
-                        ep: int = 1, etp: int = 1, store: dist.Store | None = None) -> None:
+                        ep: int = 1, etp: int = 1, store: dist.Store | None = None, cp: int = 1) -> None:
     """Joins the default group unless it exists (at `store` as RANK of WORLD_SIZE, or from the
     usual MASTER_ADDR/MASTER_PORT variables) and builds Megatron's parallel groups;
-    DP = world / (TP * PP). The experts' groups (EP × ETP, then expert DP) are carved out of the
-    same TP × DP ranks of each stage."""
+    DP = world / (TP * PP * CP). The experts' groups (EP × ETP, then expert DP) are carved out of
+    the same TP × CP × DP ranks of each stage."""
     import megatron_patches
 
     megatron_patches.apply()
@@ -53,13 +53,13 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: floa
             dist.init_process_group(default_backend(), store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // pp) % (ep * etp):
-        raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}, "
-                         f"or ep*etp = {ep}*{etp} does not divide tp*dp = {world // pp}")
+    if world % (tp * pp * cp) or (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}, "
+                         f"or ep*etp = {ep}*{etp} does not divide tp*cp*dp = {world // pp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

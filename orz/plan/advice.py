@@ -31,6 +31,7 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Placement]]:
     if par.dp % 2 == 0:
         options.append((f"{role}.tp={2 * par.tp} {role}.dp={par.dp // 2}", replace(par, tp=2 * par.tp, dp=par.dp // 2)))
         options.append((f"{role}.pp={2 * par.pp} {role}.dp={par.dp // 2}", replace(par, pp=2 * par.pp, dp=par.dp // 2)))
+        options.append((f"{role}.cp={2 * par.cp} {role}.dp={par.dp // 2}", replace(par, cp=2 * par.cp, dp=par.dp // 2)))
     if par.micro_batch_tokens // 2 >= w.max_seq_tokens:
         options.append((f"{role}.micro_batch_tokens={par.micro_batch_tokens // 2}",
                         replace(par, micro_batch_tokens=par.micro_batch_tokens // 2)))

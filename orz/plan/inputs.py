@@ -62,14 +62,14 @@ class Cluster:
 @dataclass(frozen=True)
 class ModelParallel(Sizes):
     """A Megatron role as the planner sizes it: the trainer's placement of it (Sizes: tp, pp, dp,
-    ep, etp, one GPU per worker) and what its passes hold."""
+    ep, etp, cp, one GPU per worker) and what its passes hold."""
 
     micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: tokens whose logits are held at once; 0: the default
 
     def __post_init__(self):
-        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp")
+        _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp", "cp")
 
     @property
     def gpus(self) -> int:
@@ -77,12 +77,18 @@ class ModelParallel(Sizes):
 
     @property
     def expert_dp(self) -> int:
-        """Replicas of each expert shard, over which its gradients are reduced: tp·dp / (ep·etp)."""
-        return max(self.tp * self.dp // (self.ep * self.etp), 1)
+        """Replicas of each expert shard, over which its gradients are reduced: tp·cp·dp / (ep·etp)."""
+        return max(self.tp * self.cp * self.dp // (self.ep * self.etp), 1)
+
+    @property
+    def cp_tokens(self) -> int:
+        """A micro-batch's tokens on each CP rank: ⌈T / cp⌉."""
+        return -(-self.micro_batch_tokens // self.cp)
 
     def label(self) -> str:
         experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else "") if self.ep * self.etp > 1 else ""
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}{experts}"
+        context = f" CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp} PP{self.pp}{context} DP{self.dp}{experts}"
 
 
 @dataclass(frozen=True)

@@ -178,30 +178,32 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
       weights      2·P      bf16 parameters
       grads        4·P      fp32 main gradients (accumulated and reduced in fp32)
       optimizer   12·P      fp32 master weights + Adam m + v; with the distributed optimizer
-                            12·(P − P_e)/DP + 12·P_e/EDP, EDP = tp·dp/(ep·etp) (the replicas of an
-                            expert shard): Megatron's 18, or 6 + 12/DP, bytes per parameter
+                            12·(P − P_e)/(DP·CP) + 12·P_e/EDP, EDP = tp·cp·dp/(ep·etp) (the replicas
+                            of an expert shard): Megatron's 18, or 6 + 12/DP, bytes per parameter
       activations n·Σ_layers A_i(T)                      without recompute
                   n·(L/pp)·2·T·h/t_sp + max_i A_i(T)     full recompute: each layer's input, plus one
                                                          layer re-materialised during its backward
                   + logits on the last stage (LM head only)
+    with T the micro-batch's tokens on each CP rank (T/cp) in the layers, and whole in the logits
+    (orz gathers the last hidden states to every CP rank: orz/models/context_parallel.py);
     A_i(T) = layer_activation_bytes of the stage's layer i; n = micro-batches in flight under 1F1B:
     pp on the first stage, 1 on the last (Korthikanti et al. §4.2); t_sp = t with sequence
     parallelism, else 1.
     """
-    t, pp, tokens = par.tp, par.pp, par.micro_batch_tokens
-    layer_input = 2 * tokens * arch.hidden_size // (t if par.sequence_parallel else 1)
+    t, pp, tokens, local = par.tp, par.pp, par.micro_batch_tokens, par.cp_tokens
+    layer_input = 2 * local * arch.hidden_size // (t if par.sequence_parallel else 1)
     stages = stage_params(arch, t, pp, head, MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)
     candidates = []
     for index, (params, layers) in enumerate(zip(stages, stage_layers(arch, pp))):
         last = index == len(stages) - 1
         in_flight = 1 if last else pp
-        each = [layer_activation_bytes(arch, tokens, t, par.sequence_parallel, i, par.etp) for i in layers]
+        each = [layer_activation_bytes(arch, local, t, par.sequence_parallel, i, par.etp) for i in layers]
         kept = in_flight * (len(each) * layer_input if par.recompute else sum(each))
         activations = kept + (max(each) if par.recompute else 0)
         if last and head == "lm":
             activations += logits_bytes(arch, tokens, t, training=True, chunk_tokens=par.logprob_chunk_tokens)
         experts = sum(expert_params(arch, i, par.ep, par.etp) for i in layers)
-        optimizer = (12 * (params - experts) // par.dp + 12 * experts // par.expert_dp
+        optimizer = (12 * (params - experts) // (par.dp * par.cp) + 12 * experts // par.expert_dp
                      if par.use_distributed_optimizer else 12 * params)
         candidates.append(dict(weights=BF16 * params, grads=FP32 * params, optimizer=optimizer,
                                activations=activations))
@@ -210,13 +212,13 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
 
 def forward_memory(arch: ModelArch, par: ModelParallel, head: str = "lm") -> dict[str, int]:
     """Bytes per GPU of a forward-only role (reference: LM head; reward model: value head):
-    weights 2·P, activations A(T) + the log-probs' logits (LM head only).
+    weights 2·P, activations A(T/cp) + the log-probs' logits over all T (LM head only).
 
     Nothing is kept across layers, so the working set is one layer's activations plus the last
     stage's forward-only logits (logits_bytes); the last stage, which holds both, is the heaviest.
     """
     params = stage_params(arch, par.tp, par.pp, head, MEGATRON_VOCAB_MULTIPLE, par.ep, par.etp)[-1]
-    layer = max(layer_activation_bytes(arch, par.micro_batch_tokens, par.tp, par.sequence_parallel, i, par.etp)
+    layer = max(layer_activation_bytes(arch, par.cp_tokens, par.tp, par.sequence_parallel, i, par.etp)
                 for i in stage_layers(arch, par.pp)[-1])
     logits = logits_bytes(arch, par.micro_batch_tokens, par.tp, training=False,
                           chunk_tokens=par.logprob_chunk_tokens) if head == "lm" else 0

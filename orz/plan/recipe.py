@@ -82,17 +82,17 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
         return role.micro_batch_tokens or role.micro_batch_size * longest
 
     def trained(role) -> TrainParallel:
-        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, micro_batch_tokens=tokens(role),
+        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, cp=role.cp, micro_batch_tokens=tokens(role),
                              logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
                              use_distributed_optimizer=role.use_distributed_optimizer)
 
     r, ref, rm = cfg.rollout, started.get("ref"), started.get("reward_model")
     return Placement(
         actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
-        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, micro_batch_tokens=tokens(ref),
+        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, cp=ref.cp, micro_batch_tokens=tokens(ref),
                           logprob_chunk_tokens=chunk)
         if ref else None,
-        reward_model=ModelParallel(tp=rm.tp, pp=rm.pp, dp=rm.dp, ep=rm.ep, etp=rm.etp, micro_batch_tokens=tokens(rm))
+        reward_model=ModelParallel(tp=rm.tp, pp=rm.pp, dp=rm.dp, ep=rm.ep, etp=rm.etp, cp=rm.cp, micro_batch_tokens=tokens(rm))
         if rm else None,
         reward_model_arch=resolve_model(rm.path)[1] if rm else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
@@ -118,7 +118,7 @@ def plan_recipe(cfg: ExperimentConfig, cluster: ClusterFile) -> list[tuple[str, 
 
     name, arch = resolve_model(cfg.model.path)
     try:
-        run_rules.check(cfg, arch)  # what the trainer refuses, the planner refuses
+        run_rules.check(cfg, arch, on_gpu=True)  # what the trainer refuses on the GPU cluster planned, the planner refuses
     except ConfigError as err:
         raise PlanError("\n".join(f"the trainer refuses it: {line}" for line in str(err).splitlines())) from None
     plans, problems = [], []

@@ -65,13 +65,13 @@ def all_to_all_s(arch: ModelArch, cluster: Cluster, par: ModelParallel, tokens: 
 
     Each pass sends every routed copy to its expert's GPU and back (dispatch + combine, the
     backward the same again), so per GPU and forward pass:
-      bytes = (tokens/dp)·(S/pp)·k·2h·(ep − 1)/ep · 2     S = sparse layers, bf16 hidden states
+      bytes = (tokens/(dp·cp))·(S/pp)·k·2h·(ep − 1)/ep · 2     S = sparse layers, bf16 hidden states
     at link_efficiency of nvlink_gb_s (the planner assumes an EP group within one node); 0 at ep = 1.
     """
     if arch.moe is None or par.ep == 1:
         return 0.0
     sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
-    per_pass = tokens / par.dp * sparse / par.pp * arch.moe.top_k * BF16 * arch.hidden_size * (par.ep - 1) / par.ep * 2
+    per_pass = tokens / (par.dp * par.cp) * sparse / par.pp * arch.moe.top_k * BF16 * arch.hidden_size * (par.ep - 1) / par.ep * 2
     return passes * per_pass / (GPUS[cluster.gpu].nvlink_gb_s * 1e9 * cluster.link_efficiency)
 
 

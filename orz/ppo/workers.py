@@ -156,7 +156,7 @@ class MegatronWorker(FaultSite):
 
         cfg = self.spec.cfg
         store = self._world_store or join_store(master_addr, master_port)
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp, store=store)
+        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp, store=store, cp=cfg.cp)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         optim = None
@@ -181,7 +181,7 @@ class MegatronWorker(FaultSite):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         old = self.spec.cfg
-        layout = ("tp", "pp", "dp", "ep", "etp", "use_distributed_optimizer")
+        layout = ("tp", "pp", "cp", "dp", "ep", "etp", "use_distributed_optimizer")
         if any(getattr(cfg, key) != getattr(old, key) for key in layout):
             raise ValueError(f"{self.spec.name}: a stage cannot change the parallel layout")
         self.spec = replace(self.spec, cfg=cfg)
@@ -207,8 +207,9 @@ class MegatronWorker(FaultSite):
 
     @property
     def _reports(self) -> bool:
-        """Last pipeline stage, TP rank 0: the rank whose results the group keeps."""
-        return self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
+        """Last pipeline stage, TP and CP rank 0: the rank whose results the group keeps."""
+        return (self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
+                and self.ps.get_context_parallel_rank() == 0)
 
     def _micro_batches(self, shard: MiniBatch) -> list:
         """This DP rank's share, by the role's token budget (of real tokens when packed) or row count."""
@@ -590,7 +591,7 @@ class WorkerGroup:
         """shared: colocated placement, worker r on bundle r; None: a placement group of its own."""
         cfg = spec.cfg
         self.spec = spec
-        self.world_size = cfg.tp * cfg.pp * cfg.dp
+        self.world_size = cfg.tp * cfg.pp * cfg.cp * cfg.dp
         self.bundles, self._own_bundles = shared or Bundles.create(self.world_size, cfg.cpus_per_worker), shared is None
         cls = ray.remote(concurrency_groups={"control": 1})(MegatronWorker)  # use_threads, beside a pass
         self.workers = [

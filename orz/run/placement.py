@@ -41,18 +41,19 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
 
 @dataclass(frozen=True)
 class Sizes:
-    """A Megatron role's parallel sizes: tp·pp·dp workers, one GPU each; its experts' groups
-    (ep·etp GPUs) are carved out of the tp·dp ranks of each pipeline stage, as in Megatron."""
+    """A Megatron role's parallel sizes: tp·pp·cp·dp workers, one GPU each; its experts' groups
+    (ep·etp GPUs) are carved out of the tp·cp·dp ranks of each pipeline stage, as in Megatron."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
     etp: int = 1
+    cp: int = 1
 
     @property
     def workers(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Layout:
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> Layout:
         r = cfg.rollout
-        return cls({name: Sizes(role.tp, role.pp, role.dp, role.ep, role.etp) for name, role in roles(cfg).items()},
+        return cls({name: Sizes(role.tp, role.pp, role.dp, role.ep, role.etp, role.cp) for name, role in roles(cfg).items()},
                    r.num_engines, r.engine_tp, cfg.trainer.colocate)
 
     @property
@@ -125,10 +126,10 @@ def role_problems(name: str, sizes: Sizes, micro_batch_tokens: int, arch: ModelA
     """What stops a role from splitting the model (TP, PP, EP or ETP sizes that do not divide it,
     experts' groups that do not fit in tp·dp) or from holding the longest sample (prompt + response
     tokens) in one micro-batch (0: split by rows)."""
-    problems, experts = [], (sizes.ep, sizes.etp)
-    if min(experts) >= 1 and (sizes.tp * sizes.dp) % (sizes.ep * sizes.etp):  # below 1: a range problem
-        problems.append(f"{name}.ep={sizes.ep} × {name}.etp={sizes.etp} must divide {name}.tp × {name}.dp = "
-                        f"{sizes.tp * sizes.dp}: the experts' groups are carved out of those ranks")
+    problems, experts, ranks = [], (sizes.ep, sizes.etp), sizes.tp * sizes.cp * sizes.dp
+    if min(experts) >= 1 and ranks % (sizes.ep * sizes.etp):  # below 1: a range problem
+        problems.append(f"{name}.ep={sizes.ep} × {name}.etp={sizes.etp} must divide {name}.tp × {name}.cp × "
+                        f"{name}.dp = {ranks}: the experts' groups are carved out of those ranks")
     if arch is not None:
         if arch.moe is None and experts != (1, 1):
             problems.append(f"{name}.ep={sizes.ep}, {name}.etp={sizes.etp}: expert parallelism needs a "

@@ -175,7 +175,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         problems.append(f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
                         f"{arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp, role.ep, role.etp), role.micro_batch_tokens,
+        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp, role.ep, role.etp, role.cp), role.micro_batch_tokens,
                                   arch, context)
         if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
             problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
@@ -184,6 +184,15 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
             problems.append(f"{name}.etp={role.etp}: experts split over ETP ranks crash Megatron's local experts over "
                             f"gloo (a worker dies in its first update; GPU only, untested here); on CPU use "
                             f"{name}.etp=1 and {name}.ep")
+        if role.cp > 1 and not on_gpu:
+            problems.append(f"{name}.cp={role.cp}: context parallelism passes keys and values round a ring inside "
+                            f"Transformer Engine's attention, which runs on GPU only; on CPU set {name}.cp=1")
+        if role.cp > 1 and role.pack:
+            problems.append(f"{name}.cp={role.cp} with {name}.pack=true: cutting packed rows over CP ranks is not "
+                            f"built; set {name}.pack=false or {name}.cp=1")
+        if role.cp > 1 and name == "actor" and r.routing_replay:
+            problems.append(f"actor.cp={role.cp} with rollout.routing_replay=true: replayed routes are laid out by "
+                            "whole rows (not cut over CP ranks); set actor.cp=1 or routing_replay=false")
         if role.pack and role.ep > 1:
             problems.append(f"{name}.pack=true with {name}.ep={role.ep}: packed passes are not built for experts spread "
                             f"over EP ranks (their replicas' passes must match in shape); set {name}.pack=false or "
@@ -300,9 +309,11 @@ def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
     model at any TP/PP/DP and a mixture of experts at any TP/PP/EP/DP too; experts split over ETP
     ranks train on GPU only, where their re-sharding is untested: such a MoE resumes at its saved
     TP, PP, EP and ETP."""
+    problems = [f"{name}.cp={role.cp} (saved {saved[name].get('cp', 1)}): a resume at another context-parallel "
+                f"size is untested (GPU only); resume at the saved size" for name, role in roles(cfg).items()
+                if name in saved and role.cp != saved[name].get("cp", 1)]
     if arch is None or arch.moe is None:
-        return []
-    problems = []
+        return problems
     for name in ("actor", "critic"):
         if name not in roles(cfg) or name not in saved:
             continue
@@ -473,6 +484,7 @@ _RANGES = (
 _ROLE_RANGES = (
     ("tp", lambda v: v >= 1, ">= 1"),
     ("pp", lambda v: v >= 1, ">= 1"),
+    ("cp", lambda v: v >= 1, ">= 1"),
     ("dp", lambda v: v >= 1, ">= 1"),
     ("ep", lambda v: v >= 1, ">= 1"),
     ("etp", lambda v: v >= 1, ">= 1"),
