@@ -300,7 +300,6 @@ MOE_ARCH = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_siz
     ("moe", ["critic.ep=2", "critic.etp=2", "critic.dp=2"], r"^critic.ep=2 × critic.etp=2 must divide critic.tp × "),
     ("moe", ["actor.tp=2"], r"^actor.tp=2: Megatron trains a mixture of experts at TP > 1 only with sequence"),
     ("moe", ["actor.etp=2", "actor.dp=2"], r"^actor.etp=2: experts split over ETP ranks crash Megatron's local experts"),
-    ("moe", ["actor.pack=true", "actor.ep=2", "actor.dp=2"], r"^actor.pack=true with actor.ep=2: packed passes are not "),
     ("dense", ["actor.ep=2", "actor.dp=2"], r"^actor.ep=2, actor.etp=1: expert parallelism needs a mixture-of-experts "
                                             r"model, and this qwen3 model is dense"),
 ])

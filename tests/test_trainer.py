@@ -265,9 +265,10 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
     assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
 
 
-# The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on;
-# Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
-ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001"],
+# The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on,
+# its passes packed; Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
+ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001", "actor.pack=true",
+                       "actor.micro_batch_tokens=160"],
          "qwen3": ["actor.tp=2", "actor.pp=2"], "llama31": []}
 
 
@@ -276,7 +277,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
                                                                          arith_qwen3_moe, ray_cluster, tiny_run,
                                                                          tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
-    tp=2, pp=2), a tiny llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2): two
+    tp=2, pp=2), a tiny llama3-scaled Llama and a tiny Qwen3-MoE (actor at dp=2, ep=2, packed): two
     iterations, each synced to the engine and checked against the digests of what it holds, the
     engine's log-probs equal to the actor's. A reward that varies within the groups (the share of
     digits in a response; no entropy bonus) makes GRPO's gradient non-zero. The last checkpoint,
@@ -311,6 +312,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
         _check_export_of_the_checkpoint(out, tmp_path / "exported")
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
+        assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
         _check_moe_resume(out, overrides, env, history)
 
 

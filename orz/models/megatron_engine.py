@@ -289,7 +289,8 @@ class ModelEngine:
                 rows_of = lambda out: out  # noqa: E731
             else:  # packed (THD): one sequence of every row's real tokens
                 output = model(padded.packed(padded.input_ids), padded.packed(padded.position_ids), None,
-                               packed_seq_params=_packed_seq_params(padded))
+                               packed_seq_params=_packed_seq_params(padded),
+                               padding_mask=None if padded.padding is None else padded.packed(padded.padding))
                 rows_of = padded.unpack
             b, s = batch.input_ids.shape  # the last stage's (B, S, H) (or (B, S, 1)) cut back to this micro-batch
             if self.routes is not None:
@@ -318,17 +319,21 @@ class ModelEngine:
         all-gather dispatcher exchanges every micro-batch's tokens with ranks of other replicas at
         equal sizes. Extra rows and right-padded columns change no real token's output (causal
         attention; routing without capacity limits), and are marked padding, which the load-balancing
-        loss leaves out: it is the same at any EP."""
+        loss leaves out: it is the same at any EP. Packed micro-batches are evened in tokens: (1, T)
+        each, T the most any replica packs at that index, a row of padding added to make it up."""
         group = ps.get_data_parallel_group()
         count = torch.tensor([len(microbatches)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         shapes = torch.zeros(int(count), 2, dtype=torch.long)
         for i, mb in enumerate(microbatches):
-            shapes[i] = torch.tensor(mb.input_ids.shape)
+            shapes[i] = torch.tensor(mb.input_ids.shape if mb.lengths is None else (1, int(mb.lengths.sum())))
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
         pairs = []
         for i, (rows, width) in enumerate(shapes.tolist()):
             own = microbatches[i] if i < len(microbatches) else None
+            if own is not None and own.lengths is not None:
+                pairs.append((_packed_to(own, width), own))
+                continue
             ids = torch.zeros(rows, width, dtype=torch.long)
             routes = padding = None
             if own is not None and own.routes is not None:
@@ -421,6 +426,20 @@ def _load_balancing_off(config):
         yield
     finally:
         config.moe_aux_loss_coeff = coefficient
+
+
+def _packed_to(inputs: ModelInputs, tokens: int) -> ModelInputs:
+    """Packed `inputs` made up to `tokens` real and padding tokens: a last row of padding (zeros,
+    marked padding), as long as the difference, when there is one."""
+    short = tokens - int(inputs.lengths.sum())
+    b, s = inputs.input_ids.shape
+    rows, width = b + (short > 0), max(s, short)
+    ids = inputs.input_ids.new_zeros(rows, width)
+    ids[:b, :s] = inputs.input_ids
+    padding = torch.ones(rows, width, dtype=torch.bool)
+    padding[:b, :s] = inputs.padding if inputs.padding is not None else False
+    lengths = torch.cat([inputs.lengths, inputs.lengths.new_tensor([short])]) if short > 0 else inputs.lengths
+    return ModelInputs(ids, padding=padding, lengths=lengths)
 
 
 def _packed_seq_params(inputs: ModelInputs) -> PackedSeqParams:

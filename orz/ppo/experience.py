@@ -218,8 +218,8 @@ def _cat_padded(values: Sequence[Tensor]) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Token budgets. (No packing: Megatron's THD layout needs Transformer Engine's attention, which
-# the CPU path lacks. A padded micro-batch computes and holds rows × its longest row.)
+# Token budgets: a padded micro-batch computes and holds rows × its longest row; a packed one
+# (<role>.pack, THD) its real tokens only.
 
 
 def _padded_bins(lengths: Tensor, capacity: int) -> list[Tensor]:

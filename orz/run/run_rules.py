@@ -193,10 +193,6 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         if role.cp > 1 and name == "actor" and r.routing_replay:
             problems.append(f"actor.cp={role.cp} with rollout.routing_replay=true: replayed routes are laid out by "
                             "whole rows (not cut over CP ranks); set actor.cp=1 or routing_replay=false")
-        if role.pack and role.ep > 1:
-            problems.append(f"{name}.pack=true with {name}.ep={role.ep}: packed passes are not built for experts spread "
-                            f"over EP ranks (their replicas' passes must match in shape); set {name}.pack=false or "
-                            f"{name}.ep=1")
         if role.pack and name == "actor" and r.routing_replay:
             problems.append("actor.pack=true with rollout.routing_replay=true: replayed routes are laid out by padded "
                             "rows (not built for packed passes); set one of them false")
