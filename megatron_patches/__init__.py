@@ -272,6 +272,25 @@ def optimizer_step_per_parameter():
     DistributedOptimizer.load_state_dict = own_steps
 
 
+@_patch
+def alltoall_dispatcher():
+    """The all-to-all token dispatcher copies its split sizes to the host on a CUDA stream it
+    creates when first built: on CPU they are host tensors already, which it hands to
+    all_to_all_single as they are (a TypeError): make them the numpy arrays its GPU path makes."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()  # built only while None
+
+    def splits_on_host(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                if torch.is_tensor(getattr(self, name)):
+                    setattr(self, name, getattr(self, name).numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_on_host
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
     """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
     out for the rest of the process."""

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16")  # model.dtype
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # model.moe_dispatcher
 LR_DECAYS = ("constant", "cosine", "linear")  # a role's lr_decay: Megatron's lr_decay_style
 TRANSPORTS = ("collective", "object_store")  # rollout.transport
 SYNC_CHECKS = ("off", "received", "held")  # rollout.sync_check
@@ -43,6 +44,10 @@ class ModelConfig:
     # Switch-style E·Σ_e f_e·P_e). 0 for RL fine-tuning: a pre-trained router is already balanced and
     # the loss would pull the policy away from the reward; the HF config's router_aux_loss_coef is not read.
     moe_aux_loss_coef: float = 0.0
+    # MoE: how tokens reach their experts' EP ranks (Megatron's token dispatcher). "allgather": every
+    # rank gathers all tokens and keeps its experts'; "alltoall": each token goes to its experts'
+    # ranks only (less traffic at large EP); "flex": DeepEP/HybridEP kernels (GPU only, untested).
+    moe_dispatcher: str = "allgather"
     # Tokens whose logits the trainer holds at once when it takes log-probs and entropy (the update,
     # π_old, the reference): memory O(chunk × vocabulary / TP) whatever the response length
     # (orz/models/logprobs.py). None: as many as 128 MiB of float32 logits per rank hold.

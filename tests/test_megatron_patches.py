@@ -43,6 +43,23 @@ def _train_step(rank, world, skip, path, ckpt_dir):
     return all(ok), steps
 
 
+def _alltoall_step(rank, world, skip, path):
+    """A MoE built with the all-to-all dispatcher, at EP 1 (its split sizes are made at any EP);
+    that the patched dispatcher works at EP 2 is test_models_moe's."""
+    megatron_patches.apply(skip=skip)
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel()
+    ckpt = HFCheckpoint(path)
+    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3), moe_dispatcher="alltoall")
+    engine.load_hf(ckpt)
+    tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
+    return engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(
+        hidden, b.input_ids).mean(), {}))["update_ok"]
+
+
 def test_all_patches_make_pp2_training_and_checkpoints_work(tied_model, tmp_path):
     assert run_world(_train_step, 2, (), tied_model, str(tmp_path)) == [(True, {2.0})] * 2
 
@@ -51,11 +68,18 @@ def test_all_patches_make_pp2_training_and_checkpoints_work(tied_model, tmp_path
 # Adam's steps wrong. Only PP hits the tied embedding's LM-head copy and the shape exchange before p2p.
 WITHOUT = dict.fromkeys(megatron_patches.PATCHES, "(?i)cuda") | {
     "optimizer_state_before_first_step": r"assert len\(steps\) == 1", "optimizer_step_kept_aside": "KeyError: 'step'",
-    "optimizer_step_per_parameter": None}
+    "optimizer_step_per_parameter": None, "alltoall_dispatcher": "torch.cuda.Stream requires CUDA"}
 
 
 @pytest.mark.parametrize("name", list(megatron_patches.PATCHES))
 def test_patch_is_still_needed(name, tied_model, tmp_path):
+    if name == "alltoall_dispatcher":  # a MoE's: the tied model has no experts
+        moe = make_tiny_hf(tmp_path / "moe", family="qwen3_moe", num_layers=1,
+                           moe=dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16))
+        assert run_world(_alltoall_step, 1, (), str(moe)) == [True]
+        with pytest.raises(RuntimeError, match=WITHOUT[name]):
+            run_world(_alltoall_step, 1, (name,), str(moe))
+        return
     world = 2 if name in ("tied_embedding_init", "variable_pipeline_shapes") else 1
     if WITHOUT[name] is None:
         assert run_world(_train_step, world, (name,), tied_model, str(tmp_path))[0][1] != {2.0}

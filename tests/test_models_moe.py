@@ -100,17 +100,23 @@ def _train_steps(rank, world, tokens, path):
     # one of 2 rows on rank 1; the experts' collectives still pair them up.
     mine = [tokens[:1], tokens[1:2, :15]] if rank == 0 else [tokens[2:]]
     # Packed at EP=2, the replicas pack S and 2·S tokens, then 15 and none: evened in tokens (a row
-    # of padding on rank 0, a micro-batch of padding on rank 1), which the load-balancing loss leaves out.
-    for ep, packed, aux in ((1, False, 0.0), (2, False, 0.0), (2, True, 0.0), (2, False, AUX_COEF), (2, True, AUX_COEF)):
+    # of padding on rank 0, a micro-batch of padding on rank 1), which the load-balancing loss leaves
+    # out. The all-to-all dispatcher sends each rank its experts' tokens only, in uneven splits.
+    steps = [(1, False, 0.0, "allgather"), (2, False, 0.0, "allgather"), (2, True, 0.0, "allgather"),
+             (2, False, AUX_COEF, "allgather"), (2, True, AUX_COEF, "allgather"), (2, False, 0.0, "alltoall"),
+             (2, True, AUX_COEF, "alltoall")]
+    for ep, packed, aux, dispatcher in steps:
         init_model_parallel(1, 1, ep=ep)
-        engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=aux)
+        engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=aux, moe_dispatcher=dispatcher)
         engine.load_hf(ckpt)
         inputs = [ModelInputs(t, padding=torch.zeros(t.shape, dtype=torch.bool),
                               lengths=torch.full((len(t),), t.shape[1]) if packed else None) for t in mine]
         out = engine.train_step(inputs, nll)
         assert ("moe_aux_loss" in out) == (aux > 0)  # off by default
-        result[ep, packed, aux] = {"loss": sum(m["loss"] for m in out["metrics"]).item(), "grad_norm": out["grad_norm"],
+        result[ep, packed, aux, dispatcher] = {"loss": sum(m["loss"] for m in out["metrics"]).item(), "grad_norm": out["grad_norm"],
                                    "weights": dict(engine.hf_tensors()), "moe_aux_loss": out.get("moe_aux_loss"),
+                                   "dispatchers": {type(m.token_dispatcher).__name__ for m in engine.module.modules()
+                                                   if hasattr(m, "token_dispatcher")},
                                    "passes": [(tuple(p.input_ids.shape), p.lengths.tolist() if p.lengths is not None
                                                else None) for p, _ in engine._even_shapes(inputs)]}
     engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
@@ -131,17 +137,21 @@ def test_moe_train_step_ep2_matches_ep1_and_aux_loss_matches_transformers(checkp
     tokens = torch.cat([tokens, tokens.flip(0)])[:4]
     ranks = run_world(_train_steps, 2, tokens, path)
     s = tokens.shape[1]
-    assert [r[2, True, 0.0]["passes"] for r in ranks] == [[((2, s), [s, s]), ((1, 15), [15])],
-                                                          [((2, s), [s, s]), ((1, 15), None)]]  # the premise
-    one = ranks[0][1, False, 0.0]
-    for two in (ranks[0][2, False, 0.0], ranks[0][2, True, 0.0]):  # EP=2 padded, and packed
+    assert [r[2, True, 0.0, "allgather"]["passes"] for r in ranks] == [
+        [((2, s), [s, s]), ((1, 15), [15])], [((2, s), [s, s]), ((1, 15), None)]]  # the premises
+    assert ranks[0][2, False, 0.0, "alltoall"]["dispatchers"] == {"MoEAlltoAllTokenDispatcher"}
+    assert ranks[0][2, False, 0.0, "allgather"]["dispatchers"] == {"MoEAllGatherTokenDispatcher"}
+    one = ranks[0][1, False, 0.0, "allgather"]
+    for key in ((2, False, 0.0, "allgather"), (2, True, 0.0, "allgather"), (2, False, 0.0, "alltoall")):
+        two = ranks[0][key]  # EP=2 padded, packed, and through the all-to-all dispatcher
         assert abs(one["loss"] - two["loss"]) <= 1e-5 * abs(one["loss"])
         assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
         for name, w in one["weights"].items():
             assert (w - two["weights"][name]).abs().max() < 1e-5, name
-    padded, packed = ranks[0][2, False, AUX_COEF], ranks[0][2, True, AUX_COEF]
-    assert abs(padded["moe_aux_loss"] - packed["moe_aux_loss"]) <= 1e-5 * padded["moe_aux_loss"]
-    assert abs(padded["grad_norm"] - packed["grad_norm"]) <= 1e-5 * padded["grad_norm"]
+    padded = ranks[0][2, False, AUX_COEF, "allgather"]
+    for packed in (ranks[0][2, True, AUX_COEF, "allgather"], ranks[0][2, True, AUX_COEF, "alltoall"]):
+        assert abs(padded["moe_aux_loss"] - packed["moe_aux_loss"]) <= 1e-5 * padded["moe_aux_loss"]
+        assert abs(padded["grad_norm"] - packed["grad_norm"]) <= 1e-5 * padded["grad_norm"]
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     moe = read_arch(path).moe

@@ -176,6 +176,7 @@ def test_a_role_range_applies_to_every_role():
 # names its refusal must list, written here from the docs (not read from run_rules).
 UNKNOWN_CHOICE = {
     "model.dtype": ("fp16", "auto, float32, bfloat16"),
+    "model.moe_dispatcher": ("all2all", "allgather, alltoall, flex"),
     **{f"{role}.lr_decay": ("cos", "constant, cosine, linear") for role in ROLES},
     "rollout.transport": ("nccl", "collective, object_store"),
     "rollout.sync_check": ("digest", "off, received, held"),
@@ -572,3 +573,11 @@ def test_context_parallel_ranks_are_workers_of_their_own_and_a_gpu_run_takes_the
         "actor.cp=2 (saved 1): a resume at another context-parallel size is untested (GPU only); resume at the "
         "saved size"]
     assert run_rules.resume_problems(cfg, to_dict(cfg), None) == []
+
+
+def test_the_flex_dispatcher_is_refused_on_cpu_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^model.moe_dispatcher=flex: Megatron's flex dispatcher runs DeepEP or "
+                                          r"HybridEP kernels \(GPU only\); on CPU use allgather or alltoall$"):
+        run_rules.check(load_config(None, ["model.moe_dispatcher=flex"]), on_gpu=False)
+    run_rules.check(load_config(None, ["model.moe_dispatcher=flex"]), on_gpu=True)
+    run_rules.check(load_config(None, ["model.moe_dispatcher=alltoall"]), on_gpu=False)

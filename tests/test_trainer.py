@@ -266,9 +266,9 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
 
 
 # The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on,
-# its passes packed; Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
+# its passes packed, its tokens sent by the all-to-all dispatcher; Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
 ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001", "actor.pack=true",
-                       "actor.micro_batch_tokens=160"],
+                       "actor.micro_batch_tokens=160", "model.moe_dispatcher=alltoall"],
          "qwen3": ["actor.tp=2", "actor.pp=2"], "llama31": []}
 
 
@@ -313,6 +313,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_and_a_moe(family,
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
         assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
+        assert "experts over EP 2 × ETP 1, token dispatcher alltoall" in (out / "logs/actor-1.log").read_text()
         _check_moe_resume(out, overrides, env, history)
 
 

@@ -39,6 +39,7 @@ def transformer_config(
     etp: int = 1,
     moe_aux_loss_coef: float = 0.0,
     cp: int = 1,
+    moe_dispatcher: str = "allgather",
 ) -> TransformerConfig:
     """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
 
@@ -82,19 +83,19 @@ def transformer_config(
         recompute_num_layers=1 if recompute else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        **(_moe_config(arch, moe_aux_loss_coef) if arch.moe else {}),
+        **(_moe_config(arch, moe_aux_loss_coef, moe_dispatcher) if arch.moe else {}),
     )
 
 
-def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
+def _moe_config(arch: ModelArch, aux_loss_coef: float, dispatcher: str) -> dict:
     """Megatron's MoE fields for Qwen3-MoE's router and experts.
 
     Routing: norm_topk_prob (w = top-k of p, renormalised) is Megatron's softmax over the top-k
     logits (`moe_router_pre_softmax=False`); without it, w = top-k of softmax over all experts
-    (`pre_softmax=True`). Dispatch: `allgather` — every rank of the expert group gathers all
-    tokens and keeps those routed to its experts, with all-gathers and reduce-scatters only,
-    which gloo carries; `alltoall` needs uneven all-to-alls (and `flex` DeepEP/HybridEP kernels),
-    which are GPU paths (untested here). The router's loads are counted in fp32 as HF does.
+    (`pre_softmax=True`). Dispatch (model.moe_dispatcher): `allgather` (every rank of the expert
+    group gathers all tokens and keeps those routed to its experts) and `alltoall` (uneven
+    all-to-alls, which gloo carries with one patch) both run here; `flex` (DeepEP/HybridEP
+    kernels) is GPU only, untested. The router's loads are counted in fp32 as HF does.
     """
     moe = arch.moe
     return dict(
@@ -105,7 +106,7 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not moe.norm_topk_prob,
         moe_router_dtype="fp32",
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=False,  # SequentialMLP: one SwiGLU per local expert (TE's grouped GEMM: GPU only)
         # HF's Switch-style aux loss E·Σ_e f_e·P_e is Megatron's "aux_loss"; 0 turns it off (RL default)
         moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
@@ -115,10 +116,12 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float) -> dict:
 
 def layer_spec(arch: ModelArch, moe: bool = False) -> ModuleSpec:
     """TE's layers where TE runs; else Megatron's local layers with torch's fused attention.
-    `moe`: the MLP is a router and experts (TE: grouped GEMM; local: SequentialMLP)."""
+    `moe`: the MLP is a router and experts, one SwiGLU per local expert (SequentialMLP) on both
+    paths, as the config says (`moe_grouped_gemm=False`): TE's grouped GEMM keeps the experts'
+    weights under other names (`weight0`…), which orz's conversion does not map."""
     experts = arch.moe.num_experts if moe else None
     if use_transformer_engine():  # untested here: no GPU
-        return get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=moe, qk_layernorm=arch.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     spec = get_gpt_layer_local_spec(experts, normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm

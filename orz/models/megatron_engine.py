@@ -88,6 +88,7 @@ class ModelEngine:
         deterministic: bool = False,
         moe_aux_loss_coef: float = 0.0,
         routing_replay: bool = False,
+        moe_dispatcher: str = "allgather",
     ):
         """routing_replay: the MoE routers take the routes of `ModelInputs.routes` when given, and
         `chosen_routes` holds what they chose (or would have) in the last `run` (orz/models/routing.py)."""
@@ -98,7 +99,8 @@ class ModelEngine:
         if cp > 1 and not use_transformer_engine():
             raise ModelConfigError(f"context parallelism (CP {cp}) runs in Transformer Engine's attention (GPU only)")
         self.arch = arch
-        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef, cp)
+        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef, cp,
+                                         moe_dispatcher)
         self.config.calculate_per_token_loss = True
         self.config.deterministic_mode = deterministic  # GPU kernels that do not depend on the batch (untested here)
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the

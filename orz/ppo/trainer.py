@@ -139,6 +139,7 @@ class RayPPOTrainer:
             name=name, cfg=placement.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
             deterministic=cfg.trainer.batch_invariant,
             vocab_divisible_by=cfg.model.vocab_divisible_by, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
+            moe_dispatcher=cfg.model.moe_dispatcher,
             logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
             seed=cfg.trainer.seed,
             total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,

@@ -44,6 +44,7 @@ class RoleSpec:
     vocab_divisible_by: int = 1
     logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens
     moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
+    moe_dispatcher: str = "allgather"  # model.moe_dispatcher
     routing_replay: bool = False  # rollout.routing_replay: the MoE routers replay Experience.routed_experts
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
@@ -168,7 +169,10 @@ class MegatronWorker(FaultSite):
         self.engine = ModelEngine(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
                                   self.spec.vocab_divisible_by, self.spec.deterministic,
                                   self.spec.moe_aux_loss_coef if self.spec.train else 0.0,
-                                  self.spec.routing_replay)
+                                  self.spec.routing_replay, self.spec.moe_dispatcher)
+        if ckpt.arch.moe is not None:  # in the worker's log: what Megatron built
+            print(f"{self.spec.name} rank {self.rank}: experts over EP {cfg.ep} × ETP {cfg.etp}, token dispatcher "
+                  f"{self.engine.config.moe_token_dispatcher_type}", flush=True)
         self.engine.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:

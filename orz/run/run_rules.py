@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from orz.config import (
-    LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig, ConfigError, ExperimentConfig,
-    RolloutConfig, apply_overrides, stage_configs,
+    LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, MOE_DISPATCHERS, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig, ConfigError,
+    ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
 from orz.data.templates import TEMPLATES, encode_prompt, make_template
@@ -153,6 +153,9 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += colocation_problems(cfg)
     problems += mismatch_problems(cfg)
     problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
+    if cfg.model.moe_dispatcher == "flex" and not on_gpu:
+        problems.append("model.moe_dispatcher=flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
+                        "(GPU only); on CPU use allgather or alltoall")
     if cfg.trainer.async_save and not on_gpu:
         problems.append("trainer.async_save=true: Megatron's asynchronous save copies the tensors off the GPU and "
                         "writes them from a background process it checks with CUDA tensors (GPU only); on CPU set "
@@ -500,6 +503,7 @@ _ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
 # the first sync, as "tensors differ").
 _CHOICES = (
     ("model.dtype", MODEL_DTYPES),
+    ("model.moe_dispatcher", MOE_DISPATCHERS),
     ("rollout.transport", TRANSPORTS),
     ("rollout.sync_check", SYNC_CHECKS),
     ("rollout.logprobs_mode", tuple(LOGPROBS_MODES)),
