@@ -39,7 +39,7 @@ def test_round_trip_tp2_pp2_is_bit_exact(tmp_path, family, tied, extra):
     src = make_tiny_hf(tmp_path / "hf", family=family, vocab_size=101, tie_word_embeddings=tied, **extra)
     hf2mcore(str(src), str(tmp_path / "mcore"), tp=2, pp=2, vocab_divisible_by=8)
     meta = read_megatron_meta(tmp_path / "mcore")
-    assert meta["layout"] | {"dp": 1} == {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1}
+    assert meta["layout"] | {"dp": 1} == {"tp": 2, "pp": 2, "dp": 1, "ep": 1, "etp": 1, "cp": 1}
     assert meta["padded_vocab"] == 112 and meta["optimizer"] is None  # 101 padded to a multiple of 8 × TP
     assert (tmp_path / "mcore" / ".metadata").is_file() and len(list((tmp_path / "mcore").glob("*.distcp"))) == 4
     mcore2hf(str(tmp_path / "mcore"), str(tmp_path / "back"), like=str(src))
