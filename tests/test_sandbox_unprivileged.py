@@ -71,7 +71,7 @@ controls = {name: subprocess.run([sys.executable, "-c", source], capture_output=
             for name, source in job["controls"].items()}
 tests = CodeTests(*job["tests"])
 limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=512, processes=16)
-bomb_limits = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
+bomb_limits = SandboxLimits(wall_s=90.0, cpu_s=10, memory_mb=512, processes=16)  # alive through the starts
 with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
         CodeReward(CodeScoringConfig(max_parallel=1), limits=bomb_limits) as bomb_reward:
     isolation = reward.sandbox.isolation
@@ -80,7 +80,9 @@ with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
     resource.setrlimit(resource.RLIMIT_NPROC, (before + 64, before + 64))  # the user's ulimit -u
     bomb = threading.Thread(target=bomb_reward.judge, args=([job["bomb"]], [tests]))
     bomb.start()
-    deadline = time.monotonic() + 20  # a loaded machine (the whole suite) ramps the bomb up slowly
+    # A loaded machine (the whole suite, at half the CPU) ramps the bomb up slowly: it once held none of
+    # its processes 20 s on. Killed below once the starts are done, it never runs its 90 s.
+    deadline = time.monotonic() + 60
     starts = []
     for _ in range(10):  # each once the bomb holds its limit: its tasks then, whether it still ran, what Python printed
         while tasks() - before < limits.processes and bomb.is_alive() and time.monotonic() < deadline:
@@ -88,7 +90,7 @@ with CodeReward(CodeScoringConfig(max_parallel=8), limits=limits) as reward, \\
         bomb_tasks, running = tasks() - before, bomb.is_alive()
         started = subprocess.run([sys.executable, "-c", "print(3)"], capture_output=True, text=True, timeout=30)
         starts.append([bomb_tasks, running and bomb.is_alive(), started.stdout])
-    # Ended now, as its wall clock would end it (the launcher's session killed), not 30 s on: until
+    # Ended now, as its wall clock would end it (the launcher's session killed), not 90 s on: until
     # then its processes spin on fork and take every core the suite has.
     for pid in children():  # the bomb's launcher: the one sandbox still running
         try:
