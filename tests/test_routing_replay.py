@@ -142,9 +142,15 @@ def _replay_world(rank, world, path):
     used.clear()
     engine.train_step([ModelInputs(x, routes=r) for x, r in zip(ids, recorded)], loss)  # the update replays too
     used_in_update = list(used)
+    # What the update's forward will choose: the same weights, rows, micro-batches and replayed routes
+    layers = len(arch.moe.layers)
+    micro = worker._micro_batches(MiniBatch.of(rollout).shard(rank, world))
+    worker.logprobs(rollout)
+    agree, total = sum(routing_agreement_counts(mb.experience.routed_experts, chosen,
+                                                mb.experience.attention_mask.bool()[:, :, None].expand(-1, -1, layers))
+                       for mb, chosen in zip(micro, engine.chosen_routes)).tolist()
     update = worker.train_actor([MiniBatch.of(rollout)], ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0))
     pp = _pipelined(rank, world, path, replace(rollout, routed_experts=None))
-    layers = len(arch.moe.layers)
     return dict(pp=pp, 
         recorded=recorded, free_routes=free_routes, own_under_replay=own_under_replay,
         used_under_replay=_by_micro_batch(used_under_replay, shapes, layers),
@@ -153,7 +159,7 @@ def _replay_world(rank, world, path):
         engine_lp=engine_lp, same_weights_lp=same_weights_lp, free_lp=free_lp, replay_lp=replay_lp,
         engine_used=engine_used, same_weights_used=same_weights_used,
         actor_engine_lp=actor_engine_lp, actor_same_weights_lp=actor_same_weights_lp,
-        actor_off=actor_off, actor_metrics=update and update.metrics,
+        actor_off=actor_off, actor_metrics=update and update.metrics, expected_agreement=agree / total,
     )
 
 
@@ -238,7 +244,9 @@ def test_routes_travel_with_the_experience_through_the_actors_micro_batches(repl
         assert torch.allclose(off["replay"], off["whole_replay"], atol=1e-5)
         assert (off["replay"] - off["free"]).abs().max() > 1e-3
     agreement = [r["actor_metrics"]["mismatch/routing_agreement"] for r in replay_ranks if r["actor_metrics"]]
-    assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the update, one step off, replays
+    assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the premise: one step off, routers disagree
+    # each DP rank's figure: its real tokens' recorded experts that its routers, under replay, would choose too
+    assert agreement == pytest.approx([r["expected_agreement"] for r in replay_ranks], rel=1e-6)
 
 
 def test_each_pipeline_stage_replays_its_own_moe_layer(replay_ranks):
