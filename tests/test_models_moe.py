@@ -121,9 +121,15 @@ def _train_steps(rank, world, tokens, path):
                                                else None) for p, _ in engine._even_shapes(inputs)]}
     engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
     engine.load_hf(ckpt)
-    out = engine.train_step([ModelInputs(tokens)], lambda logits, batch: (0.0 * logits.sum(), {}))
+    out = engine.train_step([ModelInputs(t) for t in _aux_micro_batches(tokens)],
+                            lambda logits, batch: (0.0 * logits.sum(), {}))
     result["aux"] = {"moe_aux_loss": out["moe_aux_loss"], "grad_norm": out["grad_norm"]}
     return result
+
+
+def _aux_micro_batches(tokens):
+    """The load-balancing step's micro-batches on each rank: 1 row of S tokens, then 3 rows of 15."""
+    return [tokens[:1], tokens[1:, :15]]
 
 
 def test_moe_train_step_ep2_matches_ep1_and_aux_loss_matches_transformers(checkpoints):
@@ -158,8 +164,14 @@ def test_moe_train_step_ep2_matches_ep1_and_aux_loss_matches_transformers(checkp
     router_logits = hf(tokens, output_router_logits=True).router_logits  # one (B·S, E) per sparse layer
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    per_layer = torch.stack([load_balancing_loss_func((g,), moe.num_experts, moe.top_k) for g in router_logits])
-    (AUX_COEF * per_layer.sum() / moe.top_k).backward()
+    # Per micro-batch m of n_m tokens and sparse layer l, aux_ml; the objective is their token-weighted
+    # mean c·Σ_m n_m·Σ_l aux_ml / (k·Σ_m n_m) (both ranks hold the same micro-batches: DP's sum of
+    # their gradients over N = 2·Σ_m n_m is the same), the metric their plain mean over m and l, / k.
+    micro = _aux_micro_batches(tokens)
+    per_layer = torch.stack([torch.stack([load_balancing_loss_func((g,), moe.num_experts, moe.top_k)
+                                          for g in hf(t, output_router_logits=True).router_logits]) for t in micro])
+    sizes = torch.tensor([float(t.numel()) for t in micro])
+    (AUX_COEF * (sizes[:, None] * per_layer).sum() / (moe.top_k * sizes.sum())).backward()
     ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
     aux = ranks[0]["aux"]
     assert abs(aux["moe_aux_loss"] - per_layer.mean().item() / moe.top_k) < 1e-6
