@@ -520,6 +520,12 @@ def test_moe_time_by_hand():
     per_pass = tokens / 4 * 3 * 2 * 2 * 64 * 0.5 * 2
     assert all_to_all_s(TINY_MOE, cluster, par, tokens, 3) == pytest.approx(3 * per_pass / (450e9 * 0.25))
     assert all_to_all_s(TINY_MOE, cluster, replace(par, ep=1), tokens, 3) == 0
+    # at ep=4 > k=2 the all-gather dispatcher (the trainer's default) moves each token to all 3 peers,
+    # the all-to-all one each of its k copies with probability 3/4
+    gather, routed = tokens / 4 * 3 * 3 * 2 * 64 * 2, tokens / 4 * 3 * 2 * 0.75 * 2 * 64 * 2
+    assert all_to_all_s(TINY_MOE, cluster, replace(par, ep=4), tokens, 1) == pytest.approx(gather / (450e9 * 0.25))
+    assert all_to_all_s(TINY_MOE, cluster, replace(par, ep=4, moe_dispatcher="alltoall"), tokens, 1) == pytest.approx(
+        routed / (450e9 * 0.25))
     # decode at c sequences reads the experts its tokens route to: 1 − (1 − 2/8)^c of each layer's
     one = Workload(prompts_per_iteration=1, n_samples=1, prompt_max_tokens=32, max_new_tokens=96,
                    mean_prompt_tokens=16, mean_response_tokens=48)
@@ -566,3 +572,14 @@ def test_a_recipe_with_a_reward_model_plans_it_on_its_own_model_and_gpus():
     assert row.weights == 2 * stage_params(seven_b, 2, 1, "value", 1)[0] and (row.grads, row.optimizer) == (0, 0)
     assert row.weights > 10 * p.row("actor").weights // 2  # the 7B's, not the policy's (~15× its parameters)
     assert row.gpus == 2 and sum(r.gpus for r in p.memory) == 1 + 2 + 2  # actor, reward model, engines
+
+
+def test_the_planner_reads_the_recipes_moe_dispatcher():
+    """model.moe_dispatcher reaches every role the planner sizes, as the trainer builds them."""
+    from orz.config import load_config
+    from orz.plan.recipe import placement_of
+
+    cfg = load_config(None, ["model.path=Qwen3-30B-A3B", "algorithm.kl_coef=0.01", "model.moe_dispatcher=alltoall"])
+    placement = placement_of(cfg)
+    assert {par.moe_dispatcher for par in placement.megatron_roles().values()} == {"alltoall"}
+    assert placement_of(load_config(None, ["model.path=Qwen3-30B-A3B"])).actor.moe_dispatcher == "allgather"

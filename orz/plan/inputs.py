@@ -67,6 +67,7 @@ class ModelParallel(Sizes):
     micro_batch_tokens: int = 16384  # tokens per micro-batch (b·s); ORZ packs up to 16384
     sequence_parallel: bool = False  # Megatron SP also splits norms/dropout by TP; orz.models.builder has it off
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: tokens whose logits are held at once; 0: the default
+    moe_dispatcher: str = "allgather"  # model.moe_dispatcher: how tokens reach their experts' EP ranks
 
     def __post_init__(self):
         _require_positive(self, "tp", "pp", "dp", "micro_batch_tokens", "ep", "etp", "cp")

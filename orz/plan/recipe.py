@@ -78,22 +78,22 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
     longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
     chunk = cfg.model.logprob_chunk_tokens or 0
 
-    def tokens(role) -> int:
-        return role.micro_batch_tokens or role.micro_batch_size * longest
+    def sizes(role) -> dict:
+        """The role's placement and what its passes hold (a micro-batch: its token budget, or
+        micro_batch_size rows of the longest sample)."""
+        return dict(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, cp=role.cp,
+                    micro_batch_tokens=role.micro_batch_tokens or role.micro_batch_size * longest,
+                    moe_dispatcher=cfg.model.moe_dispatcher)
 
     def trained(role) -> TrainParallel:
-        return TrainParallel(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, cp=role.cp, micro_batch_tokens=tokens(role),
-                             logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
+        return TrainParallel(**sizes(role), logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
                              use_distributed_optimizer=role.use_distributed_optimizer)
 
     r, ref, rm = cfg.rollout, started.get("ref"), started.get("reward_model")
     return Placement(
         actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
-        ref=ModelParallel(tp=ref.tp, pp=ref.pp, dp=ref.dp, ep=ref.ep, etp=ref.etp, cp=ref.cp, micro_batch_tokens=tokens(ref),
-                          logprob_chunk_tokens=chunk)
-        if ref else None,
-        reward_model=ModelParallel(tp=rm.tp, pp=rm.pp, dp=rm.dp, ep=rm.ep, etp=rm.etp, cp=rm.cp, micro_batch_tokens=tokens(rm))
-        if rm else None,
+        ref=ModelParallel(**sizes(ref), logprob_chunk_tokens=chunk) if ref else None,
+        reward_model=ModelParallel(**sizes(rm)) if rm else None,
         reward_model_arch=resolve_model(rm.path)[1] if rm else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),

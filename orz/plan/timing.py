@@ -63,15 +63,19 @@ def all_to_all_s(arch: ModelArch, cluster: Cluster, par: ModelParallel, tokens: 
     """Seconds of a role's expert-parallel token exchange over `tokens` tokens, for `passes` passes
     of each sparse layer (forward 1; training 3, or 4 with recompute, as FLOPs count them).
 
-    Each pass sends every routed copy to its expert's GPU and back (dispatch + combine, the
-    backward the same again), so per GPU and forward pass:
-      bytes = (tokens/(dp·cp))·(S/pp)·k·2h·(ep − 1)/ep · 2     S = sparse layers, bf16 hidden states
+    With the all-to-all (and flex) dispatcher each pass sends every routed copy to its expert's GPU
+    and back; with the all-gather one (model.moe_dispatcher's default) every GPU gathers all its
+    EP peers' tokens and reduce-scatters their outputs back, whatever they route to. Per GPU and
+    forward pass, T = tokens/(dp·cp) its tokens, S sparse layers, bf16 hidden states:
+      alltoall   bytes = T·(S/pp)·k·2h·(ep − 1)/ep · 2
+      allgather  bytes = T·(S/pp)·2h·(ep − 1) · 2          (the same at k = ep, more at k < ep)
     at link_efficiency of nvlink_gb_s (the planner assumes an EP group within one node); 0 at ep = 1.
     """
     if arch.moe is None or par.ep == 1:
         return 0.0
     sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
-    per_pass = tokens / (par.dp * par.cp) * sparse / par.pp * arch.moe.top_k * BF16 * arch.hidden_size * (par.ep - 1) / par.ep * 2
+    copies = par.ep - 1 if par.moe_dispatcher == "allgather" else arch.moe.top_k * (par.ep - 1) / par.ep
+    per_pass = tokens / (par.dp * par.cp) * sparse / par.pp * copies * BF16 * arch.hidden_size * 2
     return passes * per_pass / (GPUS[cluster.gpu].nvlink_gb_s * 1e9 * cluster.link_efficiency)
 
 
