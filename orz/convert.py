@@ -34,6 +34,7 @@ from orz.models.checkpoint import (
     atomic_dir,
     copy_hf_files,
     is_earlier_format,
+    kept_hf_files,
     read_megatron_meta,
     save_hf,
 )
@@ -94,8 +95,7 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
     """A complete HF directory from any Megatron directory orz wrote; `like` (an HF dir) supplies
     the tokenizer and other files (default: those hf2mcore kept, where it wrote the directory)."""
     meta = read_megatron_meta(mcore_dir)  # refuses any other format, naming it, before a process starts
-    if like is None and (Path(mcore_dir) / HF_FILES).is_dir():
-        like = str(Path(mcore_dir) / HF_FILES)
+    like = like or kept_hf_files(mcore_dir)
     if meta["value_head"]:
         raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
                                "causal-LM form; export the actor's")

@@ -24,7 +24,7 @@ from pathlib import Path
 from orz.config import DataConfig, ExperimentConfig, RolloutConfig
 from orz.data.datasets import DatasetFormatError
 from orz.models.arch import ModelConfigError
-from orz.models.checkpoint import HF_FILES, MEGATRON_META, is_earlier_format, read_megatron_meta
+from orz.models.checkpoint import MEGATRON_META, is_earlier_format, kept_hf_files, read_megatron_meta
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def resolve_model(model: str | Path, tokenizer: str | None, workdir: str | Path)
 
     model = Path(model)
     if (model / MEGATRON_META).is_file():
-        tokenizer = tokenizer or (str(model / HF_FILES) if (model / HF_FILES).is_dir() else None)
+        tokenizer = tokenizer or kept_hf_files(model)
         if tokenizer is None:
             raise ModelConfigError(f"{model} is a Megatron checkpoint that holds no tokenizer (a trainer's): "
                                    f"pass --tokenizer DIR")

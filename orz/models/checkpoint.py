@@ -151,6 +151,12 @@ FAST, RESHARDABLE = "dp_reshardable", "fully_reshardable"  # Megatron's two cuts
 HF_FILES = "hf_files"  # hf2mcore's copy of the HF directory's tokenizer and other files, for the way back
 
 
+def kept_hf_files(mcore_dir: str | Path) -> str | None:
+    """Where hf2mcore kept the HF directory's files beside its checkpoint; None (a trainer's holds none)."""
+    kept = Path(mcore_dir) / HF_FILES
+    return str(kept) if kept.is_dir() else None
+
+
 class NeedsRecut(ModelConfigError):
     """A `dp_reshardable` checkpoint asked for at another TP/PP/EP/ETP: re-cut it first."""
 

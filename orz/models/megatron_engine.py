@@ -283,12 +283,9 @@ class ModelEngine:
                 with _load_balancing_off(self.config):  # and out of the load-balancing loss (all padding)
                     output = model(ids, positions, None)
                 return output, partial(_padding_only, collect is not None)
-            if cp > 1:  # this rank's share of each sequence (orz/models/context_parallel.py; GPU only)
+            if padded.lengths is None:  # padded rows; with CP this rank's share of each (GPU only)
                 output = model(ids, positions, None, padding_mask=padding)
-                rows_of = context_parallel.gather
-            elif padded.lengths is None:
-                output = model(ids, positions, None, padding_mask=padding)
-                rows_of = lambda out: out  # noqa: E731
+                rows_of = context_parallel.gather if cp > 1 else lambda out: out
             else:  # packed (THD): one sequence of every row's real tokens
                 output = model(padded.packed(padded.input_ids), padded.packed(padded.position_ids), None,
                                packed_seq_params=_packed_seq_params(padded),
