@@ -291,6 +291,20 @@ def alltoall_dispatcher():
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_on_host
 
 
+@_patch
+def gated_delta_net_in_torch():
+    """Megatron's Gated DeltaNet refuses to build without flash-linear-attention (Triton kernels, GPU
+    only), though `deterministic_mode` runs its torch path; that path still L2-normalises q and k
+    with fla's `l2norm`: give it torch's x / sqrt(Σx² + ε), ε = 1e-6 as fla's and transformers'."""
+    from megatron.core.ssm.gated_delta_net import common
+
+    def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+    common.HAVE_FLA = True
+    common.l2norm = l2norm
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
     """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
     out for the rest of the process."""

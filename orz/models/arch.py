@@ -1,5 +1,6 @@
 """What a model is, read from an HF `config.json`: the dense Llama (3.x RoPE scaling included),
-Qwen2 and Qwen3 families, and the Qwen3-MoE mixture of experts.
+Qwen2 and Qwen3 families, the Qwen3-MoE mixture of experts, and Qwen3.5's hybrid of Gated DeltaNet
+and gated full attention (from a `Qwen3_5ForConditionalGeneration` checkpoint, its `text_config`).
 
 Only what Megatron needs to build the same network is kept; anything the builder cannot
 reproduce exactly (another architecture, rope scaling, sliding windows, ...) is refused
@@ -19,7 +20,11 @@ FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForC
             # reward models: the same trunk, a scalar `score` head (read by value-head roles)
             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
             "Qwen3ForSequenceClassification": "qwen3",
-            "Qwen3MoeForCausalLM": "qwen3_moe"}  # Qwen3's attention, a routed-expert MLP
+            "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a routed-expert MLP
+            "Qwen3_5ForCausalLM": "qwen3_5"}  # Gated DeltaNet layers between gated full-attention layers
+# Vision-language wrappers whose language model is one of the families: RL trains that model.
+WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+LAYER_TYPES = ("linear_attention", "full_attention")  # Qwen3.5's `layer_types`
 ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
 
 
@@ -60,6 +65,31 @@ class MoeArch:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetArch:
+    """Qwen3.5's linear attention (Gated DeltaNet), per head h and token t, with key heads shared by
+    num_value_heads / num_key_heads value heads:
+
+        q, k, v = SiLU(causal_conv1d(W_qkv x))   (a depthwise convolution of `conv_kernel` taps)
+        q, k = q / ‖q‖, k / ‖k‖;  β = σ(W_b x);  g = −exp(A_log) · softplus(W_a x + dt_bias)
+        S_t = exp(g_t) · S_{t−1} + β_t · (v_t − exp(g_t) · S_{t−1} k_t) k_tᵀ;  o_t = S_t q_t / √d_k
+        y = W_out (RMSNorm(o) · SiLU(W_z x))     (the norm's weight is not zero-centred)
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[int, ...]  # indices of the GDN layers; the others are gated full attention
+
+    def layer_params(self, hidden: int) -> int:
+        qk, v = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        conv = (2 * qk + v) * self.conv_kernel
+        return hidden * (2 * qk + 2 * v + 2 * self.num_value_heads) + conv + 2 * self.num_value_heads \
+            + self.value_head_dim + v * hidden
+
+
+@dataclass(frozen=True)
 class ModelArch:
     family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
     vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
@@ -75,6 +105,12 @@ class ModelArch:
     max_position_embeddings: int
     rope_scaling: Llama3Rope | None = None  # None: plain RoPE
     moe: "MoeArch | None" = None  # None: every layer's MLP is dense
+    linear_attention: GatedDeltaNetArch | None = None  # None: every layer is full attention
+    rotary_fraction: float = 1.0  # share of each head's dims that RoPE rotates (partial_rotary_factor)
+    # Qwen3.5: full attention's output times σ(gate), the gate a second half of q_proj's rows per head
+    attention_output_gate: bool = False
+    # Qwen3.5: RMSNorm weights stored as w with y = x / rms(x) · (1 + w) (the GDN's own norm excepted)
+    zero_centred_norms: bool = False
 
     @property
     def qkv_bias(self) -> bool:
@@ -83,19 +119,24 @@ class ModelArch:
     @property
     def qk_norm(self) -> bool:
         """RMSNorm over each head's q and k (weights of size head_dim) before RoPE: Megatron's qk_layernorm."""
-        return self.family in ("qwen3", "qwen3_moe")
+        return self.family in ("qwen3", "qwen3_moe", "qwen3_5")
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        return self.linear_attention is not None and layer in self.linear_attention.layers
 
     @property
     def num_params(self) -> int:
         """Parameter count of the HF model (embeddings counted once when tied)."""
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn = h * d * (self.num_heads * (3 if self.attention_output_gate else 2) + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        attn += 2 * d if self.qk_norm else 0
+        mixers = sum(self.linear_attention.layer_params(h) if self.is_linear_attention_layer(i) else attn
+                     for i in range(self.num_layers))
         mlps = sum(self.moe.layer_params(h) if self.is_moe_layer(i) else 3 * h * f for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + mlps + embed + h
+        return mixers + self.num_layers * 2 * h + mlps + embed + h
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -107,6 +148,7 @@ class ModelArch:
             raise ModelConfigError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model; "
                                    f"this {self.family} model is dense (use ep=1 etp=1)")
         moe = self.moe or MoeArch(num_experts=1, top_k=1, intermediate_size=1, norm_topk_prob=True, layers=())
+        gdn = self.linear_attention or GatedDeltaNetArch(1, 1, 1, 1, 1, ())
         for what, size, parts, knob in (
             ("num_attention_heads", self.num_heads, tp, "tp"),
             ("num_key_value_heads", self.num_kv_heads, tp, "tp"),
@@ -114,6 +156,8 @@ class ModelArch:
             ("num_hidden_layers", self.num_layers, pp, "pp"),
             ("num_experts", moe.num_experts, ep, "ep"),
             ("moe_intermediate_size", moe.intermediate_size, etp, "etp"),
+            ("linear_num_key_heads", gdn.num_key_heads, tp, "tp"),
+            ("linear_num_value_heads", gdn.num_value_heads, tp, "tp"),
         ):
             if parts < 1 or size % parts:
                 raise ModelConfigError(f"{knob}={parts} does not divide {what}={size}")
@@ -162,10 +206,17 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
+    """The language model a config.json describes; a vision-language wrapper's is its `text_config`."""
     archs = cfg.get("architectures") or []
+    wrapper = next((a for a in archs if a in WRAPPERS), None)
+    if wrapper is not None:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelConfigError(f"{path}: field 'text_config' (the language model of {wrapper}) is missing")
+        return arch_from_dict(text | {"architectures": [WRAPPERS[wrapper]]}, f"{path}: text_config")
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-    if family is None and not archs and cfg.get("model_type") in FAMILIES.values():
-        family = cfg["model_type"]
+    if family is None and not archs and cfg.get("model_type") in (*FAMILIES.values(), "qwen3_5_text"):
+        family = cfg["model_type"].removesuffix("_text")
     if family is None:
         raise ModelConfigError(
             f"{path}: field 'architectures'={archs!r} (model_type={cfg.get('model_type')!r}) "
@@ -173,7 +224,7 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         )
     rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
     rope = cfg.get(rope_key) or {}
-    _refuse_windows_and_sinks(cfg, path)
+    _refuse_windows_and_sinks(cfg, path, family)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{path}: field 'hidden_act'={cfg['hidden_act']!r}; only 'silu' is supported")
     if cfg.get("attention_bias", False) or cfg.get("mlp_bias", False):
@@ -195,6 +246,7 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
         rope_scaling=_rope_scaling(rope, path, rope_key),
         moe=_moe(cfg, path) if family == "qwen3_moe" else None,
+        **(_hybrid(cfg, rope, path) if family == "qwen3_5" else {}),
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         if getattr(arch, key) < 1:
@@ -232,6 +284,47 @@ def _moe(cfg: dict, path) -> MoeArch:
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layers=layers)
 
 
+def _hybrid(cfg: dict, rope: dict, path) -> dict:
+    """Qwen3.5's fields: which layers are Gated DeltaNet, their sizes, the partial RoPE, the output gate
+    and the zero-centred norms (both fixed in transformers' Qwen3_5 classes, so always on).
+
+    Released configs carry `mrope_section`/`mrope_interleaved` for the vision tower's 3-D positions. On
+    text, the three sections' positions are equal, and multimodal RoPE is then 1-D RoPE: accepted."""
+    if cfg.get("attn_output_gate", True) is not True:
+        raise ModelConfigError(f"{path}: field 'attn_output_gate'={cfg['attn_output_gate']!r}: transformers' "
+                               f"Qwen3.5 attention always gates its output; only true is supported")
+    num_layers = _field(cfg, "num_hidden_layers", path)
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default: every `full_attention_interval`-th layer is full attention
+        interval = _field(cfg, "full_attention_interval", path, default=4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelConfigError(f"{path}: field 'layer_types' must list num_hidden_layers={num_layers} entries")
+    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
+    if unknown:
+        raise ModelConfigError(f"{path}: field 'layer_types' has {unknown}; supported: {list(LAYER_TYPES)}")
+    fraction = _field(rope, "partial_rotary_factor", f"{path}: field 'rope_parameters'", float,
+                      default=_field(cfg, "partial_rotary_factor", path, float, default=1.0))
+    head_dim = _field(cfg, "head_dim", path)
+    if not 0 < fraction <= 1 or (head_dim * fraction) % 2:
+        raise ModelConfigError(f"{path}: field 'partial_rotary_factor'={fraction}: need 0 < f <= 1 and an even "
+                               f"head_dim·f (head_dim={head_dim})")
+    gdn = GatedDeltaNetArch(
+        num_key_heads=_field(cfg, "linear_num_key_heads", path),
+        num_value_heads=_field(cfg, "linear_num_value_heads", path),
+        key_head_dim=_field(cfg, "linear_key_head_dim", path),
+        value_head_dim=_field(cfg, "linear_value_head_dim", path),
+        conv_kernel=_field(cfg, "linear_conv_kernel_dim", path),
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+    )
+    if min(gdn.num_key_heads, gdn.num_value_heads, gdn.key_head_dim, gdn.value_head_dim, gdn.conv_kernel) < 1 \
+            or gdn.num_value_heads % gdn.num_key_heads:
+        raise ModelConfigError(f"{path}: fields 'linear_num_value_heads'={gdn.num_value_heads}, "
+                               f"'linear_num_key_heads'={gdn.num_key_heads}: need positive sizes, value heads a "
+                               f"multiple of key heads")
+    return dict(linear_attention=gdn, rotary_fraction=fraction, attention_output_gate=True, zero_centred_norms=True)
+
+
 def _rope_scaling(rope: dict, path, key: str) -> Llama3Rope | None:
     """The RoPE scaling of `config.json`'s `key` (rope_parameters or rope_scaling); refuses what
     the builder cannot reproduce exactly. YaRN also scales cos/sin by an attention factor;
@@ -257,12 +350,13 @@ def _rope_scaling(rope: dict, path, key: str) -> Llama3Rope | None:
     return scaling
 
 
-def _refuse_windows_and_sinks(cfg: dict, path) -> None:
+def _refuse_windows_and_sinks(cfg: dict, path, family: str) -> None:
     """Sliding-window attention (Qwen2/3's use_sliding_window, transformers 5's layer_types) and
-    attention sinks change which keys a query sees; the builder computes full causal attention only."""
+    attention sinks change which keys a query sees; the builder computes full causal attention only
+    (and, for Qwen3.5, Gated DeltaNet layers: `_hybrid` checks its layer types)."""
     if cfg.get("use_sliding_window"):
         raise ModelConfigError(f"{path}: field 'use_sliding_window'=true is not supported (full attention only)")
-    windowed = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+    windowed = [] if family == "qwen3_5" else sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
     if windowed:
         raise ModelConfigError(f"{path}: field 'layer_types' has {windowed}; only 'full_attention' is supported")
     sinks = [k for k, v in cfg.items() if "sink" in k.lower() and v]

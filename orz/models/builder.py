@@ -15,13 +15,15 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from orz.models.arch import ModelArch
 from orz.models.attention import SDPAttention
-from orz.models.norms import RMSNorm
+from orz.models.norms import PlainRMSNorm, RMSNorm
 
 
 def use_transformer_engine() -> bool:
@@ -40,10 +42,12 @@ def transformer_config(
     moe_aux_loss_coef: float = 0.0,
     cp: int = 1,
     moe_dispatcher: str = "allgather",
+    deterministic: bool = False,
 ) -> TransformerConfig:
     """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
 
-    dtype defaults to bfloat16 on GPU and float32 on CPU.
+    dtype defaults to bfloat16 on GPU and float32 on CPU. deterministic: Megatron's deterministic
+    mode, GPU kernels that do not depend on the batch (untested here); on CPU a hybrid's is always on.
     """
     arch.check_parallel(tp, pp, ep, etp)
     on_gpu = torch.cuda.is_available()
@@ -83,7 +87,27 @@ def transformer_config(
         recompute_num_layers=1 if recompute else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        deterministic_mode=deterministic or (arch.linear_attention is not None and not on_gpu),
         **(_moe_config(arch, moe_aux_loss_coef, moe_dispatcher) if arch.moe else {}),
+        **(_hybrid_config(arch) if arch.linear_attention else {}),
+    )
+
+
+def _hybrid_config(arch: ModelArch) -> dict:
+    """Qwen3.5's fields: the Gated DeltaNet layers (`linear_attention_freq`, 1 = GDN) and their sizes,
+    the gated attention output and the zero-centred norms. On CPU `deterministic_mode` selects the
+    GDN's torch kernels (a chunked delta rule and F.conv1d); on GPU, fla's (untested here)."""
+    gdn = arch.linear_attention
+    return dict(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[int(arch.is_linear_attention_layer(i)) for i in range(arch.num_layers)],
+        linear_conv_kernel_dim=gdn.conv_kernel,
+        linear_key_head_dim=gdn.key_head_dim,
+        linear_value_head_dim=gdn.value_head_dim,
+        linear_num_key_heads=gdn.num_key_heads,
+        linear_num_value_heads=gdn.num_value_heads,
+        attention_output_gate=arch.attention_output_gate,
+        layernorm_zero_centered_gamma=arch.zero_centred_norms,
     )
 
 
@@ -114,29 +138,47 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float, dispatcher: str) -> dict:
     )
 
 
-def layer_spec(arch: ModelArch, moe: bool = False) -> ModuleSpec:
+def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = False) -> ModuleSpec:
     """TE's layers where TE runs; else Megatron's local layers with torch's fused attention.
     `moe`: the MLP is a router and experts, one SwiGLU per local expert (SequentialMLP) on both
     paths, as the config says (`moe_grouped_gemm=False`): TE's grouped GEMM keeps the experts'
-    weights under other names (`weight0`…), which orz's conversion does not map."""
+    weights under other names (`weight0`…), which orz's conversion does not map.
+    `linear_attention`: a Gated DeltaNet in place of self-attention (`gated_delta_net_spec`)."""
     experts = arch.moe.num_experts if moe else None
-    if use_transformer_engine():  # untested here: no GPU
-        return get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
-    spec = get_gpt_layer_local_spec(experts, normalization="RMSNorm", qk_layernorm=arch.qk_norm)
-    layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if arch.qk_norm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
-    layer.self_attention.submodules.core_attention = SDPAttention
+    te = use_transformer_engine()
+    if te:  # untested here: no GPU
+        spec = get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(experts, normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+        if arch.qk_norm:
+            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
+        layer.self_attention.submodules.core_attention = SDPAttention
+    if linear_attention:
+        spec.submodules.input_layernorm, spec.submodules.self_attention = gated_delta_net_spec(te)
     return spec
 
 
+def gated_delta_net_spec(te: bool) -> tuple[type, ModuleSpec]:
+    """The input norm and Megatron's GatedDeltaNet: the norm unfused (the layer's `input_layernorm` on
+    both paths), the GDN's output norm plain. Qwen3.5 zero-centres every norm but that one, and TE's
+    would follow the config's `layernorm_zero_centered_gamma`. (Megatron's own GDN spec needs TE.)"""
+    if te:  # untested here: no GPU
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm, TERowParallelLinear
+        norm, column, row = TENorm, TEColumnParallelLinear, TERowParallelLinear
+    else:
+        norm, column, row = RMSNorm, ColumnParallelLinear, RowParallelLinear
+    return norm, ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=column, out_norm=PlainRMSNorm, out_proj=row))
+
+
 def block_spec(arch: ModelArch, cfg: TransformerConfig) -> TransformerBlockSubmodules:
-    """This stage's layers (for a MoE each dense or sparse) and the final norm."""
-    specs = {sparse: layer_spec(arch, sparse) for sparse in ((False, True) if arch.moe else (False,))}
+    """This stage's layers (for a MoE each dense or sparse; for a hybrid each GDN or attention) and the final norm."""
     per_stage = arch.num_layers // cfg.pipeline_model_parallel_size
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
-    layers = [specs[arch.moe is not None and arch.is_moe_layer(i)] for i in range(first, first + per_stage)]
+    layers = [layer_spec(arch, arch.is_moe_layer(i), arch.is_linear_attention_layer(i))
+              for i in range(first, first + per_stage)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if use_transformer_engine() else RMSNorm)
 
 
@@ -158,6 +200,7 @@ def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: 
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_fraction,
         # llama3 scaling: Megatron's own, whose frequency factors and original length are fixed
         # at 1, 4 and 8192 (Llama 3.1/3.2); other values are applied below with the same formula.
         rope_scaling=scaling is not None and scaling.megatron_defaults,

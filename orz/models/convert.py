@@ -1,11 +1,14 @@
-"""HF (Llama/Qwen2/Qwen3/Qwen3-MoE) <-> Megatron-core parameters, for any TP, PP, EP and ETP.
+"""HF (Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen3.5) <-> Megatron-core parameters, for any TP, PP, EP and ETP.
 Pure tensor code.
 
-Megatron's layout differs from HF's in three places:
+Megatron's layout differs from HF's in these places:
 - q, k, v are one `linear_qkv` whose rows are grouped per KV group: [q heads of group g; k_g; v_g];
-  TP ranks hold whole groups (a contiguous slice of rows).
+  TP ranks hold whole groups (a contiguous slice of rows). With Qwen3.5's output gate, HF's q_proj
+  holds [q_h; gate_h] per head and a group is [q heads of g; their gates; k_g; v_g].
 - SwiGLU's gate and up are one `linear_fc1`; TP rank r holds [gate_r; up_r], which is NOT a
-  contiguous slice of the full [gate; up].
+  contiguous slice of the full [gate; up]. A Gated DeltaNet's `in_proj` is the same kind of
+  concatenation, [q_r; k_r; v_r; z_r; b_r; a_r] of HF's in_proj_qkv (= [q; k; v]), _z, _b and _a, and
+  its conv1d's channels are [q_r; k_r; v_r].
 - Embedding and LM head rows are padded to the padded vocabulary and split by rows.
 Row-parallel layers (`linear_proj`, `linear_fc2`) split columns; norms are replicated.
 Layer i of the model is local layer i - pp_rank * layers_per_stage on its pipeline stage.
@@ -40,6 +43,18 @@ _LAYER = {
 _DENSE_MLP = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+}
+# A Qwen3.5 Gated DeltaNet layer's mixer, in place of the attention's entries above.
+_GATED_DELTA_NET = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.in_proj.weight": (tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                                      "gdn_in"),
+    "self_attention.conv1d.weight": (("linear_attn.conv1d.weight",), "gdn_conv"),  # (channels, 1, taps)
+    "self_attention.dt_bias": (("linear_attn.dt_bias",), "column"),  # one per value head
+    "self_attention.A_log": (("linear_attn.A_log",), "column"),
+    "self_attention.out_norm.weight": (("linear_attn.norm.weight",), "replicated"),
+    "self_attention.out_proj.weight": (("linear_attn.out_proj.weight",), "row"),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
 }
 _ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "replicated")}  # (E, H)
 # one expert: Megatron name within `mlp.experts.local_experts.{i}` -> HF names within `mlp.experts.{e}`
@@ -94,7 +109,7 @@ class ParamRule:
 
     megatron: str
     hf: tuple[str, ...]
-    split: str  # replicated | row | qkv | fc1 | vocab | expert_fc1 | expert_row
+    split: str  # replicated | row | column | qkv | fc1 | gdn_in | gdn_conv | vocab | expert_fc1 | expert_row
 
     @property
     def expert(self) -> bool:
@@ -110,12 +125,15 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
     per_stage = arch.num_layers // layout.pp
     for local in range(per_stage):
         layer = local + layout.layer_offset(arch)
-        sparse = arch.is_moe_layer(layer)
-        for name, (hf_names, split) in (_LAYER | (_ROUTER if sparse else _DENSE_MLP)).items():
+        sparse, linear = arch.is_moe_layer(layer), arch.is_linear_attention_layer(layer)
+        mixer = _GATED_DELTA_NET if linear else _LAYER
+        for name, (hf_names, split) in (mixer | (_ROUTER if sparse else _DENSE_MLP)).items():
             if not _in_family(name, arch):
                 continue
-            # TE fuses the pre-MLP norm into a dense fc1 only; a MoE layer keeps its own norm
-            megatron = _TE_RENAMES.get(name, name) if layout.te and not (sparse and name.startswith("pre_mlp")) else name
+            # TE fuses the pre-MLP norm into a dense fc1 only, and the input norm into the attention's
+            # linear_qkv only: a MoE layer keeps its pre-MLP norm, a GDN layer its input norm
+            unfused = (sparse and name.startswith("pre_mlp")) or (linear and name.startswith("input_"))
+            megatron = _TE_RENAMES.get(name, name) if layout.te and not unfused else name
             rules.append(
                 ParamRule(
                     f"decoder.layers.{local}.{megatron}",
@@ -161,21 +179,50 @@ def _in_family(name: str, arch: ModelArch) -> bool:
 
 
 def _qkv_full(arch: ModelArch, q, k, v) -> torch.Tensor:
-    """[q; k; v] rows regrouped per KV group: (G * (Q/G + 2) * D, ...)."""
-    groups, d = arch.num_kv_heads, arch.head_dim
+    """[q; k; v] rows regrouped per KV group: (G * (Q/G + 2) * D, ...); with the output gate, HF's
+    per-head [q_h; gate_h] rows become [q of the group; gates of the group] before k_g, v_g."""
+    groups, d, per_group = arch.num_kv_heads, arch.head_dim, arch.num_heads // arch.num_kv_heads
     tail = q.shape[1:]
-    q = q.reshape(groups, arch.num_heads // groups * d, *tail)
+    if arch.attention_output_gate:
+        q = q.reshape(groups, per_group, 2, d, *tail).transpose(1, 2)  # [group, q | gate, head, d]
+    q = q.reshape(groups, -1, *tail)
     k = k.reshape(groups, d, *tail)
     v = v.reshape(groups, d, *tail)
     return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
 
 
 def _qkv_split(arch: ModelArch, full) -> list[torch.Tensor]:
-    groups, d = arch.num_kv_heads, arch.head_dim
-    q_rows = arch.num_heads // groups * d
-    grouped = full.reshape(groups, q_rows + 2 * d, *full.shape[1:])
-    q, k, v = grouped.split([q_rows, d, d], dim=1)
-    return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
+    groups, d, per_group = arch.num_kv_heads, arch.head_dim, arch.num_heads // arch.num_kv_heads
+    tail = full.shape[1:]
+    q_rows = per_group * d * (2 if arch.attention_output_gate else 1)
+    q, k, v = full.reshape(groups, q_rows + 2 * d, *tail).split([q_rows, d, d], dim=1)
+    if arch.attention_output_gate:
+        q = q.reshape(groups, 2, per_group, d, *tail).transpose(1, 2)  # back to per-head [q_h; gate_h]
+    return [t.reshape(-1, *tail) for t in (q, k, v)]
+
+
+def _sections(split: str, hf: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+    """The HF tensors as the sections of which each TP rank holds the r-th slice, in Megatron's order."""
+    if split == "gdn_in":
+        qkv, *zba = hf
+        return [*_gdn_qkv(qkv, arch), *zba]
+    if split == "gdn_conv":
+        return _gdn_qkv(hf[0], arch)
+    return hf  # fc1: [gate, up]; column: one
+
+
+def _from_sections(split: str, sections: list[torch.Tensor]) -> list[torch.Tensor]:
+    if split == "gdn_in":
+        return [torch.cat(sections[:3]), *sections[3:]]
+    if split == "gdn_conv":
+        return [torch.cat(sections)]
+    return sections
+
+
+def _gdn_qkv(qkv: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    gdn = arch.linear_attention
+    qk = gdn.num_key_heads * gdn.key_head_dim
+    return list(qkv.split([qk, qk, gdn.num_value_heads * gdn.value_head_dim]))
 
 
 def to_megatron(rule: ParamRule, hf: list[torch.Tensor], arch: ModelArch, layout: Layout) -> torch.Tensor:
@@ -188,9 +235,8 @@ def to_megatron(rule: ParamRule, hf: list[torch.Tensor], arch: ModelArch, layout
         return hf[0].chunk(tp, dim=1)[r].clone()
     if split == "qkv":
         return _qkv_full(arch, *hf).chunk(tp, dim=0)[r].clone()
-    if split == "fc1":
-        gate, up = (t.chunk(tp, dim=0)[r] for t in hf)
-        return torch.cat([gate, up], dim=0)
+    if split in _SECTIONED:
+        return torch.cat([t.chunk(tp, dim=0)[r] for t in _sections(split, hf, arch)], dim=0)
     if split == "vocab":
         padded = layout.padded_vocab or arch.vocab_size
         if padded % tp or padded < arch.vocab_size:
@@ -210,12 +256,22 @@ def to_hf(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> list[
         return [torch.cat(shards, dim=1)]
     if split == "qkv":
         return _qkv_split(arch, torch.cat(shards, dim=0))
-    if split == "fc1":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if split in _SECTIONED:
+        tp = len(shards)
+        sizes = [t.shape[0] // tp for t in _sections(split, [torch.empty(n) for n in hf_rows(rule, arch)], arch)]
+        parts = [shard.split(sizes) for shard in shards]  # [rank][section]
+        return _from_sections(split, [torch.cat(ranks) for ranks in zip(*parts)])
     if split == "vocab":
         return [torch.cat(shards, dim=0)[: arch.vocab_size]]
     raise AssertionError(rule.split)
+
+
+_SECTIONED = ("fc1", "gdn_in", "gdn_conv", "column")
+
+
+def hf_rows(rule: ParamRule, arch: ModelArch) -> list[int]:
+    """The number of rows of each of `rule`'s HF tensors."""
+    return [hf_shape(name, arch)[0] for name in rule.hf]
 
 
 def hf_to_megatron(
@@ -248,7 +304,11 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         f = arch.moe.intermediate_size
     if name.endswith("mlp.gate.weight"):
         return (arch.moe.num_experts, h)
+    if ".linear_attn." in name:
+        return _gdn_shape(name, arch)
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    if name.endswith("q_proj.weight") and arch.attention_output_gate:
+        return (2 * q, h)  # [q_h; gate_h] per head
     shapes = {
         "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
@@ -261,3 +321,13 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         if name.endswith(suffix):
             return shape
     raise KeyError(name)
+
+
+def _gdn_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    gdn, h = arch.linear_attention, arch.hidden_size
+    qk, v, heads = gdn.num_key_heads * gdn.key_head_dim, gdn.num_value_heads * gdn.value_head_dim, gdn.num_value_heads
+    shapes = {"in_proj_qkv.weight": (2 * qk + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
+              "in_proj_a.weight": (heads, h), "conv1d.weight": (2 * qk + v, 1, gdn.conv_kernel),
+              "dt_bias": (heads,), "A_log": (heads,), "norm.weight": (gdn.value_head_dim,),
+              "out_proj.weight": (h, v)}
+    return shapes[name.rsplit(".linear_attn.", 1)[1]]

@@ -100,9 +100,8 @@ class ModelEngine:
             raise ModelConfigError(f"context parallelism (CP {cp}) runs in Transformer Engine's attention (GPU only)")
         self.arch = arch
         self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef, cp,
-                                         moe_dispatcher)
+                                         moe_dispatcher, deterministic)
         self.config.calculate_per_token_loss = True
-        self.config.deterministic_mode = deterministic  # GPU kernels that do not depend on the batch (untested here)
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
         # stages exchange each activation's shape before sending it (cheap: 3 integers).
         self.config.variable_seq_lengths = pp > 1

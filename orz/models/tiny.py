@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints, made locally (nothing can be downloaded): for tests,
+"""Tiny random Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 checkpoints, made locally (nothing can be downloaded): for tests,
 benchmarks and the CPU demo."""
 from pathlib import Path
 
@@ -22,6 +22,7 @@ def make_tiny_hf(
     head_dim: int | None = None,
     rope_scaling: dict | None = None,
     moe: dict | None = None,
+    hybrid: dict | None = None,
     **special_tokens: int,
 ) -> Path:
     """Writes a randomly initialised HF model (config.json + model.safetensors) to `out_dir`.
@@ -30,11 +31,18 @@ def make_tiny_hf(
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32};
     moe (family qwen3_moe): Qwen3MoeConfig's expert fields, e.g. {"num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}.
+    hybrid (family qwen3_5): Qwen3_5TextConfig's fields, e.g. {"layer_types": [...], "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "partial_rotary_factor": 0.5}: its RMSNorm and GDN weights are drawn away from their neutral values,
+    so that a norm whose zero-centring or a decay whose A_log were lost shows in the logits.
     """
     import transformers
 
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
-    config_cls, model_cls = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen3_5": "Qwen3_5"}[family]
+    config_cls = getattr(transformers, f"{prefix}TextConfig" if family == "qwen3_5" else f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+    hybrid = dict(hybrid or {})
+    rotary = {"partial_rotary_factor": hybrid.pop("partial_rotary_factor")} if "partial_rotary_factor" in hybrid else {}
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -44,17 +52,18 @@ def make_tiny_hf(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads,
         tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **rotary, **(rope_scaling or {})},
         max_position_embeddings=max_position_embeddings,
         torch_dtype=dtype,
         **(moe or {}),
+        **hybrid,
         **special_tokens,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():
         for layer in model.model.layers:
-            attn = layer.self_attn
+            attn = getattr(layer, "self_attn", None)
             if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.02)
@@ -67,5 +76,17 @@ def make_tiny_hf(
                 layer.mlp.gate.weight.normal_(0, 1.0)
                 for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                     weight.normal_(0, 0.2)
+        if family == "qwen3_5":
+            _away_from_neutral(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+def _away_from_neutral(model) -> None:
+    """Qwen3.5's init leaves its zero-centred norms at 0 (a gain of 1), the GDN's output norm at 1 and
+    dt_bias at 1: draw them, and the GDN's convolution and gates, so that each one shows."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(1.0 if ".linear_attn.norm." in name else 0.0, 0.2)
+        elif name.endswith(("dt_bias", "conv1d.weight")):
+            param.normal_(0.0, 0.5)
