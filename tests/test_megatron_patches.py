@@ -68,11 +68,36 @@ def test_all_patches_make_pp2_training_and_checkpoints_work(tied_model, tmp_path
 # Adam's steps wrong. Only PP hits the tied embedding's LM-head copy and the shape exchange before p2p.
 WITHOUT = dict.fromkeys(megatron_patches.PATCHES, "(?i)cuda") | {
     "optimizer_state_before_first_step": r"assert len\(steps\) == 1", "optimizer_step_kept_aside": "KeyError: 'step'",
-    "optimizer_step_per_parameter": None, "alltoall_dispatcher": "torch.cuda.Stream requires CUDA"}
+    "optimizer_step_per_parameter": None, "alltoall_dispatcher": "torch.cuda.Stream requires CUDA",
+    "gated_delta_net_in_torch": "FLA is not installed"}
+
+
+def _hybrid_step(rank, world, skip, path):
+    """A Qwen3.5 hybrid's Gated DeltaNet layer, forward and backward on Megatron's torch path."""
+    megatron_patches.apply(skip=skip)
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel()
+    ckpt = HFCheckpoint(path)
+    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3))
+    engine.load_hf(ckpt)
+    tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
+    return engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(
+        hidden, b.input_ids).mean(), {}))["update_ok"]
 
 
 @pytest.mark.parametrize("name", list(megatron_patches.PATCHES))
 def test_patch_is_still_needed(name, tied_model, tmp_path):
+    if name == "gated_delta_net_in_torch":  # a hybrid's: the tied model has no GDN layer
+        hybrid = make_tiny_hf(tmp_path / "hybrid", family="qwen3_5", num_layers=1, head_dim=16, hybrid=dict(
+            layer_types=["linear_attention"], linear_num_key_heads=1, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16))
+        assert run_world(_hybrid_step, 1, (), str(hybrid)) == [True]
+        with pytest.raises(RuntimeError, match=WITHOUT[name]):
+            run_world(_hybrid_step, 1, (name,), str(hybrid))
+        return
     if name == "alltoall_dispatcher":  # a MoE's: the tied model has no experts
         moe = make_tiny_hf(tmp_path / "moe", family="qwen3_moe", num_layers=1,
                            moe=dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16))

