@@ -25,18 +25,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from orz.config import ConfigError, ExperimentConfig, from_dict
 from orz.models.arch import ModelConfigError, arch_from_dict
 from orz.models.checkpoint import (
     HF_FILES,
+    UNTRAINED,
     HFCheckpoint,
     atomic_dir,
     copy_hf_files,
     is_earlier_format,
     kept_hf_files,
     read_megatron_meta,
+    require_untrained_source,
     save_hf,
+    with_untrained,
 )
 from orz.models.convert import Layout, param_rules
 from orz.models.local_world import run_world
@@ -74,6 +78,9 @@ def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisibl
                   vocab_divisible_by, timeout=3600)
         (tmp / HF_FILES).mkdir()
         copy_hf_files(hf_dir, tmp / HF_FILES)
+        untrained = dict(ckpt.untrained({name for rule in param_rules(ckpt.arch, whole) for name in rule.hf}))
+        if untrained:  # a wrapper's vision tower and MTP layers, for mcore2hf's way back
+            save_file(untrained, tmp / HF_FILES / UNTRAINED, metadata={"format": "pt"})
     return Path(out_dir)
 
 
@@ -88,7 +95,8 @@ def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
     engine = ModelEngine(arch_from_dict(meta["hf_config"], Path(mcore_dir)), dtype=getattr(torch, meta["dtype"]),
                          make_vocab_size_divisible_by=meta["padded_vocab"])
     dist_checkpoint.load(engine, mcore_dir, with_optimizer=False)
-    return str(save_hf(out_dir, engine.hf_tensors(), meta["hf_config"], extra_files_from=like))
+    tensors = with_untrained(engine.hf_tensors(), meta["hf_config"], like)
+    return str(save_hf(out_dir, tensors, meta["hf_config"], extra_files_from=like))
 
 
 def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
@@ -99,6 +107,7 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
     if meta["value_head"]:
         raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
                                "causal-LM form; export the actor's")
+    require_untrained_source(meta["hf_config"], like, str(mcore_dir))
     return Path(run_world(_mcore2hf_rank, 1, str(mcore_dir), str(out_dir), like, timeout=3600)[0])
 
 

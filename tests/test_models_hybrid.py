@@ -116,3 +116,67 @@ def test_a_field_orz_cannot_reproduce_is_refused_naming_it(changes, field, tmp_p
 def test_a_wrapper_without_its_text_config_is_refused():
     with pytest.raises(ModelConfigError, match="'text_config'"):
         arch_from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
+
+
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)
+MTP = "mtp.layers.0.mlp.down_proj.weight"  # released checkpoints carry MTP layers transformers does not load
+
+
+@pytest.fixture(scope="module")
+def wrapper(tmp_path_factory, checkpoints):
+    """The untied model's language model inside Qwen3_5ForConditionalGeneration, with an MTP tensor
+    beside it, and transformers' logits of the wrapper on text."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from orz.models.tiny import make_tiny_hf
+
+    path = make_tiny_hf(tmp_path_factory.mktemp("wrapper"), family="qwen3_5", num_layers=4, head_dim=32,
+                        vision=VISION, **{k: v for k, v in MODELS["untied"].items()})
+    tensors = load_file(path / "model.safetensors") | {MTP: torch.randn(64, 128)}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return path, tensors, model(input_ids=checkpoints[0]).logits
+
+
+def _wrapper_logits(rank, world, tokens, path):
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    init_model_parallel()
+    ckpt = HFCheckpoint(path)
+    engine = ModelEngine(ckpt.arch)
+    engine.load_hf(ckpt)
+    return engine.full_logits(tokens)
+
+
+def test_a_wrappers_language_model_matches_transformers_and_goes_back_whole(checkpoints, wrapper, tmp_path):
+    """RL trains the language model of a vision-language checkpoint; mcore2hf writes the wrapper back,
+    its vision tower and MTP layers copied through unchanged (from the files hf2mcore kept)."""
+    from safetensors.torch import load_file
+
+    from orz.convert import hf2mcore, mcore2hf
+
+    path, tensors, ref_logits = wrapper
+    assert any(name.startswith("model.visual.") for name in tensors)
+    [logits] = run_world(_wrapper_logits, 1, checkpoints[0], str(path))
+    assert (logits - ref_logits).abs().max() < 1e-4
+    back = mcore2hf(str(hf2mcore(str(path), str(tmp_path / "mcore"), tp=2)), str(tmp_path / "hf"))
+    assert json.loads((back / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    exported = load_file(back / "model.safetensors")
+    assert exported.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+def test_a_wrapper_with_no_vision_tower_to_copy_is_refused_before_writing(wrapper, tmp_path):
+    from orz.convert import hf2mcore, mcore2hf
+
+    mcore = hf2mcore(str(wrapper[0]), str(tmp_path / "mcore"))
+    (mcore / "hf_files" / "untrained.safetensors").unlink()  # as in a trainer's checkpoint, which keeps no HF files
+    with pytest.raises(ModelConfigError, match="vision tower.*--like"):
+        mcore2hf(str(mcore), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()

@@ -213,7 +213,11 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
             raise ModelConfigError(f"{path}: field 'text_config' (the language model of {wrapper}) is missing")
-        return arch_from_dict(text | {"architectures": [WRAPPERS[wrapper]]}, f"{path}: text_config")
+        tied = {bool(c["tie_word_embeddings"]) for c in (cfg, text) if "tie_word_embeddings" in c}
+        if len(tied) > 1:  # the wrapper's own governs in transformers; two answers are one too many
+            raise ModelConfigError(f"{path}: fields 'tie_word_embeddings' and 'text_config.tie_word_embeddings' differ")
+        return arch_from_dict(text | {"architectures": [WRAPPERS[wrapper]], "tie_word_embeddings": any(tied)},
+                              f"{path}: text_config")
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if family is None and not archs and cfg.get("model_type") in (*FAMILIES.values(), "qwen3_5_text"):
         family = cfg["model_type"].removesuffix("_text")

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orz.models.arch import ModelConfigError, read_arch
+from orz.models.arch import WRAPPERS, ModelConfigError, read_arch
 
 INDEX = "model.safetensors.index.json"
 MEGATRON_META = "orz_megatron.json"
@@ -25,8 +25,22 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _REWRITTEN = ("config.json", INDEX)
 
 
+# A vision-language wrapper keeps its language model's `model.` tensors under another prefix (its LM
+# head stays `lm_head.weight`). Its other tensors, the vision tower (`model.visual.`) and any MTP
+# layers (`mtp.`), are not trained: they go back unchanged on export (see `with_untrained`).
+_LANGUAGE_MODEL = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+assert _LANGUAGE_MODEL.keys() == WRAPPERS.keys()
+UNTRAINED = "untrained.safetensors"  # hf2mcore's copy of a wrapper's untrained tensors, in HF_FILES
+
+
+def saved_name(name: str, config: dict) -> str:
+    """Where a checkpoint of `config` keeps the language model's tensor `name` (a CausalLM's name)."""
+    prefix = next((_LANGUAGE_MODEL[a] for a in config.get("architectures") or [] if a in _LANGUAGE_MODEL), None)
+    return prefix + name.removeprefix("model.") if prefix and name.startswith("model.") else name
+
+
 class HFCheckpoint:
-    """An HF model directory, read lazily one tensor at a time."""
+    """An HF model directory, read lazily one tensor at a time, by the language model's names."""
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
@@ -58,16 +72,53 @@ class HFCheckpoint:
     def require(self, names: Iterable[str]) -> None:
         """Names the first of `names` the checkpoint lacks."""
         for name in names:
-            if name not in self._file_of:
-                raise ModelConfigError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+            if saved_name(name, self.config) not in self._file_of:
+                raise ModelConfigError(f"{self.dir}: tensor {saved_name(name, self.config)!r} is missing "
+                                       "from the checkpoint")
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._file_of:
-            raise ModelConfigError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        file = self._file_of[name]
+        self.require([name])
+        return self._read(saved_name(name, self.config))
+
+    def _read(self, saved: str) -> torch.Tensor:
+        file = self._file_of[saved]
         if file not in self._handles:
             self._handles[file] = safe_open(self.dir / file, "pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file].get_tensor(saved)
+
+    def untrained(self, trained: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors outside `trained` (the language model's names): a wrapper's vision tower, MTP layers."""
+        saved = {saved_name(name, self.config) for name in trained}
+        return ((name, self._read(name)) for name in self._file_of if name not in saved)
+
+
+def with_untrained(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                   source: str | Path | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under the names a checkpoint of `config` keeps them, then, for a
+    vision-language wrapper, its untrained tensors unchanged from `source`: an HF directory of the
+    same model, or the HF files hf2mcore kept (their `untrained.safetensors`)."""
+    names = set()
+    for name, tensor in tensors:
+        names.add(name)
+        yield saved_name(name, config), tensor
+    if saved_name("model.", config) == "model.":
+        return  # not a wrapper: the model is all there is
+    kept = Path(source) / UNTRAINED if source is not None else None
+    if kept is not None and kept.is_file():
+        with safe_open(kept, "pt") as f:
+            yield from ((name, f.get_tensor(name)) for name in f.keys())
+    else:
+        yield from HFCheckpoint(source).untrained(names)
+
+
+def require_untrained_source(config: dict, source: str | Path | None, what: str) -> None:
+    """Refuses, before anything is written, an export of a wrapper with nowhere to take its vision tower from."""
+    if saved_name("model.", config) == "model.":
+        return
+    if source is None or not ((Path(source) / UNTRAINED).is_file() or (Path(source) / "config.json").is_file()):
+        raise ModelConfigError(f"{what}: a vision-language checkpoint ({config['architectures'][0]}), whose vision "
+                               "tower and MTP layers the Megatron checkpoint does not hold: pass --like <the HF "
+                               "directory it was trained from>")
 
 
 @contextmanager

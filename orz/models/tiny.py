@@ -23,6 +23,7 @@ def make_tiny_hf(
     rope_scaling: dict | None = None,
     moe: dict | None = None,
     hybrid: dict | None = None,
+    vision: dict | None = None,
     **special_tokens: int,
 ) -> Path:
     """Writes a randomly initialised HF model (config.json + model.safetensors) to `out_dir`.
@@ -35,6 +36,8 @@ def make_tiny_hf(
     "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
     "partial_rotary_factor": 0.5}: its RMSNorm and GDN weights are drawn away from their neutral values,
     so that a norm whose zero-centring or a decay whose A_log were lost shows in the logits.
+    vision (family qwen3_5): Qwen3_5VisionConfig's fields; the checkpoint is then the vision-language
+    wrapper Qwen3_5ForConditionalGeneration, its language model the text config above.
     """
     import transformers
 
@@ -59,10 +62,14 @@ def make_tiny_hf(
         **hybrid,
         **special_tokens,
     )
+    if vision is not None:
+        config = transformers.Qwen3_5Config(text_config=config.to_dict(), vision_config=vision,
+                                            tie_word_embeddings=tie_word_embeddings)
+        model_cls = transformers.Qwen3_5ForConditionalGeneration
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in (model.model.language_model if vision is not None else model.model).layers:
             attn = getattr(layer, "self_attn", None)
             if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):

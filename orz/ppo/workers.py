@@ -460,11 +460,11 @@ class MegatronWorker(FaultSite):
         return self._with_hf_tensors(lambda tensors: to_object_store_buckets(tensors, bucket_bytes, with_digests))
 
     def export_hf(self, out_dir: str) -> str | None:
-        from orz.models.checkpoint import HFCheckpoint, save_hf
+        from orz.models.checkpoint import HFCheckpoint, save_hf, with_untrained
 
-        config = HFCheckpoint(self.spec.model_path).config
-        return self._with_hf_tensors(
-            lambda tensors: str(save_hf(out_dir, tensors, config, extra_files_from=self.spec.model_path)))
+        config, source = HFCheckpoint(self.spec.model_path).config, self.spec.model_path
+        return self._with_hf_tensors(lambda tensors: str(save_hf(
+            out_dir, with_untrained(tensors, config, source), config, extra_files_from=source)))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, root: str, asynchronous: bool = False) -> None:
