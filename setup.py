@@ -44,5 +44,7 @@ setup(
         "trackers": ["wandb==0.31.0", "mlflow-skinny==3.17.2"],
         # The TRL peer of bench/vs_trl.py (trl==1.16.0) has a venv of its own: `make bench-env`.
     },
-    entry_points={"console_scripts": ["orz=orz.cli:main", "orz-convert=orz.convert:main"]},
+    entry_points={"console_scripts": ["orz=orz.cli:main", "orz-convert=orz.convert:main"],
+                  # torch calls these when imported: see orz/rollout/torchvision_ops.py
+                  "torch.backends": ["orz_torchvision_ops=orz.rollout.torchvision_ops:define_missing_ops"]},
 )

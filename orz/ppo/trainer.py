@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -60,6 +61,7 @@ from orz.ppo.experience import Experience
 from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.trackers import open_trackers
+from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.envs import envs_used
 from orz.rollout.weight_sync import GroupSource
@@ -116,6 +118,8 @@ class RayPPOTrainer:
         self.evaluators = {}
         self.fault = Fault.parse(cfg.trainer.fault)  # main has refused a malformed one
         self.phase = "start"  # what the iteration in flight is doing (named if it fails)
+        dtype = engine_dtype(cfg.rollout.engine_dtype, is_hybrid(cfg.model.path), torch.cuda.is_available())
+        self.engine_dtype = "" if dtype == "auto" else dtype  # "": vLLM's auto, the model's own dtype
         if resume_from is not None:
             trained = {name: spec for name, spec in self._role_specs().items() if spec.train}
             checkpoints.recut_where_needed(resume_from, trained, WorkerGroup, console.print)
@@ -148,7 +152,8 @@ class RayPPOTrainer:
     def _role_specs(self) -> dict[str, RoleSpec]:
         """What each Megatron role of the run is built from, in start order."""
         cfg = self.run_cfg
-        role_args = {"actor": {"routing_replay": cfg.rollout.routing_replay}, "ref": {"train": False},
+        role_args = {"actor": {"routing_replay": cfg.rollout.routing_replay, "engine_dtype": self.engine_dtype},
+                     "ref": {"train": False},
                      "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
                      "reward_model": {"value_head": True, "train": False, "model_path": cfg.reward.model.path}}
         return {name: self._role(name, **role_args[name]) for name in placement.roles(cfg)}
@@ -167,6 +172,8 @@ class RayPPOTrainer:
                       for _, staged in stage_configs(cfg))
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
                                             batch_invariant=cfg.trainer.batch_invariant)
+        console.print(f"[bold]orz:[/] rollout engines in {self.engine_dtype or 'the model’s own dtype'} "
+                      f"(rollout.engine_dtype={r.engine_dtype})")
 
         def start_fleet() -> EngineFleet:
             return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles)

