@@ -92,6 +92,14 @@ def arith_qwen3_5(tmp_path_factory):
                         intermediate_size=128, hybrid=HYBRID)
 
 
+@pytest.fixture(scope="session")
+def arith_qwen3_5_moe(tmp_path_factory):
+    """The same hybrid with a mixture of experts in both layers: 4 experts, top-2, and a shared expert."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3_5_moe"), family="qwen3_5_moe", hidden_size=64,
+                        head_dim=32, hybrid=HYBRID, moe=dict(num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32, shared_expert_intermediate_size=48))
+
+
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
 

@@ -1,6 +1,7 @@
-"""Qwen3.5's hybrid (Gated DeltaNet layers between gated full-attention layers) in Megatron against
-transformers: logits at TP/PP ∈ {1, 2}² and the export bit-exact, in one world of 4 ranks (the rest
-of each layout is DP), and what orz refuses to read."""
+"""Qwen3.5's hybrids (Gated DeltaNet layers between gated full-attention layers; dense, and with
+routed and shared experts) in Megatron against transformers: logits at TP/PP ∈ {1, 2}² (the MoE at
+EP ∈ {1, 2}, TP 2 × EP 2 and PP 2) and the export bit-exact, each in one world of 4 ranks (the rest
+of each layout is DP); a vision-language wrapper's language model; and what orz refuses to read."""
 import json
 
 import pytest
@@ -81,6 +82,59 @@ def test_hybrid_logits_match_transformers_and_export_is_exact(tp, pp, name, chec
     assert exported.keys() == original.keys()
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
+
+
+# Qwen3.5-MoE: the untied model's layers, each with 4 routed experts (top-2) and a gated shared expert
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep); TP 2 × EP 2 for logits only
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory, checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    from orz.models.tiny import make_tiny_hf
+
+    path = make_tiny_hf(tmp_path_factory.mktemp("moe_hybrid"), family="qwen3_5_moe", num_layers=4, head_dim=32, moe=MOE,
+                        **MODELS["untied"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return str(path), model(checkpoints[0]).logits
+
+
+def _moe_forward_and_export(rank, world, tokens, path):
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    result = {}
+    for tp, pp, ep in MOE_LAYOUTS:
+        init_model_parallel(tp, pp, ep=ep)
+        ckpt = HFCheckpoint(path)
+        engine = ModelEngine(ckpt.arch)
+        engine.load_hf(ckpt)
+        result[tp, pp, ep] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
+    return result
+
+
+def test_moe_hybrid_logits_match_transformers_and_export_is_exact(checkpoints, moe_checkpoint):
+    """Routed experts over EP ranks and the shared expert (σ(w·x)-gated) beside them, at every layout."""
+    from safetensors.torch import load_file
+
+    path, ref_logits = moe_checkpoint
+    assert read_arch(path).moe.shared_intermediate_size == 48
+    ranks = run_world(_moe_forward_and_export, WORLD, checkpoints[0], path, timeout=600)
+    original = load_file(f"{path}/model.safetensors")
+    assert any(".shared_expert_gate." in name for name in original)
+    for layout in MOE_LAYOUTS:
+        logits = [r[layout]["logits"] for r in ranks if r[layout]["logits"] is not None]
+        assert len(logits) == WORLD // (layout[0] * layout[1])
+        for out in logits:
+            assert (out - ref_logits).abs().max() < 1e-4, layout
+        exported = ranks[0][layout]["exported"]
+        assert exported.keys() == original.keys()
+        for key, tensor in original.items():
+            assert torch.equal(exported[key], tensor), (layout, key)
 
 
 def _config(**changes) -> dict:

@@ -21,9 +21,12 @@ FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForC
             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
             "Qwen3ForSequenceClassification": "qwen3",
             "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a routed-expert MLP
-            "Qwen3_5ForCausalLM": "qwen3_5"}  # Gated DeltaNet layers between gated full-attention layers
+            "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet layers between gated full-attention layers
+            "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}  # ... with routed experts and a gated shared expert
+HYBRIDS = ("qwen3_5", "qwen3_5_moe")
 # Vision-language wrappers whose language model is one of the families: RL trains that model.
-WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")  # Qwen3.5's `layer_types`
 ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
 
@@ -52,16 +55,19 @@ class Llama3Rope:
 @dataclass(frozen=True)
 class MoeArch:
     """Qwen3-MoE's routed MLP: y = Σ_{e ∈ top-k(p)} w_e · SwiGLU_e(x), p = softmax(W_router x) over
-    all experts, w_e = p_e / Σ_{top-k} p (norm_topk_prob) or p_e. No shared expert."""
+    all experts, w_e = p_e / Σ_{top-k} p (norm_topk_prob) or p_e. Qwen3.5-MoE adds a shared expert
+    to every token, gated: y += σ(w_gate · x) · SwiGLU_shared(x)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's SwiGLU width (moe_intermediate_size)
     norm_topk_prob: bool
     layers: tuple[int, ...]  # indices of the sparse layers; the others keep a dense MLP
+    shared_intermediate_size: int = 0  # the gated shared expert's SwiGLU width; 0: none
 
     def layer_params(self, hidden: int) -> int:
-        return self.num_experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
+        shared = 3 * hidden * self.shared_intermediate_size + hidden if self.shared_intermediate_size else 0
+        return self.num_experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden + shared
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class GatedDeltaNetArch:
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
     vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
     hidden_size: int
     intermediate_size: int  # SwiGLU width
@@ -119,7 +125,7 @@ class ModelArch:
     @property
     def qk_norm(self) -> bool:
         """RMSNorm over each head's q and k (weights of size head_dim) before RoPE: Megatron's qk_layernorm."""
-        return self.family in ("qwen3", "qwen3_moe", "qwen3_5")
+        return self.family in ("qwen3", "qwen3_moe", *HYBRIDS)
 
     def is_linear_attention_layer(self, layer: int) -> bool:
         return self.linear_attention is not None and layer in self.linear_attention.layers
@@ -219,7 +225,7 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         return arch_from_dict(text | {"architectures": [WRAPPERS[wrapper]], "tie_word_embeddings": any(tied)},
                               f"{path}: text_config")
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-    if family is None and not archs and cfg.get("model_type") in (*FAMILIES.values(), "qwen3_5_text"):
+    if family is None and not archs and cfg.get("model_type") in (*FAMILIES.values(), "qwen3_5_text", "qwen3_5_moe_text"):
         family = cfg["model_type"].removesuffix("_text")
     if family is None:
         raise ModelConfigError(
@@ -239,7 +245,8 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         family=family,
         vocab_size=_field(cfg, "vocab_size", path),
         hidden_size=hidden,
-        intermediate_size=_field(cfg, "intermediate_size", path),
+        # Qwen3.5-MoE has no dense MLP, nor its width: the experts' stands in (unused)
+        intermediate_size=_field(cfg, "intermediate_size", path, default=cfg.get("moe_intermediate_size")),
         num_layers=_field(cfg, "num_hidden_layers", path),
         num_heads=num_heads,
         num_kv_heads=_field(cfg, "num_key_value_heads", path, default=num_heads),
@@ -249,8 +256,8 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
         rope_scaling=_rope_scaling(rope, path, rope_key),
-        moe=_moe(cfg, path) if family == "qwen3_moe" else None,
-        **(_hybrid(cfg, rope, path) if family == "qwen3_5" else {}),
+        moe=_moe(cfg, path) if family == "qwen3_moe" else _hybrid_moe(cfg, path) if family == "qwen3_5_moe" else None,
+        **(_hybrid(cfg, rope, path) if family in HYBRIDS else {}),
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         if getattr(arch, key) < 1:
@@ -286,6 +293,19 @@ def _moe(cfg: dict, path) -> MoeArch:
     layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     return MoeArch(num_experts=num_experts, top_k=top_k, intermediate_size=_field(cfg, "moe_intermediate_size", path),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layers=layers)
+
+
+def _hybrid_moe(cfg: dict, path) -> MoeArch:
+    """Qwen3.5-MoE's experts: every layer sparse, the top-k weights renormalised, a gated shared expert
+    (transformers' Qwen3_5Moe classes fix all three; a config's decoder_sparse_step and mlp_only_layers
+    change nothing there)."""
+    num_experts, top_k = _field(cfg, "num_experts", path), _field(cfg, "num_experts_per_tok", path)
+    if not 1 <= top_k <= num_experts:
+        raise ModelConfigError(f"{path}: fields 'num_experts_per_tok'={top_k}, 'num_experts'={num_experts}: "
+                               f"need 1 <= top_k <= experts")
+    return MoeArch(num_experts=num_experts, top_k=top_k, intermediate_size=_field(cfg, "moe_intermediate_size", path),
+                   norm_topk_prob=True, layers=tuple(range(_field(cfg, "num_hidden_layers", path))),
+                   shared_intermediate_size=_field(cfg, "shared_expert_intermediate_size", path))
 
 
 def _hybrid(cfg: dict, rope: dict, path) -> dict:
@@ -360,7 +380,7 @@ def _refuse_windows_and_sinks(cfg: dict, path, family: str) -> None:
     (and, for Qwen3.5, Gated DeltaNet layers: `_hybrid` checks its layer types)."""
     if cfg.get("use_sliding_window"):
         raise ModelConfigError(f"{path}: field 'use_sliding_window'=true is not supported (full attention only)")
-    windowed = [] if family == "qwen3_5" else sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+    windowed = [] if family in HYBRIDS else sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
     if windowed:
         raise ModelConfigError(f"{path}: field 'layer_types' has {windowed}; only 'full_attention' is supported")
     sinks = [k for k, v in cfg.items() if "sink" in k.lower() and v]

@@ -135,6 +135,9 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float, dispatcher: str) -> dict:
         # HF's Switch-style aux loss E·Σ_e f_e·P_e is Megatron's "aux_loss"; 0 turns it off (RL default)
         moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
         moe_aux_loss_coeff=aux_loss_coef,
+        # Qwen3.5-MoE's shared expert, σ(w·x)-gated: Megatron's SharedExpertMLP with its gate
+        moe_shared_expert_intermediate_size=moe.shared_intermediate_size or None,
+        moe_shared_expert_gate=bool(moe.shared_intermediate_size),
     )
 
 

@@ -28,7 +28,8 @@ _REWRITTEN = ("config.json", INDEX)
 # A vision-language wrapper keeps its language model's `model.` tensors under another prefix (its LM
 # head stays `lm_head.weight`). Its other tensors, the vision tower (`model.visual.`) and any MTP
 # layers (`mtp.`), are not trained: they go back unchanged on export (see `with_untrained`).
-_LANGUAGE_MODEL = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+_LANGUAGE_MODEL = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
+                   "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
 assert _LANGUAGE_MODEL.keys() == WRAPPERS.keys()
 UNTRAINED = "untrained.safetensors"  # hf2mcore's copy of a wrapper's untrained tensors, in HF_FILES
 

@@ -57,6 +57,13 @@ _GATED_DELTA_NET = {
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
 }
 _ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "replicated")}  # (E, H)
+# Qwen3.5-MoE's shared expert beside the router: a SwiGLU split over TP like a dense one, its gate (1, H)
+_SHARED_EXPERT = {
+    "mlp.shared_experts.linear_fc1.weight": (("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+                                             "fc1"),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), "replicated"),
+}
 # one expert: Megatron name within `mlp.experts.local_experts.{i}` -> HF names within `mlp.experts.{e}`
 _EXPERT = {
     "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "expert_fc1"),
@@ -127,7 +134,8 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
         layer = local + layout.layer_offset(arch)
         sparse, linear = arch.is_moe_layer(layer), arch.is_linear_attention_layer(layer)
         mixer = _GATED_DELTA_NET if linear else _LAYER
-        for name, (hf_names, split) in (mixer | (_ROUTER if sparse else _DENSE_MLP)).items():
+        mlp = (_ROUTER | (_SHARED_EXPERT if arch.moe.shared_intermediate_size else {})) if sparse else _DENSE_MLP
+        for name, (hf_names, split) in (mixer | mlp).items():
             if not _in_family(name, arch):
                 continue
             # TE fuses the pre-MLP norm into a dense fc1 only, and the input norm into the attention's
@@ -302,8 +310,12 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     if ".mlp.experts." in name:
         f = arch.moe.intermediate_size
+    if ".mlp.shared_expert." in name:
+        f = arch.moe.shared_intermediate_size
     if name.endswith("mlp.gate.weight"):
         return (arch.moe.num_experts, h)
+    if name.endswith("mlp.shared_expert_gate.weight"):
+        return (1, h)
     if ".linear_attn." in name:
         return _gdn_shape(name, arch)
     q, kv = arch.num_heads * d, arch.num_kv_heads * d

@@ -30,19 +30,21 @@ def make_tiny_hf(
 
     head_dim: per head (default hidden_size / num_heads); rope_scaling: e.g. {"rope_type": "llama3",
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32};
-    moe (family qwen3_moe): Qwen3MoeConfig's expert fields, e.g. {"num_experts": 4, "num_experts_per_tok": 2,
+    moe (family qwen3_moe, qwen3_5_moe): the config's expert fields, e.g. {"num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}.
-    hybrid (family qwen3_5): Qwen3_5TextConfig's fields, e.g. {"layer_types": [...], "linear_num_key_heads": 2,
+    hybrid (family qwen3_5, qwen3_5_moe): Qwen3_5(Moe)TextConfig's fields, e.g. {"layer_types": [...], "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
     "partial_rotary_factor": 0.5}: its RMSNorm and GDN weights are drawn away from their neutral values,
     so that a norm whose zero-centring or a decay whose A_log were lost shows in the logits.
-    vision (family qwen3_5): Qwen3_5VisionConfig's fields; the checkpoint is then the vision-language
-    wrapper Qwen3_5ForConditionalGeneration, its language model the text config above.
+    vision (family qwen3_5, qwen3_5_moe): the vision config's fields; the checkpoint is then the
+    vision-language wrapper Qwen3_5(Moe)ForConditionalGeneration, its language model the text config above.
     """
     import transformers
 
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen3_5": "Qwen3_5"}[family]
-    config_cls = getattr(transformers, f"{prefix}TextConfig" if family == "qwen3_5" else f"{prefix}Config")
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen3_5": "Qwen3_5",
+              "qwen3_5_moe": "Qwen3_5Moe"}[family]
+    hybrid_family = family.startswith("qwen3_5")
+    config_cls = getattr(transformers, f"{prefix}TextConfig" if hybrid_family else f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     hybrid = dict(hybrid or {})
     rotary = {"partial_rotary_factor": hybrid.pop("partial_rotary_factor")} if "partial_rotary_factor" in hybrid else {}
@@ -63,9 +65,9 @@ def make_tiny_hf(
         **special_tokens,
     )
     if vision is not None:
-        config = transformers.Qwen3_5Config(text_config=config.to_dict(), vision_config=vision,
-                                            tie_word_embeddings=tie_word_embeddings)
-        model_cls = transformers.Qwen3_5ForConditionalGeneration
+        config = getattr(transformers, f"{prefix}Config")(text_config=config.to_dict(), vision_config=vision,
+                                                          tie_word_embeddings=tie_word_embeddings)
+        model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():
@@ -77,13 +79,13 @@ def make_tiny_hf(
             if family in ("qwen3", "qwen3_moe"):  # and q/k norm weights other than ones
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.normal_(1.0, 0.2)
-            if family == "qwen3_moe" and hasattr(layer.mlp, "gate"):
+            if family in ("qwen3_moe", "qwen3_5_moe") and hasattr(layer.mlp, "gate"):
                 # A router far from uniform (clear top-k margins, no near-ties that fp32 noise could
                 # flip) and experts large enough that a misplaced one moves the logits visibly.
                 layer.mlp.gate.weight.normal_(0, 1.0)
                 for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                     weight.normal_(0, 0.2)
-        if family == "qwen3_5":
+        if hybrid_family:
             _away_from_neutral(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
@@ -95,5 +97,5 @@ def _away_from_neutral(model) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.normal_(1.0 if ".linear_attn.norm." in name else 0.0, 0.2)
-        elif name.endswith(("dt_bias", "conv1d.weight")):
+        elif name.endswith(("dt_bias", "conv1d.weight", "shared_expert_gate.weight")):
             param.normal_(0.0, 0.5)
