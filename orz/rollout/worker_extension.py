@@ -62,6 +62,7 @@ class WorkerExtension:
             self._orz_expert_digests = {}
         for module_name, module in model.named_modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            module_name = _checkpoint_name(model, module_name)
             if kernel is None or module_name.split(".experts")[0] not in layers:
                 continue
             self._orz_expert_digests.update((name, digest(t)) for name, t in _unfused_experts(module_name, module))
@@ -73,7 +74,7 @@ class WorkerExtension:
         from the old weight: on CPU its GEMM keeps a packed copy made at start-up, and the engine
         would sample from stale logits while every digest matches. Re-processing it repacks the
         shared, new weight (a no-op on GPU, where the head multiplies by the weight itself)."""
-        model = self.model_runner.get_model()
+        model = getattr(self.model_runner.get_model(), "language_model", self.model_runner.get_model())  # a wrapper's
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
@@ -87,8 +88,8 @@ class WorkerExtension:
         return self._orz_reload(receive_object_store(refs), with_digests)
 
     def orz_held_weights(self) -> dict[str, torch.Tensor]:
-        """What this worker's model holds, un-fused back to HF names (TP=1 engines without
-        expert parallelism: experts are numbered from 0 on each worker).
+        """What this worker's model holds of its language model, un-fused back to the checkpoint's
+        names (TP=1 engines without expert parallelism: experts are numbered from 0 on each worker).
 
         vLLM's CPU backend repacks linear weights for oneDNN and leaves the parameter empty;
         those are read back exactly by passing an identity through the layer's own GEMM (Wᵀ).
@@ -121,18 +122,32 @@ class WorkerExtension:
                     held[f"{parent}.{part}.{kind}"] = torch.cat([next(pieces) for _ in range(shards)])
             else:
                 held[name] = tensor.clone()
-        return held
+        return {_checkpoint_name(model, name): t for name, t in held.items() if not name.startswith("visual.")}
 
     def orz_held_digests(self) -> dict[str, str]:
         """Digests of orz_held_weights, and of the fused experts as they were before packing: as
         loaded at start-up (read now, still unpacked only if never synced) or by the last sync."""
         held = {name: digest(t) for name, t in self.orz_held_weights().items()}
-        for module_name, module in self.model_runner.get_model().named_modules():
+        model = self.model_runner.get_model()
+        for module_name, module in model.named_modules():
             if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None:
-                names = [name for name, _ in _unfused_experts(module_name, module, read=False)]
+                names = [name for name, _ in _unfused_experts(_checkpoint_name(model, module_name), module, read=False)]
                 held.update((name, getattr(self, "_orz_expert_digests", {}).get(name, "packed at start-up"))
                             for name in names)
         return held
+
+
+def _checkpoint_name(model, name: str) -> str:
+    """A parameter's (or module's) name in the checkpoint. A vision-language wrapper keeps its
+    language model's `model.language_model.*` as vLLM's `language_model.model.*`: its
+    `hf_to_vllm_mapper` prefixes reversed. (A causal LM's mapper also takes a wrapper's names,
+    so it is not reversed.)"""
+    if not hasattr(model, "language_model"):
+        return name
+    for original, renamed in model.hf_to_vllm_mapper.orig_to_new_prefix.items():
+        if renamed and name.startswith(renamed):
+            return original + name[len(renamed):]
+    return name
 
 
 def _unfused_experts(module_name: str, module, read: bool = True):
