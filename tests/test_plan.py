@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orz.models.arch import ModelArch, ModelConfigError, MoeArch
+from orz.models.arch import GatedDeltaNetArch, ModelArch, ModelConfigError, MoeArch
 from orz.plan import (GIB, GPUS, MODELS, Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel,
                       Workload, blockers, main, plan, stage_params)
 
@@ -81,7 +81,9 @@ def tiny_plan(**changes):
 
 def test_presets_match_published_parameter_counts():
     published_b = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76,
-                   "Llama-3.1-8B": 8.03, "Qwen3-8B": 8.19, "Qwen3-32B": 32.76, "Qwen3-30B-A3B": 30.53}
+                   "Llama-3.1-8B": 8.03, "Qwen3-8B": 8.19, "Qwen3-32B": 32.76, "Qwen3-30B-A3B": 30.53,
+                   # language models only: the published 27B and 35B count the vision tower too
+                   "Qwen3.5-27B": 26.90, "Qwen3.5-35B-A3B": 34.66}
     assert {name: round(arch.num_params / 1e9, 2) for name, arch in MODELS.items()} == published_b
 
 
@@ -98,7 +100,32 @@ _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_
           "use_sliding_window": False, "vocab_size": 151936}
 
 
+# Qwen3.5's released checkpoints: the vision-language wrapper, its language model in text_config.
+_QWEN3_5_TEXT = {"attention_bias": False, "attn_output_gate": True, "full_attention_interval": 4, "head_dim": 256,
+                 "hidden_act": "silu", "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                 "linear_num_key_heads": 16, "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
+                 "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+                 "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "vocab_size": 248320,
+                 "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                     "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"}}
+
+
+def _qwen3_5(architecture: str, **text) -> dict:
+    layers = text["num_hidden_layers"]
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return {"architectures": [architecture], "tie_word_embeddings": False, "vision_config": {"hidden_size": 1152},
+            "text_config": _QWEN3_5_TEXT | {"layer_types": types} | text}
+
+
 @pytest.mark.parametrize("name, config", [
+    ("Qwen3.5-27B", _qwen3_5("Qwen3_5ForConditionalGeneration", model_type="qwen3_5_text", hidden_size=5120,
+                             intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                             num_key_value_heads=4, linear_num_value_heads=48)),
+    ("Qwen3.5-35B-A3B", _qwen3_5("Qwen3_5MoeForConditionalGeneration", model_type="qwen3_5_moe_text", hidden_size=2048,
+                                 num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                                 linear_num_value_heads=32, moe_intermediate_size=512, num_experts=256,
+                                 num_experts_per_tok=8, shared_expert_intermediate_size=512,
+                                 router_aux_loss_coef=0.001)),
     ("Llama-3.1-8B", _LLAMA31_8B),
     ("Qwen3-8B", _QWEN3 | dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                num_attention_heads=32, max_window_layers=36)),
@@ -261,7 +288,7 @@ def _planned_recipes() -> dict[str, list[str]]:
 def test_every_large_recipe_names_its_cluster():
     large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
     assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo",
-                                                "qwen3_8b_grpo", "qwen3_30b_a3b_grpo"}
+                                                "qwen3_8b_grpo", "qwen3_30b_a3b_grpo", "qwen3_5_27b_grpo"}
     # ... and each has its Make target beside the others (`make qwen3-8b-grpo NODES=4 ...`)
     targets = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("SLURM_RECIPES"))
     assert set(targets.split(":=")[1].split()) == {name.replace("_", "-") for name in large}
@@ -583,3 +610,32 @@ def test_the_planner_reads_the_recipes_moe_dispatcher():
     placement = placement_of(cfg)
     assert {par.moe_dispatcher for par in placement.megatron_roles().values()} == {"alltoall"}
     assert placement_of(load_config(None, ["model.path=Qwen3-30B-A3B"])).actor.moe_dispatcher == "allgather"
+
+
+TINY_HYBRID = ModelArch(family="qwen3_5_moe", vocab_size=1000, hidden_size=64, intermediate_size=32, num_layers=4,
+                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e7, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, max_position_embeddings=256, rotary_fraction=0.25,
+                        attention_output_gate=True, zero_centred_norms=True,
+                        linear_attention=GatedDeltaNetArch(num_key_heads=2, num_value_heads=4, key_head_dim=8,
+                                                           value_head_dim=8, conv_kernel=4, layers=(0, 1, 2)),
+                        moe=MoeArch(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                                    layers=(0, 1, 2, 3), shared_intermediate_size=16))
+
+
+def test_hybrid_parameters_and_recurrent_state_by_hand():
+    """GDN layers 0-2 (K = 2·8 = 16, V = 4·8 = 32), gated attention in layer 3, every MLP sparse with a shared expert."""
+    from orz.plan.memory import kv_bytes_per_token, layer_params, matmul_params, recurrent_bytes_per_sequence
+
+    # GDN: in_proj 64·(2·16 + 2·32 + 2·4) = 6656, conv (2·16 + 32)·4 = 256, A_log + dt_bias 8, out_proj 32·64
+    # = 2048 → 8968 split; its norm 8 replicated. Sparse MLP: shared expert 3·64·16 = 3072 split, router
+    # 8·64 = 512 and the shared gate 64 replicated, experts 8·3·64·32 = 49152. Two RMSNorms 128.
+    assert layer_params(TINY_HYBRID, 2, layer=0, ep=2) == (8968 + 3072) // 2 + 8 + 128 + 512 + 64 + 49152 // 2
+    # gated attention: h·d·(3a + 2g) = 64·16·16 = 16384 split, q/k norms 2·16 replicated
+    assert layer_params(TINY_HYBRID, 1, layer=3) == 16384 + 3072 + 128 + 32 + 512 + 64 + 49152
+    assert stage_params(TINY_HYBRID, 1, 1, "lm", 1) == [TINY_HYBRID.num_params]
+    # active: 3 GDN mixers 64·(32 + 64 + 8) + 32·64, one attention 16384, 4 × (router + 2 experts + shared), head
+    assert matmul_params(TINY_HYBRID, "lm") == 3 * (6656 + 2048) + 16384 + 4 * (512 + 2 * 6144 + 3072 + 64) + 64000
+    # engines: K and V of the one attention layer per token; per sequence, each GDN layer's fp32 state
+    # 4·8·8 and bf16 convolution inputs (2·16 + 32)·3
+    assert kv_bytes_per_token(TINY_HYBRID, 1) == 2 * 1 * 2 * 16 * 2
+    assert recurrent_bytes_per_sequence(TINY_HYBRID, 1) == 3 * (4 * 8 * 8 * 4 + 64 * 3 * 2)

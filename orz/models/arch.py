@@ -154,7 +154,9 @@ class ModelArch:
             raise ModelConfigError(f"ep={ep}, etp={etp}: expert parallelism needs a mixture-of-experts model; "
                                    f"this {self.family} model is dense (use ep=1 etp=1)")
         moe = self.moe or MoeArch(num_experts=1, top_k=1, intermediate_size=1, norm_topk_prob=True, layers=())
-        gdn = self.linear_attention or GatedDeltaNetArch(1, 1, 1, 1, 1, ())
+        gdn = self.linear_attention
+        linear = (("linear_num_key_heads", gdn.num_key_heads, tp, "tp"),
+                  ("linear_num_value_heads", gdn.num_value_heads, tp, "tp")) if gdn else ()
         for what, size, parts, knob in (
             ("num_attention_heads", self.num_heads, tp, "tp"),
             ("num_key_value_heads", self.num_kv_heads, tp, "tp"),
@@ -162,8 +164,7 @@ class ModelArch:
             ("num_hidden_layers", self.num_layers, pp, "pp"),
             ("num_experts", moe.num_experts, ep, "ep"),
             ("moe_intermediate_size", moe.intermediate_size, etp, "etp"),
-            ("linear_num_key_heads", gdn.num_key_heads, tp, "tp"),
-            ("linear_num_value_heads", gdn.num_value_heads, tp, "tp"),
+            *linear,
         ):
             if parts < 1 or size % parts:
                 raise ModelConfigError(f"{knob}={parts} does not divide {what}={size}")

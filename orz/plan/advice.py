@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from orz.plan.estimate import Plan, plan
 from orz.plan.inputs import GIB, Placement, PlanError, TrainParallel, gib
-from orz.plan.memory import kv_bytes_per_token
+from orz.plan.memory import kv_bytes_per_token, recurrent_bytes_per_sequence
 
 
 def _changes(p: Plan, role: str) -> list[tuple[str, Placement]]:
@@ -14,7 +14,8 @@ def _changes(p: Plan, role: str) -> list[tuple[str, Placement]]:
     if role == "rollout":
         r = placement.rollout
         row = p.row("rollout")
-        per_seq = w.max_seq_tokens * kv_bytes_per_token(p.arch, r.engine_tp)
+        per_seq = (w.max_seq_tokens * kv_bytes_per_token(p.arch, r.engine_tp)
+                   + recurrent_bytes_per_sequence(p.arch, r.engine_tp))
         seqs = (row.limit - row.weights - row.overhead) // per_seq
         options = [(f"rollout.max_num_seqs={seqs}", replace(r, max_num_seqs=seqs))] if seqs >= 1 else []
         if r.num_engines % 2 == 0:

