@@ -305,6 +305,15 @@ def gated_delta_net_in_torch():
     common.l2norm = l2norm
 
 
+@_patch
+def eager_fusions():
+    """Megatron's `jit_fuser` compiles a few element-wise functions (the Gated DeltaNet's gates and
+    norm, the attention's output gate) with torch.compile: on CPU that builds C++ at run time in
+    every worker (seconds each; a compiler needed), and with AVX2 kernels its code gave NaN. Run
+    them eagerly, as written."""
+    torch._dynamo.config.disable = True
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
     """Installs every patch once; returns the names applied. `skip` (for tests) leaves patches
     out for the rest of the process."""
