@@ -30,6 +30,9 @@ def test_the_fleet_and_its_sampling_are_built_from_the_rollout_section():
     assert (fleet.sleep_mode, fleet.log_dir) == (True, "logs")
     assert fleet.engine_args["max_model_len"] == 640 and fleet.engine_args["max_num_seqs"] == 16
     assert fleet.engine_args["logprobs_mode"] == "processed_logprobs"
+    assert "dtype" not in fleet.engine_args  # auto: the engine decides by the model (engine_dtype)
+    rollout.engine_dtype = "bfloat16"
+    assert FleetConfig.from_config(rollout, max_model_len=640).engine_args["dtype"] == "bfloat16"
     rollout.max_model_len = 4096  # set by hand: it wins over the stages' longest prompt + response
     assert FleetConfig.from_config(rollout, max_model_len=640).engine_args["max_model_len"] == 4096
     sampling = SamplingConfig.from_config(rollout, seed=123)

