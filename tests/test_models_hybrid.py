@@ -157,6 +157,7 @@ def test_a_wrapper_reads_as_its_text_config_and_the_interval_sets_the_layers():
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
     (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
     (dict(attn_output_gate=False), "attn_output_gate"),
+    (dict(output_gate_type="sigmoid"), "output_gate_type"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.3)), "partial_rotary_factor"),
     (dict(linear_num_value_heads=3, linear_num_key_heads=2), "linear_num_value_heads"),
     (dict(attention_sink_size=4), "attention_sink_size"),

@@ -318,6 +318,9 @@ def _hybrid(cfg: dict, rope: dict, path) -> dict:
     if cfg.get("attn_output_gate", True) is not True:
         raise ModelConfigError(f"{path}: field 'attn_output_gate'={cfg['attn_output_gate']!r}: transformers' "
                                f"Qwen3.5 attention always gates its output; only true is supported")
+    if cfg.get("output_gate_type", "silu") not in ("silu", "swish"):  # vLLM would honour another; transformers not
+        raise ModelConfigError(f"{path}: field 'output_gate_type'={cfg['output_gate_type']!r}: transformers' "
+                               f"Qwen3.5 gates the Gated DeltaNet's norm with SiLU; only 'silu' (= 'swish') is supported")
     num_layers = _field(cfg, "num_hidden_layers", path)
     types = cfg.get("layer_types")
     if types is None:  # transformers' default: every `full_attention_interval`-th layer is full attention
