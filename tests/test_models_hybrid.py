@@ -89,20 +89,28 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
 MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep); TP 2 × EP 2 for logits only
 
 
+# Qwen3-Next: the same layers with its GDN projections pre-fused per key head, a dense layer (1) among
+# sparse ones, renormalised top-k
+MOE_MODELS = {"qwen3_5_moe": MOE, "qwen3_next": MOE | dict(norm_topk_prob=True, mlp_only_layers=[1])}
+
+
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory, checkpoints):
+def moe_checkpoints(tmp_path_factory, checkpoints):
     from transformers import AutoModelForCausalLM
 
     from orz.models.tiny import make_tiny_hf
 
-    path = make_tiny_hf(tmp_path_factory.mktemp("moe_hybrid"), family="qwen3_5_moe", num_layers=4, head_dim=32, moe=MOE,
-                        **MODELS["untied"])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return str(path), model(checkpoints[0]).logits
+    out = {}
+    for family, moe in MOE_MODELS.items():
+        path = make_tiny_hf(tmp_path_factory.mktemp(family), family=family, num_layers=4, head_dim=32, moe=moe,
+                            intermediate_size=64, **MODELS["untied"])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            out[family] = str(path), model(checkpoints[0]).logits
+    return out
 
 
-def _moe_forward_and_export(rank, world, tokens, path):
+def _moe_forward_and_export(rank, world, tokens, paths):
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.megatron_engine import ModelEngine
     from orz.models.parallel import init_model_parallel
@@ -110,28 +118,37 @@ def _moe_forward_and_export(rank, world, tokens, path):
     result = {}
     for tp, pp, ep in MOE_LAYOUTS:
         init_model_parallel(tp, pp, ep=ep)
-        ckpt = HFCheckpoint(path)
-        engine = ModelEngine(ckpt.arch)
-        engine.load_hf(ckpt)
-        result[tp, pp, ep] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
+        for family, path in paths.items():
+            ckpt = HFCheckpoint(path)
+            engine = ModelEngine(ckpt.arch)
+            engine.load_hf(ckpt)
+            result[family, tp, pp, ep] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
     return result
 
 
-def test_moe_hybrid_logits_match_transformers_and_export_is_exact(checkpoints, moe_checkpoint):
-    """Routed experts over EP ranks and the shared expert (σ(w·x)-gated) beside them, at every layout."""
+@pytest.fixture(scope="module")
+def moe_ranks(checkpoints, moe_checkpoints):
+    paths = {family: path for family, (path, _) in moe_checkpoints.items()}
+    return run_world(_moe_forward_and_export, WORLD, checkpoints[0], paths, timeout=600)
+
+
+@pytest.mark.parametrize("family", MOE_MODELS)
+def test_moe_hybrid_logits_match_transformers_and_export_is_exact(family, moe_checkpoints, moe_ranks):
+    """Routed experts over EP ranks and the shared expert (σ(w·x)-gated) beside them, at every layout;
+    Qwen3-Next's pre-fused in_proj_qkvz and in_proj_ba cut per key head over TP."""
     from safetensors.torch import load_file
 
-    path, ref_logits = moe_checkpoint
-    assert read_arch(path).moe.shared_intermediate_size == 48
-    ranks = run_world(_moe_forward_and_export, WORLD, checkpoints[0], path, timeout=600)
+    path, ref_logits = moe_checkpoints[family]
+    arch = read_arch(path)
+    assert arch.moe.shared_intermediate_size == 48 and arch.linear_attention.layers == (0, 2, 3)
     original = load_file(f"{path}/model.safetensors")
     assert any(".shared_expert_gate." in name for name in original)
     for layout in MOE_LAYOUTS:
-        logits = [r[layout]["logits"] for r in ranks if r[layout]["logits"] is not None]
+        logits = [r[family, *layout]["logits"] for r in moe_ranks if r[family, *layout]["logits"] is not None]
         assert len(logits) == WORLD // (layout[0] * layout[1])
         for out in logits:
             assert (out - ref_logits).abs().max() < 1e-4, layout
-        exported = ranks[0][layout]["exported"]
+        exported = moe_ranks[0][family, *layout]["exported"]
         assert exported.keys() == original.keys()
         for key, tensor in original.items():
             assert torch.equal(exported[key], tensor), (layout, key)

@@ -22,8 +22,9 @@ FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForC
             "Qwen3ForSequenceClassification": "qwen3",
             "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a routed-expert MLP
             "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet layers between gated full-attention layers
-            "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}  # ... with routed experts and a gated shared expert
-HYBRIDS = ("qwen3_5", "qwen3_5_moe")
+            "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # ... with routed experts and a gated shared expert
+            "Qwen3NextForCausalLM": "qwen3_next"}  # Qwen3.5-MoE's layers, its GDN projections pre-fused
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Vision-language wrappers whose language model is one of the families: RL trains that model.
 WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
@@ -97,7 +98,7 @@ class GatedDeltaNetArch:
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe" | "qwen3_next"; qwen2 adds a bias to q, k and v, qwen3 a per-head RMSNorm to q and k
     vocab_size: int  # real vocabulary; Megatron pads it to a multiple of TP (see padded_vocab_size)
     hidden_size: int
     intermediate_size: int  # SwiGLU width
@@ -257,7 +258,8 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, default=4096),
         rope_scaling=_rope_scaling(rope, path, rope_key),
-        moe=_moe(cfg, path) if family == "qwen3_moe" else _hybrid_moe(cfg, path) if family == "qwen3_5_moe" else None,
+        moe=(_moe(cfg, path, shared=family == "qwen3_next") if family in ("qwen3_moe", "qwen3_next")
+             else _hybrid_moe(cfg, path) if family == "qwen3_5_moe" else None),
         **(_hybrid(cfg, rope, path) if family in HYBRIDS else {}),
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -271,13 +273,14 @@ def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
     return arch
 
 
-def _moe(cfg: dict, path) -> MoeArch:
-    """Qwen3-MoE's expert fields. Layer i (from 0) is sparse when i is not in `mlp_only_layers`
-    and (i + 1) % decoder_sparse_step == 0 (transformers' rule). A shared expert (Qwen2-MoE's)
-    would add an always-on MLP that the builder does not make: refused."""
-    shared = cfg.get("shared_expert_intermediate_size") or cfg.get("moe_shared_expert_intermediate_size")
-    if shared:
-        raise ModelConfigError(f"{path}: field 'shared_expert_intermediate_size'={shared}: a shared expert is not supported")
+def _moe(cfg: dict, path, shared: bool = False) -> MoeArch:
+    """Qwen3-MoE's (and Qwen3-Next's) expert fields. Layer i (from 0) is sparse when i is not in
+    `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0 (transformers' rule). Qwen3-Next's
+    σ-gated shared expert is built (`shared`); Qwen3-MoE has none, and a config naming one (Qwen2-MoE's
+    ungated kind) is refused."""
+    width = cfg.get("shared_expert_intermediate_size") or cfg.get("moe_shared_expert_intermediate_size")
+    if width and not shared:
+        raise ModelConfigError(f"{path}: field 'shared_expert_intermediate_size'={width}: a shared expert is not supported")
     # transformers 5 writes `num_local_experts`; Qwen's published config.json files `num_experts`
     experts_key = "num_experts" if "num_experts" in cfg else "num_local_experts"
     num_experts = _field(cfg, experts_key, path)
@@ -293,7 +296,8 @@ def _moe(cfg: dict, path) -> MoeArch:
                                f"'{experts_key}'={num_experts}: need step >= 1 and 1 <= top_k <= experts")
     layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     return MoeArch(num_experts=num_experts, top_k=top_k, intermediate_size=_field(cfg, "moe_intermediate_size", path),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layers=layers)
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layers=layers,
+                   shared_intermediate_size=_field(cfg, "shared_expert_intermediate_size", path) if shared else 0)
 
 
 def _hybrid_moe(cfg: dict, path) -> MoeArch:

@@ -12,7 +12,8 @@ Megatron's layout differs from HF's in these places:
 - Embedding and LM head rows are padded to the padded vocabulary and split by rows.
 Row-parallel layers (`linear_proj`, `linear_fc2`) split columns; norms are replicated.
 Layer i of the model is local layer i - pp_rank * layers_per_stage on its pipeline stage.
-A MoE layer's router (`mlp.gate`) is replicated; its experts are spread over EP ranks, rank r
+Qwen3-Next holds the GDN's projections pre-fused and interleaved per key head (in_proj_qkvz,
+in_proj_ba): cut into the same parts first. A MoE layer's router (`mlp.gate`) is replicated; its experts are spread over EP ranks, rank r
 holding experts r·E/EP + i as `local_experts.i`, each a SwiGLU split over the ETP ranks like a
 dense one (fc1 as [gate_r; up_r], fc2 by columns).
 """
@@ -56,6 +57,10 @@ _GATED_DELTA_NET = {
     "self_attention.out_proj.weight": (("linear_attn.out_proj.weight",), "row"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
 }
+# Qwen3-Next keeps the same projections pre-fused, interleaved per key head g: in_proj_qkvz rows
+# [q_g; k_g; v_g; z_g] (its r = n_v/n_k value heads for v and z), in_proj_ba rows [b_g; a_g].
+_PRE_FUSED_GDN_IN = {"self_attention.in_proj.weight": (("linear_attn.in_proj_qkvz.weight",
+                                                         "linear_attn.in_proj_ba.weight"), "gdn_in_fused")}
 _ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "replicated")}  # (E, H)
 # Qwen3.5-MoE's shared expert beside the router: a SwiGLU split over TP like a dense one, its gate (1, H)
 _SHARED_EXPERT = {
@@ -116,7 +121,7 @@ class ParamRule:
 
     megatron: str
     hf: tuple[str, ...]
-    split: str  # replicated | row | column | qkv | fc1 | gdn_in | gdn_conv | vocab | expert_fc1 | expert_row
+    split: str  # replicated | row | column | qkv | fc1 | gdn_in | gdn_in_fused | gdn_conv | vocab | expert_fc1 | expert_row
 
     @property
     def expert(self) -> bool:
@@ -133,7 +138,7 @@ def param_rules(arch: ModelArch, layout: Layout) -> list[ParamRule]:
     for local in range(per_stage):
         layer = local + layout.layer_offset(arch)
         sparse, linear = arch.is_moe_layer(layer), arch.is_linear_attention_layer(layer)
-        mixer = _GATED_DELTA_NET if linear else _LAYER
+        mixer = (_GATED_DELTA_NET | (_PRE_FUSED_GDN_IN if arch.family == "qwen3_next" else {})) if linear else _LAYER
         mlp = (_ROUTER | (_SHARED_EXPERT if arch.moe.shared_intermediate_size else {})) if sparse else _DENSE_MLP
         for name, (hf_names, split) in (mixer | mlp).items():
             if not _in_family(name, arch):
@@ -214,17 +219,41 @@ def _sections(split: str, hf: list[torch.Tensor], arch: ModelArch) -> list[torch
     if split == "gdn_in":
         qkv, *zba = hf
         return [*_gdn_qkv(qkv, arch), *zba]
+    if split == "gdn_in_fused":
+        qkvz, ba = (_per_key_head(t, arch, parts) for t, parts in zip(hf, (_QKVZ, _BA)))
+        return [*qkvz, *ba]
     if split == "gdn_conv":
         return _gdn_qkv(hf[0], arch)
     return hf  # fc1: [gate, up]; column: one
 
 
-def _from_sections(split: str, sections: list[torch.Tensor]) -> list[torch.Tensor]:
+def _from_sections(split: str, sections: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
     if split == "gdn_in":
         return [torch.cat(sections[:3]), *sections[3:]]
+    if split == "gdn_in_fused":
+        return [_interleaved(sections[:4], arch), _interleaved(sections[4:], arch)]
     if split == "gdn_conv":
         return [torch.cat(sections)]
     return sections
+
+
+_QKVZ = ("key", "key", "value", "value")  # Qwen3-Next's rows per key head: q, k (d_k each), v, z (r·d_v each)
+_BA = ("head", "head")  # b, a (r each)
+
+
+def _per_key_head(fused: torch.Tensor, arch: ModelArch, parts: tuple[str, ...]) -> list[torch.Tensor]:
+    """Qwen3-Next's rows interleaved per key head, as one tensor per part over all heads."""
+    gdn = arch.linear_attention
+    r = gdn.num_value_heads // gdn.num_key_heads
+    rows = [{"key": gdn.key_head_dim, "value": r * gdn.value_head_dim, "head": r}[p] for p in parts]
+    grouped = fused.reshape(gdn.num_key_heads, -1, *fused.shape[1:])
+    return [t.reshape(-1, *fused.shape[1:]) for t in grouped.split(rows, dim=1)]
+
+
+def _interleaved(sections: list[torch.Tensor], arch: ModelArch) -> torch.Tensor:
+    """The inverse of _per_key_head: each key head's rows of every part, head after head."""
+    heads = arch.linear_attention.num_key_heads
+    return torch.cat([t.reshape(heads, -1, *t.shape[1:]) for t in sections], dim=1).reshape(-1, *sections[0].shape[1:])
 
 
 def _gdn_qkv(qkv: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
@@ -268,13 +297,13 @@ def to_hf(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> list[
         tp = len(shards)
         sizes = [t.shape[0] // tp for t in _sections(split, [torch.empty(n) for n in hf_rows(rule, arch)], arch)]
         parts = [shard.split(sizes) for shard in shards]  # [rank][section]
-        return _from_sections(split, [torch.cat(ranks) for ranks in zip(*parts)])
+        return _from_sections(split, [torch.cat(ranks) for ranks in zip(*parts)], arch)
     if split == "vocab":
         return [torch.cat(shards, dim=0)[: arch.vocab_size]]
     raise AssertionError(rule.split)
 
 
-_SECTIONED = ("fc1", "gdn_in", "gdn_conv", "column")
+_SECTIONED = ("fc1", "gdn_in", "gdn_in_fused", "gdn_conv", "column")
 
 
 def hf_rows(rule: ParamRule, arch: ModelArch) -> list[int]:
@@ -338,7 +367,8 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
 def _gdn_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     gdn, h = arch.linear_attention, arch.hidden_size
     qk, v, heads = gdn.num_key_heads * gdn.key_head_dim, gdn.num_value_heads * gdn.value_head_dim, gdn.num_value_heads
-    shapes = {"in_proj_qkv.weight": (2 * qk + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
+    shapes = {"in_proj_qkvz.weight": (2 * qk + 2 * v, h), "in_proj_ba.weight": (2 * heads, h),
+              "in_proj_qkv.weight": (2 * qk + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
               "in_proj_a.weight": (heads, h), "conv1d.weight": (2 * qk + v, 1, gdn.conv_kernel),
               "dt_bias": (heads,), "A_log": (heads,), "norm.weight": (gdn.value_head_dim,),
               "out_proj.weight": (h, v)}

@@ -42,9 +42,9 @@ def make_tiny_hf(
     import transformers
 
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen3_5": "Qwen3_5",
-              "qwen3_5_moe": "Qwen3_5Moe"}[family]
-    hybrid_family = family.startswith("qwen3_5")
-    config_cls = getattr(transformers, f"{prefix}TextConfig" if hybrid_family else f"{prefix}Config")
+              "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}[family]
+    hybrid_family = family.startswith("qwen3_5") or family == "qwen3_next"
+    config_cls = getattr(transformers, f"{prefix}TextConfig" if family.startswith("qwen3_5") else f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     hybrid = dict(hybrid or {})
     rotary = {"partial_rotary_factor": hybrid.pop("partial_rotary_factor")} if "partial_rotary_factor" in hybrid else {}
@@ -79,7 +79,7 @@ def make_tiny_hf(
             if family in ("qwen3", "qwen3_moe"):  # and q/k norm weights other than ones
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.normal_(1.0, 0.2)
-            if family in ("qwen3_moe", "qwen3_5_moe") and hasattr(layer.mlp, "gate"):
+            if family in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") and hasattr(layer.mlp, "gate"):
                 # A router far from uniform (clear top-k margins, no near-ties that fp32 noise could
                 # flip) and experts large enough that a misplaced one moves the logits visibly.
                 layer.mlp.gate.weight.normal_(0, 1.0)

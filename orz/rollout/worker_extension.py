@@ -115,7 +115,8 @@ class WorkerExtension:
             parent, _, proj = module_name.rpartition(".")
             if kind in ("w13_weight", "w2_weight"):
                 continue  # a fused MoE's experts, packed: see orz_held_digests
-            if proj in _FUSED:
+            # (a projection an HF checkpoint already holds fused, Qwen3-Next's in_proj_qkvz, has other sizes)
+            if proj in _FUSED and len(getattr(module, "output_sizes", ())) == sum(n for _, n in _FUSED[proj]):
                 pieces = iter(tensor.split([s // self.model_runner.parallel_config.tensor_parallel_size
                                             for s in module.output_sizes], dim=0))
                 for part, shards in _FUSED[proj]:
