@@ -101,6 +101,15 @@ def arith_qwen3_5_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def arith_qwen3_next(tmp_path_factory):
+    """Qwen3-Next: the MoE hybrid with its GDN projections pre-fused per key head (vLLM loads them as they are)."""
+    return _arith_model(tmp_path_factory.mktemp("arith_qwen3_next"), family="qwen3_next", hidden_size=64, head_dim=32,
+                        intermediate_size=128, hybrid=HYBRID,
+                        moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, norm_topk_prob=True))
+
+
+@pytest.fixture(scope="session")
 def arith_qwen3_5_vl(tmp_path_factory):
     """The dense hybrid, tied, as the language model of a Qwen3_5ForConditionalGeneration checkpoint
     with a one-block vision tower (released Qwen3.5 checkpoints are such wrappers)."""
