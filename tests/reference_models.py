@@ -18,3 +18,22 @@ def reference_models(tmp_path_factory, models: dict[str, dict], seq: int, **comm
         with torch.no_grad():
             out[name] = (str(path), model, model(tokens).logits)
     return tokens, out
+
+
+def logits_and_exports(rank, world, tokens, paths: dict[str, str], layouts: list[tuple[int, int, int]]) -> dict:
+    """A local world's rank function (run_world): for each (tp, pp, ep) layout and each model of
+    `paths`, Megatron's full logits on `tokens` (None but on the last stage's TP rank 0 of each
+    replica) and its export (empty but on rank 0), keyed (tp, pp, ep, name)."""
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_engine import ModelEngine
+    from orz.models.parallel import init_model_parallel
+
+    result = {}
+    for tp, pp, ep in layouts:
+        init_model_parallel(tp, pp, ep=ep)
+        for name, path in paths.items():
+            ckpt = HFCheckpoint(path)
+            engine = ModelEngine(ckpt.arch)
+            engine.load_hf(ckpt)
+            result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
+    return result

