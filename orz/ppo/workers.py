@@ -472,7 +472,7 @@ class MegatronWorker(FaultSite):
         return as_engines_hold(named, self.spec.engine_dtype) if self.spec.engine_dtype else named
 
     def export_hf(self, out_dir: str) -> str | None:
-        from orz.models.checkpoint import HFCheckpoint, save_hf, with_untrained
+        from orz.models.checkpoint import save_hf, with_untrained
 
         source = self.spec.model_path
         return self._with_hf_tensors(lambda tensors: str(save_hf(
