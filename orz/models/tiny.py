@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 checkpoints, made locally (nothing can be downloaded): for tests,
+"""Tiny random Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen3.5/Qwen3-Next checkpoints, made locally (nothing can be downloaded): for tests,
 benchmarks and the CPU demo."""
 from pathlib import Path
 
@@ -30,9 +30,9 @@ def make_tiny_hf(
 
     head_dim: per head (default hidden_size / num_heads); rope_scaling: e.g. {"rope_type": "llama3",
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32};
-    moe (family qwen3_moe, qwen3_5_moe): the config's expert fields, e.g. {"num_experts": 4, "num_experts_per_tok": 2,
+    moe (family qwen3_moe, qwen3_5_moe, qwen3_next): the config's expert fields, e.g. {"num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}.
-    hybrid (family qwen3_5, qwen3_5_moe): Qwen3_5(Moe)TextConfig's fields, e.g. {"layer_types": [...], "linear_num_key_heads": 2,
+    hybrid (family qwen3_5, qwen3_5_moe, qwen3_next): the text config's fields, e.g. {"layer_types": [...], "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
     "partial_rotary_factor": 0.5}: its RMSNorm and GDN weights are drawn away from their neutral values,
     so that a norm whose zero-centring or a decay whose A_log were lost shows in the logits.
