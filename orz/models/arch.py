@@ -29,6 +29,11 @@ HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")  # Qwen3.5's `layer_types`
+
+
+def wrapper_of(cfg: dict) -> str | None:
+    """The vision-language wrapper class a config.json names (its `architectures`), or None."""
+    return next((a for a in cfg.get("architectures") or [] if a in WRAPPERS), None)
 ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
 
 
@@ -216,7 +221,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
 def arch_from_dict(cfg: dict, path: Path | str = "config.json") -> ModelArch:
     """The language model a config.json describes; a vision-language wrapper's is its `text_config`."""
     archs = cfg.get("architectures") or []
-    wrapper = next((a for a in archs if a in WRAPPERS), None)
+    wrapper = wrapper_of(cfg)
     if wrapper is not None:
         text = cfg.get("text_config")
         if not isinstance(text, dict):

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orz.models.arch import WRAPPERS, ModelConfigError, read_arch
+from orz.models.arch import ModelConfigError, read_arch, wrapper_of
 
 INDEX = "model.safetensors.index.json"
 MEGATRON_META = "orz_megatron.json"
@@ -28,16 +28,14 @@ _REWRITTEN = ("config.json", INDEX)
 # A vision-language wrapper keeps its language model's `model.` tensors under another prefix (its LM
 # head stays `lm_head.weight`). Its other tensors, the vision tower (`model.visual.`) and any MTP
 # layers (`mtp.`), are not trained: they go back unchanged on export (see `with_untrained`).
-_LANGUAGE_MODEL = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
-                   "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
-assert _LANGUAGE_MODEL.keys() == WRAPPERS.keys()
+LANGUAGE_MODEL = "model.language_model."  # where every wrapper of arch.WRAPPERS keeps its `model.` tensors
 UNTRAINED = "untrained.safetensors"  # hf2mcore's copy of a wrapper's untrained tensors, in HF_FILES
 
 
 def saved_name(name: str, config: dict) -> str:
     """Where a checkpoint of `config` keeps the language model's tensor `name` (a CausalLM's name)."""
-    prefix = next((_LANGUAGE_MODEL[a] for a in config.get("architectures") or [] if a in _LANGUAGE_MODEL), None)
-    return prefix + name.removeprefix("model.") if prefix and name.startswith("model.") else name
+    wrapped = wrapper_of(config) is not None and name.startswith("model.")
+    return LANGUAGE_MODEL + name.removeprefix("model.") if wrapped else name
 
 
 class HFCheckpoint:
@@ -102,7 +100,7 @@ def with_untrained(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
     for name, tensor in tensors:
         names.add(name)
         yield saved_name(name, config), tensor
-    if saved_name("model.", config) == "model.":
+    if wrapper_of(config) is None:
         return  # not a wrapper: the model is all there is
     kept = Path(source) / UNTRAINED if source is not None else None
     if kept is not None and kept.is_file():
@@ -114,7 +112,7 @@ def with_untrained(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
 
 def require_untrained_source(config: dict, source: str | Path | None, what: str) -> None:
     """Refuses, before anything is written, an export of a wrapper with nowhere to take its vision tower from."""
-    if saved_name("model.", config) == "model.":
+    if wrapper_of(config) is None:
         return
     if source is None or not ((Path(source) / UNTRAINED).is_file() or (Path(source) / "config.json").is_file()):
         raise ModelConfigError(f"{what}: a vision-language checkpoint ({config['architectures'][0]}), whose vision "

