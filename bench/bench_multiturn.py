@@ -42,6 +42,7 @@ from common import (  # noqa: E402
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
+from orz.rollout.driver import generate  # noqa: E402
 from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
 from orz.rollout.multiturn import MultiTurnRollout, TurnLimits  # noqa: E402
 
@@ -114,8 +115,8 @@ def run_synchronous(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
     before, start = ray.get(busy()), time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         for turn in range(args.turns):
-            samples = fleet.generate([contexts[i] for i in live],
-                                     SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed + turn))
+            samples = generate(fleet, [contexts[i] for i in live],
+                               SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed + turn))
             for i, sample in zip(live, samples):
                 contexts[i] += sample.response_ids
                 tokens += len(sample.response_ids)
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> None:
         fleet = fleet_module.EngineFleet(model_dir, fleet_module.FleetConfig(
             num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, sync_check="off"))
         try:
-            fleet.generate(prompts[:4], SamplingConfig(max_new_tokens=8))  # warm-up
+            generate(fleet, prompts[:4], SamplingConfig(max_new_tokens=8))  # warm-up
             # Interleaved, so that a change in the shared machine's load hits both sides alike.
             runs = {"multiturn": [], "synchronous": []}
             for _ in range(args.repeats):

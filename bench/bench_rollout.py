@@ -46,15 +46,15 @@ from common import (  # noqa: E402
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
+from orz.rollout.driver import generate  # noqa: E402
 from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
 
 
 class LengthEngine(VLLMEngine):
     """The fleet's engine plus per-request max_tokens, which SamplingConfig cannot express (one
-    `max_new_tokens` per generate call). The stock generate path runs unchanged; only each
-    request's SamplingParams.max_tokens is overwritten from `lengths` (by request index) as the
-    engine adds it to vLLM, one request per prompt and in the order given (so n must be 1).
-    With no lengths set it is exactly VLLMEngine."""
+    `max_new_tokens` per batch). The stock serve loop runs unchanged; only each request's
+    SamplingParams.max_tokens is overwritten from `lengths` (by its key, the sample's place in the
+    batch: n must be 1) as the engine adds it to vLLM. With no lengths set it is exactly VLLMEngine."""
 
     lengths: dict[int, int] | None = None
 
@@ -65,20 +65,20 @@ class LengthEngine(VLLMEngine):
         """CPU time of the engine's process so far (all its threads)."""
         return time.process_time()
 
-    def generate(self, requests, sampling, min_version=0, call=None):
+    def serve(self, session, sampling, min_version=0, interruptible=False):
         if not self.lengths:
-            yield from super().generate(requests, sampling, min_version, call)
+            yield from super().serve(session, sampling, min_version, interruptible)
             return
-        vllm_engine, targets = self.llm.llm_engine, iter([self.lengths[index] for index, _ in requests])
+        vllm_engine, lengths = self.llm.llm_engine, self.lengths
         stock_add_request = vllm_engine.add_request
 
         def add_request(request_id, prompt, params, *args, **kwargs):
-            params.max_tokens = next(targets)
+            params.max_tokens = lengths[int(request_id.rsplit("-", 1)[1])]  # "orz-<session>-<key>"
             return stock_add_request(request_id, prompt, params, *args, **kwargs)
 
         vllm_engine.add_request = add_request  # shadows the method on this instance only
         try:
-            yield from super().generate(requests, sampling, min_version, call)
+            yield from super().serve(session, sampling, min_version, interruptible)
         finally:
             del vllm_engine.add_request
 
@@ -140,7 +140,7 @@ def fleet_run(fleet, prompts, sampling: SamplingConfig, targets: list[int]) -> d
     ray.get(engine.set_lengths.remote(dict(enumerate(targets)) if sampling.n == 1 else None))
     engine_cpu = ray.get(engine.cpu_seconds.remote())
     start, cpu = time.perf_counter(), time.process_time()
-    samples = fleet.generate(prompts, sampling)
+    samples = generate(fleet, prompts, sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     cpu += ray.get(engine.cpu_seconds.remote()) - engine_cpu
     ray.get(engine.set_lengths.remote(None))
@@ -184,7 +184,7 @@ def main(args: argparse.Namespace) -> None:
         try:
             with torch.inference_mode():
                 warm_up = prompts[:8]
-                fleet.generate(warm_up, SamplingConfig(max_new_tokens=8, n=args.n))
+                generate(fleet, warm_up, SamplingConfig(max_new_tokens=8, n=args.n))
                 hf_generate(model, warm_up, [8] * len(warm_up), pad, args.seed)
                 # Interleaved, so that a change in the shared machine's load hits both sides alike.
                 # vLLM: the fleet's stock path (n samples per prompt) for the fixed workload, one

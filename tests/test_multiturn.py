@@ -360,13 +360,15 @@ def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
     import time
     from types import SimpleNamespace
 
+    from orz.rollout.driver import RolloutDriver
     from orz.rollout.engine import SamplingConfig
-    from orz.rollout.multiturn import TurnLimits, _Run, env_scores
+    from orz.rollout.multiturn import Conversations, TurnLimits, env_scores
 
     limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
-    rollout = SimpleNamespace(fleet=SimpleNamespace(engines=[], cfg=SimpleNamespace(request_timeout_s=60.0)),
-                              env_threads=2, limits=limits)
-    run = _Run(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1), 0)
+    rollout = SimpleNamespace(env_threads=2, limits=limits)
+    run = Conversations(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1))
+    fleet = SimpleNamespace(weight_version=0, num_engines=1, cfg=SimpleNamespace(request_timeout_s=60.0))
+    run.driver = driver = RolloutDriver(fleet, SamplingConfig(n=1))  # no engine session open: none can hang
     envs = {key: _AnswersAfter(seconds) for key, seconds in ((0, 0.0), (1, 0.4))}
     for key, env in envs.items():
         run.instances[key] = env
@@ -375,15 +377,15 @@ def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
     time.sleep(0.6)
     # the premise: one answered before its deadline, one after, and both before the loop looked
     assert envs[0].answered <= deadlines[0] < deadlines[1] < envs[1].answered < time.monotonic()
-    run._next_event()
-    run._next_event()
+    driver._next_event(run)
+    driver._next_event(run)
     run.close()
     in_time, late = run.conversations[0], run.conversations[1]
     assert in_time.env_error == ""
     assert late.env_error == "timeout: no answer within rollout.env_timeout_s=0.2"
     # a sample whose environment timed out scores 0, whatever its verifier said
     assert env_scores([in_time, late], torch.tensor([1.0, 1.0]), {}).tolist() == [1.0, 0.0]
-    assert [[c.index for c in group] for group in run.ready] == [[0], [1]]
+    assert [[c.index for c in group] for group in run.ready()] == [[0], [1]]
 
 
 @pytest.mark.slow
@@ -470,26 +472,29 @@ def test_orz_eval_runs_rows_with_their_environment(ray_cluster, tool_model, tmp_
 
 
 def _stub_run(limits, prompts):
-    """A multi-turn _Run whose one engine records the requests it is given (key, context, seed,
+    """Multi-turn Conversations whose driver records the turns asked (key, context, seed,
     max_tokens, stop), with no Ray and no environment threads: the test plays the model's turns
     and the environment's answers itself."""
     from types import SimpleNamespace
 
     from orz.data.tokenizers import char_tokenizer
     from orz.rollout.engine import SamplingConfig
-    from orz.rollout.multiturn import _Run
+    from orz.rollout.multiturn import Conversations
 
     asked = []
-    engine = SimpleNamespace(submit=SimpleNamespace(remote=lambda session, requests: asked.extend(requests)))
-    rollout = SimpleNamespace(fleet=SimpleNamespace(engines=[engine], cfg=SimpleNamespace(request_timeout_s=60.0)),
-                              env_threads=0, limits=limits, tokenizer=char_tokenizer([string.digits + " ok:"]),
+    rollout = SimpleNamespace(env_threads=0, limits=limits, tokenizer=char_tokenizer([string.digits + " ok:"]),
                               stops={})
-    return _Run(rollout, [(p, {}, "e") for p in prompts], SamplingConfig(n=1), 0), asked
+    run = Conversations(rollout, [(p, {}, "e") for p in prompts], SamplingConfig(n=1))
+    run.driver = SimpleNamespace(min_version=0, ask=lambda key, group, *request: asked.append((key, *request)))
+    return run, asked
 
 
 def _model_says(run, key, ids, finish_reason="stop"):
-    run._model_turn({"index": key, "response_ids": ids, "text": "x" * len(ids), "logprobs": [-1.0] * len(ids),
-                     "token_versions": [0] * len(ids), "finish_reason": finish_reason})
+    from orz.rollout.engine import Sample
+
+    run.turn_ended(key, Sample(index=key, prompt_ids=[], response_ids=ids, logprobs=[-1.0] * len(ids),
+                               finish_reason=finish_reason, text="x" * len(ids), weight_version=0,
+                               token_versions=[0] * len(ids)))
 
 
 def test_max_model_len_bounds_each_turn_and_ends_the_sample_that_reaches_it():
@@ -505,7 +510,7 @@ def test_max_model_len_bounds_each_turn_and_ends_the_sample_that_reaches_it():
     for key in range(4):
         run._ask_model(key)
     assert [request[3] for request in asked] == [4, 4, 4]  # min(4, 12 − 3): the bound not yet active
-    assert run.ready[0][0].finish_reason == "length" and run.ready[0][0].index == 3  # 12 tokens: nothing asked
+    assert run._ready[0][0].finish_reason == "length" and run._ready[0][0].index == 3  # 12 tokens: nothing asked
     tokenizer = run.r.tokenizer
     # sample 0: observation of 2 → context 9: the next turn is asked for 12 − 9 = 3 < max_new_tokens
     _model_says(run, 0, [5, 6, 7, 8])

@@ -12,6 +12,7 @@ import torch
 from orz.config import RolloutConfig
 from orz.models.local_world import run_world
 from orz.models.checkpoint import HFCheckpoint
+from orz.rollout.driver import generate, stream
 from orz.rollout.engine import SamplingConfig, StaleWeightsError
 from orz.rollout.fleet import EngineFleet, FleetConfig, WeightSyncError
 from orz.rollout.weight_sync import TensorSource
@@ -68,25 +69,25 @@ def test_sync_changes_outputs_and_restores_them_exactly(fleet, weights, transpor
     original, perturbed = weights
     fleet.cfg.transport, fleet.cfg.bucket_bytes = transport, bucket_bytes
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
-    before = fleet.generate(PROMPTS, GREEDY)
+    before = generate(fleet, PROMPTS, GREEDY)
     fleet.sync(TensorSource(perturbed), version=fleet.weight_version + 1)
-    changed = fleet.generate(PROMPTS, GREEDY)
+    changed = generate(fleet, PROMPTS, GREEDY)
     assert all(s.weight_version == fleet.weight_version for s in changed)
     assert _responses(changed) != _responses(before)
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
-    assert _responses(fleet.generate(PROMPTS, GREEDY)) == _responses(before)
+    assert _responses(generate(fleet, PROMPTS, GREEDY)) == _responses(before)
     fleet.cfg.transport, fleet.cfg.bucket_bytes = "collective", FleetConfig.bucket_bytes
 
 
 def test_samples_carry_ids_logprobs_and_finish_reasons(fleet):
-    samples = fleet.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
+    samples = generate(fleet, PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
     assert [s.index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(3)]
     for s in samples:
         assert s.prompt_ids == PROMPTS[s.index]
         assert len(s.logprobs) == len(s.response_ids) <= 6
         assert all(lp <= 0 for lp in s.logprobs)
         assert s.finish_reason == ("length" if len(s.response_ids) == 6 else "stop")
-    again = fleet.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
+    again = generate(fleet, PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=6, n=3, seed=7))
     assert _responses(again) == _responses(samples)  # per-request seeds: reproducible
 
 
@@ -94,18 +95,18 @@ def test_no_two_samples_of_a_batch_share_a_random_stream(fleet):
     """Request i's n samples take seeds seed + i·n + j: with seed + i (vLLM adds j itself), the
     second sample of one request and the first of the next would draw the same random numbers."""
     prompt = PROMPTS[0]
-    samples = fleet.generate([prompt, prompt], SamplingConfig(temperature=1.0, max_new_tokens=12, n=3, seed=7))
+    samples = generate(fleet, [prompt, prompt], SamplingConfig(temperature=1.0, max_new_tokens=12, n=3, seed=7))
     responses = [tuple(s.response_ids) for s in samples]
     assert len(set(responses)) == len(responses), responses
 
 
 def test_stream_yields_each_prompts_group_and_equals_generate(fleet):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, n=3, seed=5)
-    groups = list(fleet.stream(PROMPTS, sampling))
+    groups = list(stream(fleet, PROMPTS, sampling))
     assert sorted(group[0].index for group in groups) == list(range(len(PROMPTS)))  # one yield per prompt
     assert all(len(group) == 3 and {s.index for s in group} == {group[0].index} for group in groups)
     in_order = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]
-    assert _responses(in_order) == _responses(fleet.generate(PROMPTS, sampling))
+    assert _responses(in_order) == _responses(generate(fleet, PROMPTS, sampling))
 
 
 def test_a_session_opened_while_the_last_one_closes_keeps_its_requests(fleet):
@@ -115,60 +116,71 @@ def test_a_session_opened_while_the_last_one_closes_keeps_its_requests(fleet):
     request_timeout_s (seen under two pytest workers' load)."""
     from dataclasses import asdict
 
+    from orz.rollout.engine import Request
+
     engine, sampling = fleet.engines[0], asdict(SamplingConfig(max_new_tokens=4, seed=0))
-    first, second = 10_000, 10_001  # above the driver's own sessions (orz.rollout.multiturn counts from 0)
+    first, second = 10_000, 10_001  # above the fleet's own sessions (counted from 0)
     earlier = engine.serve.options(num_returns="streaming").remote(first, sampling, 0)
-    engine.submit.remote(first, [(0, [5, 6, 7], 0, 4, [])])
-    assert ray.get(next(earlier))["index"] == 0  # the first session's serve runs, waiting for more
-    ray.get(engine.submit.remote(second, [(1, [5, 6, 7], 1, 4, [])]))
+    engine.submit.remote(first, [Request(0, [5, 6, 7], 0, 4)])
+    assert [s["index"] for s in ray.get(next(earlier))] == [0]  # the first session's serve runs, waiting for more
+    ray.get(engine.submit.remote(second, [Request(1, [5, 6, 7], 1, 4)]))
     time.sleep(1.5)  # the first session's serve has taken it from the inbox
     ray.get(engine.submit.remote(first, None))
     assert list(earlier) == []  # closed: the first session's serve ended
     later = engine.serve.options(num_returns="streaming").remote(second, sampling, 0)
     engine.submit.remote(second, None)
-    assert [ray.get(ref)["index"] for ref in later] == [1]
+    assert [s["index"] for ref in later for s in ray.get(ref)] == [1]
 
 
 @pytest.mark.parametrize("interrupt_first", [False, True])
 def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights, interrupt_first):
-    """Partial rollout: `interrupt` stops a stream at its engine's next step, also one submitted
-    after it but before the sync (the trainer's update may end before the batch ahead has begun);
-    once the fleet holds new weights, each unfinished response continues from its last token. Its
-    first tokens are the uninterrupted generation's, each token records its version, and the rest
-    is exactly what the new weights sample from prompt + response so far (the continuation's
-    seed: its own + 2^23)."""
+    """Partial rollout: `interrupt` stops a stream at its engine's next step; once the fleet holds
+    new weights, each unfinished response continues from its last token. Its first tokens are the
+    uninterrupted generation's, each token records its version, and the rest is exactly what the
+    new weights sample from prompt + response so far (the continuation's seed: its own + 2^23).
+    A stream that starts after the interrupt and before the sync (the trainer's update may end
+    before the batch ahead has begun) generates nothing until the new weights are in: then
+    exactly what they sample from scratch."""
     original, perturbed = weights
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
     old = fleet.weight_version
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=64, n=8, seed=11)
     prompts = PROMPTS * 4
-    reference = fleet.generate(prompts, sampling)
+    reference = generate(fleet, prompts, sampling)
     groups = []
-    streaming = threading.Thread(target=lambda: groups.extend(fleet.stream(prompts, sampling, interruptible=True)))
+    streaming = threading.Thread(target=lambda: groups.extend(stream(fleet, prompts, sampling, interruptible=True)))
     if interrupt_first:
         fleet.interrupt()
-    streaming.start()
-    while not fleet._in_flight:  # submitted
-        time.sleep(0.001)
-    if not interrupt_first:
+        streaming.start()
+        time.sleep(1.0)
+        assert not fleet._interruptible and not groups  # paused before it opened a session
+    else:
+        streaming.start()
+        while not fleet._interruptible:  # a session open
+            time.sleep(0.001)
+        time.sleep(0.2)  # its first steps
         fleet.interrupt()
     fleet.sync(TensorSource(perturbed), version=old + 1)
     streaming.join(timeout=120)
     samples = [s for group in sorted(groups, key=lambda g: g[0].index) for s in group]
     assert [s.index for s in samples] == [s.index for s in reference]
+    if interrupt_first:
+        assert _responses(samples) == _responses(generate(fleet, prompts, sampling))
+        assert {v for s in samples for v in s.token_versions} == {old + 1}
+        return fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
     continued = [(i, s) for i, s in enumerate(samples) if set(s.token_versions) == {old, old + 1}]
     assert continued, "the interrupt came after every response had finished"
     for s, ref in zip(samples, reference):
         kept = s.token_versions.count(old)
         assert s.token_versions == [old] * kept + [old + 1] * (len(s.response_ids) - kept)
-        assert s.weight_version == old and len(s.logprobs) == len(s.response_ids) <= 64
+        assert s.weight_version == min(s.token_versions) and len(s.logprobs) == len(s.response_ids) <= 64
         assert s.response_ids[:kept] == ref.response_ids[:kept] and s.logprobs[:kept] == ref.logprobs[:kept]
         assert s.finish_reason == ("length" if len(s.response_ids) == 64 else "stop")
     for i, s in continued[:3]:
         kept, j = s.token_versions.count(old), i % sampling.n
         alone = SamplingConfig(temperature=1.0, max_new_tokens=64 - kept, n=1,
                                seed=sampling.seed + s.index * sampling.n + j + 2**23)
-        [rest] = fleet.generate([s.prompt_ids + s.response_ids[:kept]], alone)
+        [rest] = generate(fleet, [s.prompt_ids + s.response_ids[:kept]], alone)
         assert s.response_ids[kept:] == rest.response_ids
         assert s.logprobs[kept:] == pytest.approx(rest.logprobs, abs=1e-6)
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
@@ -187,7 +199,7 @@ def test_an_engine_on_cpu_starts_with_its_environment_and_without_torch_compile(
 
 def test_stale_version_is_refused(fleet):
     with pytest.raises(StaleWeightsError, match="required"):
-        fleet.generate(PROMPTS, GREEDY, min_version=fleet.weight_version + 1)
+        generate(fleet, PROMPTS, GREEDY, min_version=fleet.weight_version + 1)
 
 
 def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
@@ -235,10 +247,10 @@ def test_logprobs_mode_raw_reports_the_models_distribution_processed_the_sampled
     raw_fleet = EngineFleet(tiny_model, FleetConfig.from_config(RolloutConfig(logprobs_mode="raw", kv_cache_gib=1),
                                                                 max_model_len=256))
     try:
-        raw = raw_fleet.generate(PROMPTS, sampling)
+        raw = generate(raw_fleet, PROMPTS, sampling)
     finally:
         raw_fleet.shutdown()
-    processed = fleet.generate(PROMPTS, sampling)
+    processed = generate(fleet, PROMPTS, sampling)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     for r, p in zip(raw, processed):
         assert r.response_ids == p.response_ids
@@ -258,7 +270,7 @@ def test_logprobs_mode_raw_reports_the_models_distribution_processed_the_sampled
 def test_engine_logprobs_equal_megatron_actor(fleet, weights, tiny_model, tp):
     fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)
     temperature = 0.8
-    samples = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+    samples = generate(fleet, PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
     sequences = [s.prompt_ids + s.response_ids for s in samples]
     prompt_lens = [len(s.prompt_ids) for s in samples]
     trainer = run_world(_megatron_logprobs, tp, tp, tiny_model, sequences, prompt_lens, temperature)[0]
@@ -270,12 +282,12 @@ def test_killed_engine_is_restarted_resynced_and_batch_completes(fleet, weights)
     fleet.sync(TensorSource(weights[1]), version=fleet.weight_version + 1)
     version = fleet.weight_version
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=64, n=8, seed=11)
-    reference = fleet.generate(PROMPTS * 4, sampling)
+    reference = generate(fleet, PROMPTS * 4, sampling)
     pid = ray.get(fleet.engines[0].pid.remote())
     restarts = fleet.metrics["rollout/engine_restarts"]
     killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
     killer.start()
-    samples = fleet.generate(PROMPTS * 4, sampling)
+    samples = generate(fleet, PROMPTS * 4, sampling)
     killer.join()
     assert fleet.metrics["rollout/engine_restarts"] == restarts + 1
     assert ray.get(fleet.engines[0].pid.remote()) != pid
@@ -292,16 +304,16 @@ def test_two_engines_give_one_engines_samples_and_a_killed_one_comes_back_synced
     original, perturbed = weights
     fleet.sync(TensorSource(perturbed), version=fleet.weight_version + 1)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=48, n=4, seed=5)
-    one = _responses(fleet.generate(PROMPTS * 2, sampling))
+    one = _responses(generate(fleet, PROMPTS * 2, sampling))
     two = EngineFleet(tiny_model, FleetConfig(num_engines=2, engine_args={"max_model_len": 256}, kv_cache_gib=1))
     try:
         two.sync(TensorSource(original), version=1)
-        assert _responses(two.generate(PROMPTS * 2, sampling)) != one  # the premise: weights show
+        assert _responses(generate(two, PROMPTS * 2, sampling)) != one  # the premise: weights show
         two.sync(TensorSource(perturbed), version=2)
-        assert _responses(two.generate(PROMPTS * 2, sampling)) == one
+        assert _responses(generate(two, PROMPTS * 2, sampling)) == one
         pid = ray.get(two.engines[1].pid.remote())
         os.kill(pid, signal.SIGKILL)  # before the batch: a timed kill can come after a fast batch
-        again = two.generate(PROMPTS * 2, sampling)
+        again = generate(two, PROMPTS * 2, sampling)
         assert two.metrics["rollout/engine_restarts"] == 1 and ray.get(two.engines[1].pid.remote()) != pid
         assert _responses(again) == one and all(s.weight_version == 2 for s in again)
         held = ray.get([engine.held_digests.remote() for engine in two.engines])
@@ -314,7 +326,7 @@ def test_a_batch_larger_than_one_scheduler_step(fleet):
     """More prompt tokens than one engine step holds: vLLM schedules them over several steps
     (on CPU without chunked prefill, whose seeded-generator rewind CPU generators lack)."""
     prompts = [[1] + [4 + (i * 7 + j) % 40 for j in range(60)] for i in range(300)]
-    samples = fleet.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=5))
+    samples = generate(fleet, prompts, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=5))
     assert [s.index for s in samples] == list(range(300))
     assert all(len(s.response_ids) >= 1 for s in samples)
 
@@ -328,7 +340,7 @@ def test_one_weight_group_serves_every_sync_of_a_source(fleet, weights):
     first = source.sender.group
     for _ in range(3):
         fleet.sync(source, version=fleet.weight_version + 1)
-        assert all(s.weight_version == fleet.weight_version for s in fleet.generate(PROMPTS[:1], GREEDY))
+        assert all(s.weight_version == fleet.weight_version for s in generate(fleet, PROMPTS[:1], GREEDY))
     assert fleet.metrics["rollout/weight_groups"] == groups and source.sender.group is first
     fleet.sync(TensorSource(weights[0]), version=fleet.weight_version + 1)
     assert fleet.metrics["rollout/weight_groups"] == groups + 1
@@ -340,7 +352,7 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
     fleet.cfg.sync_timeout_s = 5.0  # the group's own timeout too: set before it is made
     source = TensorSource(weights[1])
     fleet.sync(source, version=fleet.weight_version + 1)
-    reference = fleet.generate(PROMPTS, GREEDY)
+    reference = generate(fleet, PROMPTS, GREEDY)
     pid = ray.get(fleet.engines[0].pid.remote())
     restarts = fleet.metrics["rollout/engine_restarts"]
     os.kill(pid, signal.SIGSTOP)
@@ -355,7 +367,7 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
     assert f"weight sync of version {version}: engine(s) [0] did not finish within 5 s" in caplog.text
     assert fleet.metrics["rollout/engine_restarts"] == restarts + 1
     assert ray.get(fleet.engines[0].pid.remote()) != pid
-    samples = fleet.generate(PROMPTS, GREEDY)
+    samples = generate(fleet, PROMPTS, GREEDY)
     assert all(s.weight_version == version for s in samples) and _responses(samples) == _responses(reference)
 
 
@@ -377,10 +389,10 @@ def _synced_samples(model: str, actor: dict, temperature: float) -> list:
     fleet = EngineFleet(model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
                                            sync_check="held"))
     try:
-        before = fleet.generate(PROMPTS, GREEDY)
+        before = generate(fleet, PROMPTS, GREEDY)
         fleet.sync(TensorSource(actor), version=1)
-        assert _responses(fleet.generate(PROMPTS, GREEDY)) != _responses(before)
-        return fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+        assert _responses(generate(fleet, PROMPTS, GREEDY)) != _responses(before)
+        return generate(fleet, PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
     finally:
         fleet.shutdown()
 
@@ -487,11 +499,11 @@ def test_hybrid_engine_in_bf16_takes_the_actors_weights_and_agrees_with_it(famil
     fleet = EngineFleet(model_dir, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
                                                sync_check="held"))
     try:
-        before = fleet.generate(PROMPTS, GREEDY)
+        before = generate(fleet, PROMPTS, GREEDY)
         fleet.sync(TensorSource(actor), version=1)
-        greedy = fleet.generate(PROMPTS, GREEDY)
+        greedy = generate(fleet, PROMPTS, GREEDY)
         assert _responses(greedy) != _responses(before)
-        sampled = fleet.generate(PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
+        sampled = generate(fleet, PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
     finally:
         fleet.shutdown()
     if family == "qwen3_next":

@@ -31,6 +31,7 @@ from orz.evaluation import metrics
 from orz.evaluation.benchmarks import Benchmark, cluster_math_answers
 from orz.reward.pool import KillablePool
 from orz.reward.router import RewardRouter, RouterConfig
+from orz.rollout.driver import generate
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names
 from orz.rollout.multiturn import Conversation, MultiTurnRollout
@@ -254,7 +255,7 @@ class Evaluator:
         prompts = self.prompt_ids[bench.name][first : first + count]
         sampling = replace(self.sampling, seed=self.cfg.seed + first)  # problem i: seed + i
         if self.turns is None:
-            samples = self.fleet.generate(prompts, sampling, min_version=min_version)
+            samples = generate(self.fleet, prompts, sampling, min_version=min_version)
         else:
             rows = bench.problems[first : first + count]
             groups = self.turns.stream([(ids, row.record(), row.env or self.env) for ids, row in zip(prompts, rows)],

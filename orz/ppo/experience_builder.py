@@ -33,6 +33,7 @@ from orz.run import run_rules
 from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
 from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, Verdict, reward_metrics
+from orz.rollout.driver import stream
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names, envs_used
 from orz.rollout.fleet import EngineFleet
@@ -177,14 +178,13 @@ class ExperienceBuilder:
         """The samples of every prompt in prompt order, their verdicts, and the seconds scoring took
         after the last sample: each prompt's group goes to the reward router as soon as its samples
         finish, so scoring overlaps generation."""
-        pending = []
+        pending, partial = [], self.cfg.rollout.partial
         if self.multiturn is not None:
             env = self.cfg.rollout.env
             groups = self.multiturn.stream([(ids, row.record(), row.env or env) for row, ids in prompts], sampling,
-                                           min_version)
+                                           min_version, interruptible=partial)
         else:
-            groups = self.fleet.stream([ids for _, ids in prompts], sampling, min_version=min_version,
-                                       interruptible=self.cfg.rollout.partial)
+            groups = stream(self.fleet, [ids for _, ids in prompts], sampling, min_version, interruptible=partial)
         for group in groups:
             row = prompts[group[0].index][0]
             pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),

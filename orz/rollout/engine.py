@@ -84,19 +84,29 @@ class Sample:
 
 @dataclass
 class _Response:
-    """One response in progress: what it has generated so far, and by which weights."""
+    """One request in progress: what it has generated so far, and by which weights."""
 
-    index: int
+    key: int
     prompt_ids: list[int]
-    seed: int  # its own sampling stream; a continuation takes seed + 2^23 · resumes
     started_at: int  # the weight version it started with
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
-    resumes: int = 0
+    finish_reason: str | None = None  # None: not finished (interrupted)
     routed_experts: Any = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """One response to generate: its key (the driver's), prompt (a turn's context, or a
+    continuation's prompt + tokens kept), seed, token budget and stop strings."""
+
+    key: int
+    prompt_ids: list[int]
+    seed: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
 
 
 class StaleWeightsError(RuntimeError):
@@ -134,8 +144,7 @@ class VLLMEngine(FaultSite):
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))
         self.llm = LLM(**args)
         self.weight_version = 0
-        self._interrupted: set[int] = set()  # calls asked to stop (interrupt)
-        self._paused: dict[int, tuple] = {}  # call -> (its sampling, the groups it left unfinished)
+        self._interrupted: set[int] = set()  # sessions asked to stop (interrupt)
         self._inbox: queue.Queue = queue.Queue()  # (session, requests or None) for `serve`
         self._held: dict[int, list] = {}  # what `submit` queued for a later session than the one served
         self.seed = seed
@@ -146,81 +155,74 @@ class VLLMEngine(FaultSite):
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, requests: list[tuple[int, list[int]]], sampling: dict, min_version: int = 0,
-                 call: int | None = None):
-        """requests: (index in batch, prompt token ids). Yields each request's n Sample dicts as
-        soon as all n have finished (in order of finishing; EngineFleet calls this as a Ray
-        streaming generator, so that rewards can score a group while the others generate).
-
-        call: an id that makes the generation interruptible (partial rollout): after
-        `interrupt(call)` it stops at its next step, keeps what each unfinished response has
-        generated, and ends; `resume(call)` finishes those responses with the weights loaded since."""
-        self._raise_armed_fault()
-        self._check_version(min_version)
-        cfg = SamplingConfig(**sampling)
-        groups = {index: [_Response(index, list(prompt_ids), cfg.seed + index * cfg.n + j, self.weight_version)
-                          for j in range(cfg.n)] for index, prompt_ids in requests}
-        yield from self._run(call, cfg, groups, first=True)
-
-    def resume(self, call: int, min_version: int = 0):
-        """The interrupted call's unfinished groups, each response continued from its last token
-        with the weights held now (its prompt + response so far re-read), yielded as in generate."""
-        self._check_version(min_version)
-        cfg, groups = self._paused.pop(call)
-        yield from self._run(call, cfg, groups, first=False)
+    @ray.method(concurrency_group="control")
+    def interrupt(self, session: int) -> None:
+        """Asks `serve(session)` to stop at its next step (runs beside it, or before it starts)."""
+        self._interrupted.add(session)
 
     @ray.method(concurrency_group="control")
-    def interrupt(self, call: int) -> None:
-        """Asks call `call` to stop at its next step (runs beside it; a call already ended ignores it)."""
-        self._interrupted.add(call)
-
-    @ray.method(concurrency_group="control")
-    def submit(self, session: int, requests: list[tuple[int, list[int], int, int, list[str]]] | None) -> None:
-        """Queues requests for `serve(session)`, beside it: (key, prompt ids, seed, max new tokens,
-        stop strings) each. None closes the session once what it holds has finished."""
+    def submit(self, session: int, requests: list[Request] | None) -> None:
+        """Queues requests for `serve(session)`, beside it. None closes the session once what it
+        holds has finished."""
         self._inbox.put((session, requests))
 
-    def serve(self, session: int, sampling: dict, min_version: int = 0):
-        """Multi-turn rollout (orz.rollout.multiturn): one response to each request `submit` queues
-        for `session`, taken into the running step loop as it arrives, so that the engine decodes
-        the others while a sample waits for its environment. Yields each as a Sample dict (its
-        `index` the request's key) as soon as it finishes; ends once the session is closed and
-        nothing is left. A continuation's prompt is the conversation so far: vLLM's prefix cache
-        reuses its KV where it can."""
+    def serve(self, session: int, sampling: dict, min_version: int = 0, interruptible: bool = False):
+        """The engine loop: one response to each request `submit` queues for `session`, taken into
+        the running step loop as it arrives, so that the engine decodes the others while a sample
+        waits for its environment. Yields, after each step that finished some, a list of their
+        Sample dicts (`index`: the request's key); ends once the session is closed and nothing is left.
+
+        interruptible (partial rollout): after `interrupt(session)` it stops at its next step and
+        yields every unfinished response with the tokens it has (finish_reason None), then ends;
+        its driver continues them once newer weights are in. Such a session receives each step's
+        new tokens (vLLM's DELTA outputs); the others only each request's final output, which is
+        cheaper (docs/performance.md)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._raise_armed_fault()
         self._check_version(min_version)
         cfg = SamplingConfig(**sampling)
+        kind = RequestOutputKind.DELTA if interruptible else RequestOutputKind.FINAL_ONLY
         engine, live, closing = self.llm.llm_engine, {}, False  # request id -> its response
         try:
             while live or not closing:
+                if interruptible and session in self._interrupted:
+                    if live:
+                        engine.abort_request(list(live))
+                        yield [asdict(self._sample(response)) for response in live.values()]
+                        live.clear()
+                    return
                 for requests in self._take(session, wait=not live):
                     if requests is None:
                         closing = True
                         continue
-                    for key, prompt_ids, seed, max_tokens, stop in requests:
+                    for r in requests:
                         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                                max_tokens=max_tokens, stop=stop or None, include_stop_str_in_output=True,
-                                                seed=seed, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
-                        request_id = f"orz-{session}-{key}"
-                        engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
-                        live[request_id] = _Response(key, list(prompt_ids), seed, self.weight_version)
+                                                max_tokens=r.max_tokens, stop=list(r.stop) or None,
+                                                include_stop_str_in_output=True, seed=r.seed, logprobs=0,
+                                                output_kind=kind)
+                        request_id = f"orz-{session}-{r.key}"
+                        engine.add_request(request_id, {"prompt_token_ids": r.prompt_ids}, params)
+                        live[request_id] = _Response(r.key, list(r.prompt_ids), self.weight_version)
+                finished = []
                 for out in engine.step() if live else ():
                     response = live.get(out.request_id)
                     for completion in out.outputs if response is not None else ():
                         self._extend(response, completion)
                     if response is not None and response.finish_reason:
                         del live[out.request_id]
-                        yield asdict(self._sample(response))
+                        finished.append(asdict(self._sample(response)))
+                if finished:
+                    yield finished
         finally:  # a session abandoned part-way leaves nothing behind in the engine
             if live:
                 engine.abort_request(list(live))
+            self._interrupted.discard(session)
 
     def _take(self, session: int, wait: bool) -> list:
         """What `submit` queued for `session`; with `wait`, up to a second for the first of it.
-        Sessions are numbered in the order the driver opens them: a later session's requests, sent
+        Sessions are numbered in the order drivers open them: a later session's requests, sent
         while this one was still closing, are held for its `serve`; an earlier one's are dropped."""
         taken = self._held.pop(session, [])
         self._held = {later: held for later, held in self._held.items() if later > session}
@@ -238,54 +240,6 @@ class VLLMEngine(FaultSite):
         if self.weight_version < min_version:
             raise StaleWeightsError(f"engine holds weight version {self.weight_version}, {min_version} required")
 
-    def _run(self, call: int | None, cfg: SamplingConfig, groups: dict[int, list[_Response]], first: bool):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        # Interruptible calls receive each step's new tokens (DELTA), so that an interrupted response
-        # keeps them; the others only each request's final output.
-        kind = RequestOutputKind.FINAL_ONLY if call is None else RequestOutputKind.DELTA
-        engine, live = self.llm.llm_engine, {}  # request id -> the responses its completions fill
-
-        def add(request_id: str, prompt_ids: list[int], responses: list[_Response], seed: int, max_tokens: int):
-            params = SamplingParams(n=len(responses), temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    max_tokens=max_tokens, stop=cfg.stop or None, include_stop_str_in_output=True,
-                                    seed=seed, logprobs=0, output_kind=kind)  # vLLM adds j for the j-th of n
-            engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
-            live[request_id] = responses
-
-        for index, responses in groups.items():
-            if first:  # outputs carry the id given here (vLLM's own adds a suffix)
-                add(f"orz-{index}", responses[0].prompt_ids, responses, responses[0].seed, cfg.max_new_tokens)
-                continue
-            for j, r in enumerate(responses):
-                if r.finish_reason is None:
-                    add(f"orz-{index}-{j}-{r.resumes}", r.prompt_ids + r.ids, [r], r.seed + 2**23 * r.resumes,
-                        cfg.max_new_tokens - len(r.ids))
-        try:
-            while live:
-                finished = set()  # groups with a response that finished this step
-                for out in engine.step():
-                    for completion in out.outputs if out.request_id in live else ():
-                        response = live[out.request_id][completion.index]
-                        self._extend(response, completion)
-                        if response.finish_reason:
-                            finished.add(response.index)
-                    if all(r.finish_reason for r in live.get(out.request_id, ())):
-                        live.pop(out.request_id, None)
-                for index in sorted(i for i in finished if all(r.finish_reason for r in groups[i])):
-                    yield [asdict(self._sample(r)) for r in groups.pop(index)]
-                if live and call in self._interrupted:
-                    engine.abort_request(list(live))
-                    live.clear()
-                    for r in (r for responses in groups.values() for r in responses if r.finish_reason is None):
-                        r.resumes += 1
-                    self._paused[call] = (cfg, groups)
-        finally:  # a stream abandoned part-way leaves nothing behind in the engine
-            if live:
-                engine.abort_request(list(live))
-            self._interrupted.discard(call)
-
     def _extend(self, response: _Response, completion) -> None:
         ids = list(completion.token_ids)
         response.ids += ids
@@ -299,7 +253,7 @@ class VLLMEngine(FaultSite):
 
     @staticmethod
     def _sample(r: _Response) -> Sample:
-        return Sample(index=r.index, prompt_ids=r.prompt_ids, response_ids=r.ids, logprobs=r.logprobs,
+        return Sample(index=r.key, prompt_ids=r.prompt_ids, response_ids=r.ids, logprobs=r.logprobs,
                       finish_reason=r.finish_reason, text=r.text, weight_version=min(r.versions, default=r.started_at),
                       token_versions=r.versions, routed_experts=r.routed_experts)
 

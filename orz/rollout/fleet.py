@@ -2,16 +2,17 @@
 
     fleet = EngineFleet(model_dir, FleetConfig(num_engines=2))
     fleet.sync(source, version=1)                   # every engine now holds version 1
-    samples = fleet.generate(prompt_ids, SamplingConfig(n=8), min_version=1)
-    for group in fleet.stream(prompt_ids, SamplingConfig(n=8)):   # each prompt's 8 as they finish
-        ...
-    fleet.interrupt()   # partial rollout: interruptible streams pause, and after the next sync finish
+    samples = driver.generate(fleet, prompt_ids, SamplingConfig(n=8), min_version=1)
+    fleet.interrupt()   # partial rollout: interruptible sessions pause, and after the next sync go on
+
+The fleet keeps the engines' life (start, restart, sleep and wake-up, weight sync) and opens
+their rollout sessions; orz.rollout.driver drives them.
 
 Weights come from a WeightSource (orz.rollout.weight_sync: the actor's GroupSource, or a
 TensorSource in tests and benchmarks): something that can join a process group as its rank 0 and
-broadcast, or put the same buckets into the Ray object store. The fleet remembers the last source and version, so
-an engine that dies or hangs is restarted, re-synced to the current version, and its
-unfinished requests are issued again.
+broadcast, or put the same buckets into the Ray object store. The fleet remembers the last source
+and version, so an engine that dies or hangs is restarted and re-synced to the current version
+(the driver then asks the new one for what the old one held).
 """
 from __future__ import annotations
 
@@ -21,15 +22,13 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
-
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from orz.bundles import Bundles
 from orz.config import LOGPROBS_MODES, RolloutConfig
-from orz.rollout.engine import Sample, SamplingConfig, VLLMEngine
+from orz.rollout.engine import Request, SamplingConfig, VLLMEngine
 from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, GroupSpec, WeightSource
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class FleetConfig:
     sync_check: str = "received"  # digest check after each sync: "off" | "received" | "held" (reads weights back)
     request_timeout_s: float = 1800.0  # no batch back from any engine for this long: declared hung, restarted
     sync_timeout_s: float = 600.0  # a weight broadcast not done by then fails; the hung engine is restarted
-    max_restarts: int = 3  # per generate call
+    max_restarts: int = 3  # per rollout (orz.rollout.driver)
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
     sleep_mode: bool = False  # colocated: engines can sleep between rollouts (vLLM's sleep mode, GPU only)
     batch_invariant: bool = False  # vLLM's batch-invariant kernels (GPU only; untested here)
@@ -104,9 +103,10 @@ class EngineFleet:
         self._group: GroupSpec | None = None
         self._group_source: WeightSource | None = None
         self._group_ids: list[int] = []
-        # Partial rollout: interruptible calls by engine, and the version of the last interrupt
-        # (pending until a sync moves weight_version past it: a call submitted meanwhile pauses too).
-        self._calls, self._in_flight, self._interrupted_at = itertools.count(), {}, -1
+        # Rollout sessions, numbered in the order they open (VLLMEngine._take); the interruptible
+        # ones open (session -> engine), and the version of the last interrupt (pending until a
+        # sync moves weight_version past it: a session opened meanwhile pauses too).
+        self._sessions, self._interruptible, self._interrupted_at = itertools.count(), {}, -1
         self._synced = threading.Condition()  # notified whenever weight_version moves
         tp = self.cfg.engine_tp  # vLLM's own workers take an engine's GPUs when TP > 1
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
@@ -252,84 +252,48 @@ class EngineFleet:
                     f"engine {i}: {len(bad)} tensors it {what} differ from the trainer's weights, e.g. {bad[:3]}"
                 )
 
-    # ---- generation ------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None) -> list[Sample]:
-        """Samples `sampling.n` responses per prompt, in prompt order (see stream)."""
-        groups = sorted(self.stream(prompts, sampling, min_version), key=lambda group: group[0].index)
-        return [sample for group in groups for sample in group]
+    # ---- rollout sessions (orz.rollout.driver) ---------------------------------------------------
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
 
-    def stream(self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None,
-               interruptible: bool = False) -> Iterator[list[Sample]]:
-        """Each prompt's `sampling.n` samples as soon as they have all finished, in no fixed order.
-        Prompts are spread over the engines; an engine that dies, or sends nothing for
-        `request_timeout_s`, is restarted, re-synced and given its unfinished prompts again (each
-        sample's seed is fixed by its place in the batch, so they come out the same).
-        interruptible: `interrupt` may pause it until the next sync (partial rollout)."""
-        min_version = self.weight_version if min_version is None else min_version
-        left = {e: {i: p for i, p in enumerate(prompts) if i % len(self.engines) == e} for e in range(len(self.engines))}
-        streams = {self._submit(e, left[e], sampling, min_version, interruptible): e for e in left if left[e]}
-        restarts = 0
-        while streams:
-            ready, _ = ray.wait(list(streams), num_returns=1, timeout=self.cfg.request_timeout_s)
-            failed = [] if ready else list(streams)  # nothing arrived in time: every engine is suspect
-            for stream in ready:
-                engine_id = streams[stream]
-                try:
-                    group = [Sample(**s) for s in ray.get(next(stream))]
-                except StopIteration:
-                    del streams[stream]
-                    with self._synced:
-                        call = self._in_flight.pop(engine_id, None)
-                    if left[engine_id]:  # interrupted: the rest once the next weights are in
-                        streams[self._resume(engine_id, call)] = engine_id
-                    continue
-                except (RayActorError, GetTimeoutError) as err:
-                    log.warning("engine %d failed: %s", engine_id, err)
-                    failed.append(stream)
-                    continue
-                del left[engine_id][group[0].index]
-                yield group
-            for stream in failed:
-                engine_id = streams.pop(stream)
-                restarts += 1
-                if restarts > self.cfg.max_restarts:
-                    raise RuntimeError(f"engine {engine_id} failed; gave up after {self.cfg.max_restarts} restarts")
-                self.restart(engine_id)
-                if left[engine_id]:  # from scratch: what a paused engine held died with it
-                    streams[self._submit(engine_id, left[engine_id], sampling, min_version, interruptible)] = engine_id
+    def open_session(self, engine_id: int, sampling: SamplingConfig, min_version: int, interruptible: bool):
+        """A new `serve` session on the engine: (session, its Ray stream), or None while an
+        interrupt waits for the next sync (an interruptible session opened then would pause at once)."""
+        with self._synced:
+            if interruptible and self._interrupted_at == self.weight_version:
+                return None
+            session = next(self._sessions)
+            if interruptible:
+                self._interruptible[session] = engine_id
+            stream = self.engines[engine_id].serve.options(num_returns="streaming").remote(
+                session, asdict(sampling), min_version, interruptible)
+        return session, stream
+
+    def submit(self, engine_id: int, session: int, requests: list[Request]) -> None:
+        self.engines[engine_id].submit.remote(session, requests)
+
+    def close_session(self, engine_id: int, session: int) -> None:
+        """Ends the session once what it holds has finished (at once when it holds nothing)."""
+        with self._synced:
+            self._interruptible.pop(session, None)
+        self.engines[engine_id].submit.remote(session, None)
 
     def interrupt(self) -> None:
-        """Partial rollout: every interruptible generation in flight, or submitted before the next
-        sync, stops at its engine's next step, keeps what its unfinished responses generated, and
-        waits for that sync; its stream then finishes them with the new weights (each token
-        records its version)."""
+        """Partial rollout: every interruptible session open now, or opened before the next sync,
+        stops at its engine's next step and hands back what its unfinished turns generated; its
+        driver continues them once `resumable` (each token records its version)."""
         with self._synced:
             self._interrupted_at = self.weight_version
-            ray.get([self.engines[e].interrupt.remote(call) for e, call in self._in_flight.items()])
+            ray.get([self.engines[e].interrupt.remote(session) for session, e in self._interruptible.items()])
 
-    def _submit(self, engine_id: int, prompts: dict[int, list[int]], sampling: SamplingConfig, min_version: int,
-                interruptible: bool = False):
-        engine, call = self.engines[engine_id], None
-        with self._synced:
-            if interruptible:
-                call = self._in_flight[engine_id] = next(self._calls)
-            stream = engine.generate.options(num_returns="streaming").remote(list(prompts.items()), asdict(sampling),
-                                                                             min_version, call)
-            if call is not None and self._interrupted_at == self.weight_version:  # asked before this call existed
-                ray.get(engine.interrupt.remote(call))
-        return stream
+    @property
+    def interrupted_at(self) -> int:
+        return self._interrupted_at
 
-    def _resume(self, engine_id: int, call: int | None):
-        """An interrupted call's stream of the rest, once the fleet holds weights newer than at the interrupt."""
-        if call is None:
-            raise RuntimeError(f"engine {engine_id} ended a generation with prompts unfinished")
-        with self._synced:
-            if not self._synced.wait_for(lambda: self.weight_version > self._interrupted_at, self.cfg.sync_timeout_s):
-                raise WeightSyncError(f"engine {engine_id}: an interrupted generation waited {self.cfg.sync_timeout_s} s "
-                                      f"for weights newer than version {self._interrupted_at}")
-            self._in_flight[engine_id] = call
-            version = self.weight_version
-        return self.engines[engine_id].resume.options(num_returns="streaming").remote(call, version)
+    def resumable(self) -> bool:
+        """Whether the fleet holds weights newer than at the last interrupt."""
+        return self.weight_version > self._interrupted_at
 
     def restart(self, engine_id: int) -> None:
         """Replaces an engine and brings it to the fleet's current weight version."""

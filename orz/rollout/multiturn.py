@@ -17,35 +17,31 @@ and appended as ids. The conversation is never re-tokenised: the next turn's pro
 far, so the trainer sees exactly the tokens that were sampled (re-tokenising the joined text can
 merge tokens across a turn boundary).
 
-No barrier across the batch: every engine runs one `serve` session that takes each sample's next
-turn as soon as its environment has answered (environments run in daemon threads, bounded by
-env_timeout_s), while it keeps decoding the others. An engine that dies, or holds turns and sends
-nothing for rollout.request_timeout_s, is restarted (re-synced by the fleet) and the turns it held
-are asked again of the new one; the conversations so far are kept by this driver.
+No barrier across the batch: the rollout driver (orz.rollout.driver) takes each sample's next
+turn into its engine's running session as soon as its environment has answered (environments run
+in daemon threads, bounded by env_timeout_s), while the engine keeps decoding the others. The
+driver restarts a lost or hung engine and interrupts and continues turns (partial rollout); this
+module keeps the conversations and calls the environments.
 """
 from __future__ import annotations
 
-import itertools
-import logging
+import functools
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import ray
 import torch
-from ray.exceptions import RayActorError
 
 from orz.config import CodeScoringConfig, RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import PYTHON, Environment, StepResult, as_step_result, load_env_class
+from orz.rollout.driver import RolloutDriver
 from orz.rollout.fleet import EngineFleet
 
 MODEL, ENV = "model", "env"  # a turn's origin
 _TURN_SEED_STRIDE = 2**20  # turn t of a sample samples from seed + t·2^20 (turn 0: the single-turn seed)
-_sessions = itertools.count()
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,46 +112,43 @@ def turn_stops(rollout: RolloutConfig) -> dict[str, list[str]]:
 
 
 class MultiTurnRollout:
-    """Drives the fleet's engines through every sample's turns (see the module docstring)."""
+    """Every sample's turns and environment calls, through the rollout driver (see the module docstring)."""
 
     def __init__(self, fleet: EngineFleet, tokenizer, envs: dict[str, Callable[[], Environment]], limits: TurnLimits,
-                 stops: dict[str, list[str]] | None = None, env_threads: int = 32, max_restarts: int = 3):
+                 stops: dict[str, list[str]] | None = None, env_threads: int = 32):
         self.fleet, self.tokenizer, self.envs, self.limits = fleet, tokenizer, envs, limits
         self.stops = stops or {}
-        self.env_threads, self.max_restarts = env_threads, max_restarts
+        self.env_threads = env_threads
 
     def stream(self, prompts: list[tuple[list[int], dict, str]], sampling: SamplingConfig,
-               min_version: int | None = None) -> Iterator[list[Conversation]]:
+               min_version: int | None = None, interruptible: bool = False) -> Iterator[list[Conversation]]:
         """prompts: (prompt ids, row record, environment name or ""). Yields each prompt's
-        `sampling.n` Conversations (in sample order) as soon as all have ended, in no fixed order."""
-        run = _Run(self, prompts, sampling, self.fleet.weight_version if min_version is None else min_version)
+        `sampling.n` Conversations (in sample order) as soon as all have ended, in no fixed order.
+        interruptible: partial rollout (orz.rollout.driver): a turn the update interrupts keeps
+        its tokens and goes on with the new weights; environment calls in flight finish."""
+        conversations = Conversations(self, prompts, sampling)
         try:
-            yield from run.loop()
+            yield from RolloutDriver(self.fleet, sampling, min_version, interruptible).run(conversations)
         finally:
-            run.close()
+            conversations.close()
 
 
-class _Run:
-    """One call of MultiTurnRollout.stream: its conversations, sessions and events."""
+class Conversations:
+    """The multi-turn client of the rollout driver: one stream's conversations and environments.
+    Sample j of prompt i is key i·n + j; its turn t samples from seed + key + t·2^20."""
 
-    def __init__(self, rollout: MultiTurnRollout, prompts, sampling: SamplingConfig, min_version: int):
-        self.r, self.sampling, self.min_version = rollout, sampling, min_version
-        self.n, self.session = sampling.n, next(_sessions)
-        self.events: queue.Queue = queue.Queue()
+    def __init__(self, rollout: MultiTurnRollout, prompts, sampling: SamplingConfig):
+        self.r, self.sampling, self.n = rollout, sampling, sampling.n
+        self.driver: RolloutDriver | None = None
         # Environment calls run in daemon threads: one that never returns cannot keep the process
         # alive (a ThreadPoolExecutor's threads are joined at exit).
         self.calls: queue.Queue = queue.Queue()
         for i in range(rollout.env_threads):
             threading.Thread(target=self._env_worker, name=f"orz-env-{i}", daemon=True).start()
-        self.engines = len(rollout.fleet.engines)
         self.conversations: dict[int, Conversation] = {}
         self.rows: dict[int, dict] = {}
         self.instances: dict[int, Environment] = {}
-        self.asked: set[int] = set()  # conversations whose turn is in flight at an engine
-        self.heard = [time.monotonic()] * self.engines  # when each engine last sent a turn (or was given work)
         self.deadlines: dict[int, float] = {}  # key -> when its environment call times out
-        self.epochs = [0] * self.engines  # a restarted engine's stream starts a new epoch
-        self.restarts = 0
         for i, (prompt_ids, row, env) in enumerate(prompts):
             for j in range(self.n):
                 key = i * self.n + j
@@ -164,145 +157,70 @@ class _Run:
                                                        env=env)
                 self.rows[key] = row
         self.left = {i: self.n for i in range(len(prompts))}  # conversations not ended, by prompt
-        self.ready: list[list[Conversation]] = []  # groups whose conversations have all ended
+        self._ready: list[list[Conversation]] = []  # groups whose conversations have all ended
 
-    # ---- the event loop ----------------------------------------------------------------------
-    def loop(self) -> Iterator[list[Conversation]]:
-        for e in range(self.engines):
-            self._open(e)
+    # ---- the driver's client -----------------------------------------------------------------
+    def begin(self, driver: RolloutDriver) -> None:
+        self.driver = driver
         for key, conversation in self.conversations.items():
             if conversation.env:
                 self._call_env(key, "reset", self.rows[key])
             else:
                 self._ask_model(key)
-        while True:
-            yield from self.ready
-            self.ready.clear()
-            if not any(self.left.values()):
-                return
-            self._next_event()
 
-    def _next_event(self) -> None:
-        """Handles what arrived first; with nothing waiting, first times out the environments and
-        engines past their deadlines. Never the other way round: the loop may have been held up
-        (an engine's restart), and an answer or a turn already in the queue came in time."""
-        if self.events.empty():
-            self._time_out_envs()
-            self._watch_engines()
-        try:
-            kind, who, value = self.events.get(timeout=self._wait_s())
-        except queue.Empty:
-            return
-        if kind == "turn":
-            engine, epoch = who
-            if epoch == self.epochs[engine]:
-                self.heard[engine] = time.monotonic()
-            if epoch == self.epochs[engine] and value["index"] in self.asked:
-                self._model_turn(value)
-        elif kind == "failed":
-            self._engine_failed(*who, value)
-        else:  # "reset" or "step": an environment answered, (its answer, when)
-            self._env_answered(kind, who, *value)
+    def ready(self) -> list[list[Conversation]]:
+        ready, self._ready = self._ready, []
+        return ready
 
-    def _wait_s(self) -> float | None:
-        """Until the next environment deadline or the next engine that may be declared hung."""
-        timeout = self.r.fleet.cfg.request_timeout_s
-        deadlines = [*self.deadlines.values(), *(self.heard[e] + timeout for e in self._busy_engines())]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    def finished(self) -> bool:
+        return not any(self.left.values())
 
-    # ---- engines -----------------------------------------------------------------------------
-    def _open(self, engine_id: int) -> None:
-        """Starts engine `engine_id`'s serve session and a thread that forwards what it yields."""
-        engine, epoch = self.r.fleet.engines[engine_id], self.epochs[engine_id]
-        self.heard[engine_id] = time.monotonic()
-        stream = engine.serve.options(num_returns="streaming").remote(self.session, asdict(self.sampling),
-                                                                     self.min_version)
+    def deadline(self) -> float | None:
+        return min(self.deadlines.values(), default=None)
 
-        def forward():
-            try:
-                for ref in stream:
-                    self.events.put(("turn", (engine_id, epoch), ray.get(ref)))
-            except Exception as err:  # noqa: BLE001 - the loop decides: restart, or raise
-                self.events.put(("failed", (engine_id, epoch), err))
+    def expire(self, now: float) -> None:
+        for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
+            del self.deadlines[key]
+            self._env_timed_out(key)
 
-        threading.Thread(target=forward, name=f"orz-serve-{engine_id}", daemon=True).start()
+    def turn_ended(self, key: int, turn: Sample) -> None:
+        c = self.conversations[key]
+        c.turns.append(Turn(MODEL, turn.text, turn.response_ids))
+        c.response_ids += turn.response_ids
+        c.logprobs += turn.logprobs
+        c.token_versions += turn.token_versions
+        c.loss_mask += [1] * len(turn.response_ids)
+        c.routed_experts = turn.routed_experts  # the last turn's request covers the whole conversation
+        if not c.env:
+            self._end(key, turn.finish_reason)
+        else:
+            c.finish_reason = turn.finish_reason
+            self._call_env(key, "step", turn.text)
 
     def _ask_model(self, key: int) -> None:
-        """Asks the sample's next turn of its engine, within max_new_tokens and max_model_len."""
+        """Asks the sample's next turn, within max_new_tokens and max_model_len."""
         c = self.conversations[key]
         context = c.prompt_ids + c.response_ids
         max_tokens = min(self.r.limits.max_new_tokens, self.r.limits.max_model_len - len(context))
         if max_tokens < 1:
             return self._end(key, "length")
-        turn = c.model_turns
         stop = [*self.sampling.stop, *self.r.stops.get(c.env, [])]
-        request = (key, context, self.sampling.seed + key + turn * _TURN_SEED_STRIDE, max_tokens, stop)
-        engine_id = c.index % self.engines  # a prompt's samples share an engine (and its prefix cache)
-        if engine_id not in self._busy_engines():
-            self.heard[engine_id] = time.monotonic()  # idle until now: its clock starts with this turn
-        self.asked.add(key)
-        self.r.fleet.engines[engine_id].submit.remote(self.session, [request])
-
-    def _busy_engines(self) -> set[int]:
-        return {self.conversations[key].index % self.engines for key in self.asked}
-
-    def _engine_failed(self, engine_id: int, epoch: int, err: Exception) -> None:
-        """A dead engine is restarted and re-synced (EngineFleet.restart) and asked again for the
-        turns it held; any other failure (an exception raised inside it) ends the rollout."""
-        if epoch != self.epochs[engine_id]:
-            return
-        if not isinstance(err, RayActorError):
-            raise err
-        self._restart(engine_id, err)
-
-    def _watch_engines(self) -> None:
-        """An engine that holds turns and has sent nothing for rollout.request_timeout_s is hung: restarted."""
-        timeout = self.r.fleet.cfg.request_timeout_s
-        for engine_id in self._busy_engines():
-            if time.monotonic() - self.heard[engine_id] > timeout:
-                self._restart(engine_id, TimeoutError(f"engine {engine_id} sent no turn for {timeout} s"))
-
-    def _restart(self, engine_id: int, cause: Exception) -> None:
-        """Restarts and re-syncs the engine (EngineFleet.restart) and asks the new one for the turns it held."""
-        self.restarts += 1
-        if self.restarts > self.r.max_restarts:
-            raise RuntimeError(f"engine {engine_id} failed; gave up after {self.r.max_restarts} restarts") from cause
-        log.warning("multi-turn rollout: engine %d failed (%s); restarting it", engine_id, cause)
-        self.r.fleet.restart(engine_id)
-        self.epochs[engine_id] += 1
-        self._open(engine_id)
-        for key in [k for k in self.asked if self.conversations[k].index % self.engines == engine_id]:
-            self._ask_model(key)
-
-    def _model_turn(self, sample: dict) -> None:
-        key = sample["index"]
-        self.asked.remove(key)
-        c = self.conversations[key]
-        ids = sample["response_ids"]
-        c.turns.append(Turn(MODEL, sample["text"], ids))
-        c.response_ids += ids
-        c.logprobs += sample["logprobs"]
-        c.token_versions += sample["token_versions"]
-        c.loss_mask += [1] * len(ids)
-        if not c.env:
-            self._end(key, sample["finish_reason"])
-        else:
-            c.finish_reason = sample["finish_reason"]
-            self._call_env(key, "step", sample["text"])
+        self.driver.ask(key, c.index, context, self.sampling.seed + key + c.model_turns * _TURN_SEED_STRIDE,
+                        max_tokens, stop)
 
     # ---- environments ------------------------------------------------------------------------
     def _env_worker(self) -> None:
-        """Runs environment calls until close(); each answer, or the exception raised, becomes an event."""
+        """Runs environment calls until close(); each answer, or the exception raised, goes to the driver's loop."""
         while (call := self.calls.get()) is not None:
             method, key, function = call
             try:
                 answer = function()
             except Exception as err:  # noqa: BLE001 - a user's environment: the loop scores the sample 0
                 answer = err
-            self.events.put((method, key, (answer, time.monotonic())))
+            self.driver.call_soon(functools.partial(self._env_answered, method, key, answer, time.monotonic()))
 
     def _call_env(self, key: int, method: str, argument) -> None:
-        """env.reset(row) or env.step(turn text) in a worker thread; its answer comes back as an event."""
+        """env.reset(row) or env.step(turn text) in a worker thread; its answer comes back through the driver."""
         self.deadlines[key] = time.monotonic() + self.r.limits.env_timeout_s
 
         def call():
@@ -352,12 +270,6 @@ class _Run:
         c.loss_mask += [0] * len(ids)
         self._ask_model(key)
 
-    def _time_out_envs(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
-            del self.deadlines[key]
-            self._env_timed_out(key)
-
     def _env_timed_out(self, key: int) -> None:
         c = self.conversations[key]
         c.env_error = f"timeout: no answer within rollout.env_timeout_s={self.r.limits.env_timeout_s}"
@@ -370,16 +282,14 @@ class _Run:
         c.finish_reason = finish_reason
         c.text = "".join(turn.text for turn in c.turns if turn.origin == MODEL)
         model_versions = [v for v, m in zip(c.token_versions, c.loss_mask) if m]
-        c.weight_version = min(model_versions, default=self.min_version)
+        c.weight_version = min(model_versions, default=self.driver.min_version)
         self.instances.pop(key, None)
         self.left[c.index] -= 1
         if not self.left[c.index]:
             first = c.index * self.n
-            self.ready.append([self.conversations[k] for k in range(first, first + self.n)])
+            self._ready.append([self.conversations[k] for k in range(first, first + self.n)])
 
     def close(self) -> None:
-        for engine in self.r.fleet.engines:
-            engine.submit.remote(self.session, None)
         for _ in range(self.r.env_threads):
             self.calls.put(None)  # a hung environment's thread is left to end (a daemon)
 
