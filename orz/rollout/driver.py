@@ -135,6 +135,7 @@ class RolloutDriver:
             client.expire(time.monotonic())
             self._resume_paused()
             self._watch_engines()
+            self._flush()  # what they asked again
         try:
             kind, who, value = self.events.get(timeout=self._wait_s(client))
         except queue.Empty:
