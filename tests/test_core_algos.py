@@ -543,6 +543,9 @@ def test_overlong_penalty_by_hand():
     lengths = torch.tensor([50, 80, 90, 100, 120])
     close(ca.overlong_penalty(lengths, 100, 20), [0, 0, -0.5, -1, -1])
     close(ca.overlong_penalty(lengths, 100, 20, factor=2.0), [0, 0, -1, -2, -2])
+    # each its own budget (a multi-turn sample's): 50 of 60 → −(50 − 40)/20 = −0.5; 80 of 110: 0; 90 of 100: −0.5
+    budgets = torch.tensor([60, 110, 100, 130, 120])
+    close(ca.overlong_penalty(lengths, budgets, 20), [-0.5, 0, -0.5, 0, -1])
 
 
 def test_dynamic_sampling_drops_groups_with_equal_scores():

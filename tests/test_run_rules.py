@@ -465,9 +465,13 @@ def test_refusals_before_start_name_the_keys(tmp_path):
     assert "rollout.env='chess' names no environment" in _refusal(tmp_path, ["rollout.env=chess"])
     text = _refusal(tmp_path, ["rollout.env=python", "rollout.tool_timeout_s=60", "rollout.env_timeout_s=30"])
     assert "rollout.tool_timeout_s=60.0 must be below rollout.env_timeout_s=30.0" in text
-    assert "algorithm.overlong_buffer=8" in _refusal(tmp_path, ["rollout.env=python", "algorithm.overlong_buffer=8"])
-    assert "rollout.partial=true is not built" in _refusal(tmp_path, ["rollout.env=python", "rollout.partial=true",
-                                                                      "trainer.max_staleness=1"])
+    # context 64 + 3 turns of 16 + 2 observations of 8 = 128: a budget of 64 model tokens with the longest prompt
+    limits = ["rollout.env=python", "data.prompt_max_tokens=64", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+              "rollout.max_observation_tokens=8"]
+    assert "algorithm.overlong_buffer=65 is longer than the model-token budget of a sample with the longest " \
+           "prompt (64" in _refusal(tmp_path, [*limits, "algorithm.overlong_buffer=65"])
+    assert "overlong_buffer" not in _refusal(tmp_path, [*limits, "algorithm.overlong_buffer=64",
+                                                        "rollout.tool_format_reward=-1"])
     assert "rollout.max_model_len=100 cannot hold" in _refusal(tmp_path, ["rollout.env=python", "rollout.max_model_len=100",
                                                                          "data.prompt_max_tokens=64",
                                                                          "rollout.max_new_tokens=64"])

@@ -433,18 +433,20 @@ def kl_in_score(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Ten
     return scores - kl_coef * _real_values("kl", kl, real).sum(dim=1)
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> Tensor:
+def overlong_penalty(lengths: Tensor, max_len: int | Tensor, buffer_len: int, factor: float = 1.0) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476).
 
         R(L) = min(−(L − (max_len − buffer_len)) / buffer_len · factor, 0)
 
     0 up to max_len − buffer_len, then falling linearly to −factor at max_len; clamped at −factor
     beyond max_len, as in the paper (generation stops at max_len, so this rarely matters).
-    lengths: (B,) response lengths. Returns (B,) float32, to add to the scores.
+    lengths: (B,) response lengths; max_len: one for all, or (B,) each sample's own (a multi-turn
+    sample's budget). Returns (B,) float32, to add to the scores.
     """
     lengths = _sample_values("lengths", lengths)
-    if not 0 < buffer_len <= max_len:
-        raise ValueError(f"buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
+    max_len = torch.as_tensor(max_len, dtype=lengths.dtype)
+    if not (0 < buffer_len and bool((buffer_len <= max_len).all())):
+        raise ValueError(f"buffer_len must be in (0, max_len={max_len.min().item():g}], got {buffer_len}")
     if factor < 0:
         raise ValueError(f"factor must be >= 0, got {factor}")
     penalty = -(lengths - (max_len - buffer_len)) / buffer_len * factor

@@ -125,13 +125,15 @@ class ExperienceBuilder:
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
         every_score = torch.tensor([score for _, _, score, _, _ in drawn])
         if algo.overlong_buffer:
-            max_new, buffer, factor = self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor
-            scores = scores + overlong_penalty(lengths, max_new, buffer, factor)
-            every_length = torch.tensor([len(s.response_ids) for _, s, _, _, _ in drawn])
-            every_score = every_score + overlong_penalty(every_length, max_new, buffer, factor)
+            scores = scores + self._overlong(samples)
+            every_score = every_score + self._overlong([s for _, s, _, _, _ in drawn])
+        token_version = torch.zeros_like(experience.response_mask, dtype=torch.long)
+        for row, s in enumerate(samples):
+            token_version[row, :len(s.token_versions)] = torch.tensor(s.token_versions, dtype=torch.long)
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
                              info={"response_length": lengths, "truncated": truncated,
-                                   "weight_version": torch.tensor([s.weight_version for s in samples])})
+                                   "weight_version": torch.tensor([s.weight_version for s in samples]),
+                                   "token_version": token_version})
         metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
             "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
@@ -157,6 +159,20 @@ class ExperienceBuilder:
             self.reward.close()
 
     # ---- the parts of a batch ----------------------------------------------------------------
+    def _overlong(self, samples: list[Sample]) -> torch.Tensor:
+        """(B,) the overlong penalty (core_algos.overlong_penalty) of each sample. One turn: its
+        response length against rollout.max_new_tokens. Multi-turn: its model tokens (observations
+        are not the policy's) against its own budget, the engines' context (TurnLimits.max_model_len)
+        less its prompt: what reaching the context's end, a truncation, would leave it."""
+        algo = self.algo
+        if self.multiturn is None:
+            lengths, budgets = torch.tensor([len(s.response_ids) for s in samples]), self.cfg.rollout.max_new_tokens
+        else:
+            lengths = torch.tensor([sum(s.loss_mask) for s in samples])
+            budgets = torch.tensor([self.multiturn.limits.max_model_len - len(s.prompt_ids) for s in samples])
+        return overlong_penalty(lengths, budgets, algo.overlong_buffer, algo.overlong_factor)
+
+
     def _sampling(self, batch: int, draw: int) -> SamplingConfig:
         # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
         # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,

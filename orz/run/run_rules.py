@@ -262,19 +262,18 @@ def python_tool_unused(cfg: ExperimentConfig) -> list[str]:
 
 def multi_turn_problems(cfg: ExperimentConfig) -> list[str]:
     """A multi-turn run: its environments (env_problems), a context that holds a prompt and a turn,
-    and what is not built for several turns (the overlong penalty, partial rollout) refused."""
+    and an overlong buffer within every sample's budget (the context less its prompt: ExperienceBuilder._overlong)."""
     r, problems = cfg.rollout, env_problems(cfg)
     if r.max_model_len and r.max_model_len < cfg.data.prompt_max_tokens + r.max_new_tokens:
         problems.append(f"rollout.max_model_len={r.max_model_len} cannot hold data.prompt_max_tokens="
                         f"{cfg.data.prompt_max_tokens} + one turn of rollout.max_new_tokens={r.max_new_tokens}; "
                         "raise it, or set 0 to derive it from max_turns")
-    if cfg.algorithm.overlong_buffer:
-        problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} penalises a response's length "
-                        "near max_new_tokens, which bounds each turn of a multi-turn sample, not the sample: set it "
-                        "0 with an environment (rollout.max_model_len bounds the sample; reaching it is a truncation)")
-    if r.partial:
-        problems.append("rollout.partial=true is not built for multi-turn rollout (a conversation is continued "
-                        "turn by turn, not across a weight update): set it false with an environment")
+    budget = context_length(cfg, multi_turn=True) - cfg.data.prompt_max_tokens
+    if cfg.algorithm.overlong_buffer > budget:
+        problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} is longer than the model-token "
+                        f"budget of a sample with the longest prompt ({budget}: the context, rollout.max_model_len or "
+                        f"derived from rollout.max_turns, less data.prompt_max_tokens={cfg.data.prompt_max_tokens}); "
+                        "lower it")
     return problems
 
 
