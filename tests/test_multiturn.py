@@ -305,6 +305,60 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
     assert boundaries > 0  # the premise: a model turn closed a block and its output followed it
 
 
+@pytest.mark.slow
+def test_conversations_continued_across_the_update_train_with_the_overlong_penalty(ray_cluster, tool_model,
+                                                                                  tiny_run, tmp_path):
+    """Multi-turn, asynchronous (trainer.max_staleness=1) and partial: the update interrupts the
+    batch ahead mid-turn (two sequences decode at a time), and each conversation keeps its
+    finished turns and the tokens of its current turn, then goes on with the new weights. The
+    per-token dump shows both versions inside one model turn, old tokens first; the tokens of the
+    actor's own version have the engine's log-probs to 1e-3 (a continuation conditioned on
+    anything but the ids so far would not), and the overlong penalty is each sample's model tokens
+    against the context less its prompt (derived here from the settings)."""
+    from orz.train import run as train
+    from run_history import history
+
+    out = tmp_path / "run"
+    rows = _rows(tmp_path / "rows.jsonl", ["echo"] * 8)
+    prompt_max, turn, observation, turns, buffer = 64, 16, 8, 3, 40
+    train(load_config(None, [
+        *tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
+        f"data.prompt_max_tokens={prompt_max}", "rollout.stop=[]", f"rollout.max_new_tokens={turn}",
+        f"rollout.max_turns={turns}", f"rollout.max_observation_tokens={observation}",
+        "rollout.envs={echo: 'turn_envs:Echo'}", "rollout.max_num_seqs=2",
+        "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}",
+        "trainer.max_staleness=1", "rollout.partial=true", f"algorithm.overlong_buffer={buffer}",
+        "trainer.dump_per_token=true", "trainer.save_every=0", "trainer.export_hf=false"]))
+    metrics = history(out)[1:]
+    assert all(row["actor/grad_norm"] > 0 for row in metrics)  # the premise: a signal to train on
+    context = prompt_max + turns * turn + (turns - 1) * observation  # run_rules.context_length
+    mixed, penalised = 0, 0
+    for iteration in (1, 2, 3):
+        samples = out / "samples"
+        draws = [json.loads(line) for line in (samples / f"iter_{iteration:06d}_draws.jsonl").read_text().splitlines()]
+        trained = [json.loads(line) for line in (samples / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
+        kept = [d for d in draws if d["kept"]]
+        assert len(kept) == len(trained) == 16
+        for draw, record in zip(kept, trained):
+            ids = [i for t in draw["turns"] for i in t["ids"]]
+            assert record["response_ids"] == ids  # every turn's ids, appended
+            versions = record["info/token_version"]  # on the model's tokens
+            assert versions == sorted(versions) and set(versions) <= {iteration - 2, iteration - 1} - {-1}
+            at = 0
+            for t in (t for t in draw["turns"] if t["origin"] == "model"):
+                mixed += len(set(versions[at:at + len(t["ids"])])) == 2
+                at += len(t["ids"])
+            own = [k for k, v in enumerate(versions) if v == iteration - 1]  # the actor's weights at its forward
+            engine, trainer = torch.tensor(record["rollout_logprobs"]), torch.tensor(record["old_logprobs"])
+            assert (engine[own] - trainer[own]).abs().max(initial=0) < 1e-3
+            model_tokens, budget = sum(record["response_mask"]), context - len(record["prompt_ids"])
+            penalty = max(-1.0, min(0.0, -(model_tokens - (budget - buffer)) / buffer))
+            assert record["scores"] == pytest.approx(draw["score"] + penalty, abs=1e-5)
+            penalised += penalty < 0
+    assert mixed > 0, "no model turn was continued across the update"  # the premise
+    assert penalised > 0  # the premise: the penalty bound
+
+
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
 # the batch, an environment past env_timeout_s, an engine killed mid-conversation.
 class _Timed:

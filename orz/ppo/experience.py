@@ -358,6 +358,7 @@ def _sample_record(experience: Experience, row: int, tokenizer: Any, per_token: 
     record: dict[str, Any] = {"row": row, "prompt": prompt, "response": response,
                               "num_loss_tokens": int(loss_tokens.sum())}
     if per_token:  # the trained ids, and which of them are loss tokens (multi-turn: not an observation's)
+        record["prompt_ids"] = experience.sequences[row, :start].tolist()
         record["response_ids"] = experience.sequences[row, start:end].tolist()
         record["response_mask"] = experience.response_mask[row, : end - start].tolist()
     for name, dims, value in experience.tensor_fields():
