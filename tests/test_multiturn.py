@@ -320,7 +320,7 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
 
     out = tmp_path / "run"
     rows = _rows(tmp_path / "rows.jsonl", ["echo"] * 8)
-    prompt_max, turn, observation, turns, buffer = 64, 16, 8, 3, 40
+    prompt_max, turn, observation, turns, buffer = 64, 16, 8, 3, 64  # the longest buffer allowed: 128 − 64
     train(load_config(None, [
         *tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
         f"data.prompt_max_tokens={prompt_max}", "rollout.stop=[]", f"rollout.max_new_tokens={turn}",
@@ -350,13 +350,13 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
                 at += len(t["ids"])
             own = [k for k, v in enumerate(versions) if v == iteration - 1]  # the actor's weights at its forward
             engine, trainer = torch.tensor(record["rollout_logprobs"]), torch.tensor(record["old_logprobs"])
-            assert (engine[own] - trainer[own]).abs().max(initial=0) < 1e-3
+            assert ((engine[own] - trainer[own]).abs() < 1e-3).all()
             model_tokens, budget = sum(record["response_mask"]), context - len(record["prompt_ids"])
             penalty = max(-1.0, min(0.0, -(model_tokens - (budget - buffer)) / buffer))
             assert record["scores"] == pytest.approx(draw["score"] + penalty, abs=1e-5)
             penalised += penalty < 0
     assert mixed > 0, "no model turn was continued across the update"  # the premise
-    assert penalised > 0  # the premise: the penalty bound
+    assert 0 < penalised < 48  # the premise: the penalty bound, and not on every sample
 
 
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
