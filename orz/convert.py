@@ -55,15 +55,15 @@ def _smallest_dp(tp: int, ep: int, etp: int) -> int:
 
 def _hf2mcore_rank(rank, world, hf_dir, out, tp, pp, ep, etp, vocab_divisible_by):
     from orz.models import dist_checkpoint
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp, ep=ep, etp=etp)
     ckpt = HFCheckpoint(hf_dir)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(ckpt.config.get("torch_dtype"), torch.float32)
-    engine = ModelEngine(ckpt.arch, dtype=dtype, make_vocab_size_divisible_by=vocab_divisible_by)
-    engine.load_hf(ckpt)
-    dist_checkpoint.save(engine, out, {}, ckpt.config)
+    model = MegatronModel(ckpt.arch, dtype=dtype, make_vocab_size_divisible_by=vocab_divisible_by)
+    model.load_hf(ckpt)
+    dist_checkpoint.save(model, out, {}, ckpt.config)
 
 
 def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisible_by: int = 1, ep: int = 1,
@@ -86,16 +86,16 @@ def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisibl
 
 def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
     from orz.models import dist_checkpoint
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     meta = read_megatron_meta(mcore_dir)
     init_model_parallel()
     # The saved vocabulary padding (a multiple of itself at TP 1), so that every shape matches.
-    engine = ModelEngine(arch_from_dict(meta["hf_config"], Path(mcore_dir)), dtype=getattr(torch, meta["dtype"]),
+    model = MegatronModel(arch_from_dict(meta["hf_config"], Path(mcore_dir)), dtype=getattr(torch, meta["dtype"]),
                          make_vocab_size_divisible_by=meta["padded_vocab"])
-    dist_checkpoint.load(engine, mcore_dir, with_optimizer=False)
-    tensors = with_untrained(engine.hf_tensors(), meta["hf_config"], like)
+    dist_checkpoint.load(model, mcore_dir, with_optimizer=False)
+    tensors = with_untrained(model.hf_tensors(), meta["hf_config"], like)
     return str(save_hf(out_dir, tensors, meta["hf_config"], extra_files_from=like))
 
 
@@ -157,14 +157,14 @@ def upgrade(iteration_dir: str) -> list[Path]:
 
 
 def _verify_rank(rank, world, hf_dir, tp, pp, ep, etp, tokens):
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp, ep=ep, etp=etp)
     ckpt = HFCheckpoint(hf_dir)
-    engine = ModelEngine(ckpt.arch)
-    engine.load_hf(ckpt)
-    return engine.full_logits(tokens)
+    model = MegatronModel(ckpt.arch)
+    model.load_hf(ckpt)
+    return model.full_logits(tokens)
 
 
 def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: int = 0, ep: int = 1,

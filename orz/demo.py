@@ -122,22 +122,22 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
     """Supervised pre-training on (prompt, worked solution + EOS); loss on the solution only."""
     from orz.data.tokenizers import load_tokenizer
     from orz.models.checkpoint import HFCheckpoint, save_hf
-    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(1, 1, seed=spec.seed)
     torch.manual_seed(spec.seed)
     tokenizer = load_tokenizer(model_dir)
     ckpt = HFCheckpoint(model_dir)
-    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=spec.lr, weight_decay=0.01, clip_grad=1.0))
-    engine.load_hf(ckpt)
+    model = MegatronModel(ckpt.arch, optim=OptimConfig(lr=spec.lr, weight_decay=0.01, clip_grad=1.0))
+    model.load_hf(ckpt)
     pairs = _corpus(spec)
     rng = random.Random(spec.seed)
     eos = tokenizer.eos_token_id
     log = open(log_path, "w")
     for step in range(spec.steps):
         lr = spec.lr * min(1.0, (step + 1) / spec.warmup) * 0.5 * (1 + math.cos(math.pi * step / spec.steps))
-        for group in engine.optimizer.param_groups:
+        for group in model.optimizer.param_groups:
             group["lr"] = lr
         batch = rng.sample(pairs, spec.batch_size)
         # Each segment tokenised on its own, as a rollout appends turns and outputs; loss on the
@@ -157,16 +157,16 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
         n_tokens = target_mask.sum()
 
         def nll(hidden, b):
-            logprobs = engine.next_token_logprobs(hidden, b.input_ids)
+            logprobs = model.next_token_logprobs(hidden, b.input_ids)
             loss = -(logprobs * target_mask).sum() / n_tokens
             return loss, {"loss": loss.item()}
 
-        out = engine.train_step([ModelInputs(ids)], nll)
+        out = model.train_step([ModelInputs(ids)], nll)
         if step % 10 == 0 or step == spec.steps - 1:
             log.write(json.dumps({"step": step, "loss": out["metrics"][0]["loss"], "lr": lr}) + "\n")
             log.flush()
             print(f"orz: pre-training step {step:4d}/{spec.steps}  loss {out['metrics'][0]['loss']:.4f}", flush=True)
-    save_hf(model_dir, list(engine.hf_tensors()), ckpt.config, extra_files_from=model_dir)
+    save_hf(model_dir, list(model.hf_tensors()), ckpt.config, extra_files_from=model_dir)
 
 
 def base_model(spec: BaseModelSpec, root: Path) -> Path:

@@ -37,8 +37,9 @@ class StopSignals:
     bytecode the main thread reaches next, and an exception raised in a `__del__` there (Ray's
     ObjectRefGenerator has one, dropped in this thread by every engine stream that ends) is printed
     as "Exception ignored" and lost; the run then went on to its end and exited 0. Such a lost one
-    is not printed here (the quiet console). Once caught, further signals are ignored: the roles
-    and Ray are being shut down."""
+    is not printed here (the quiet console). Once caught, further signals do not interrupt the
+    shutdown of the roles and Ray; the first is kept in `signum`, so that a run that finished and
+    was shutting down still ends as stopped (exit 143 for SIGTERM)."""
 
     def __init__(self):
         self.signum = 0  # the first signal received
@@ -68,7 +69,8 @@ class StopSignals:
         self._caught.set()
 
     def _handle(self, signum, frame):
-        if self._caught.is_set():
+        if self._caught.is_set():  # kept: a finished run's shutdown still ends as stopped (orz.train.run)
+            self.signum = self.signum or signum
             return
         if not self.signum:
             self.signum = signum

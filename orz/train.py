@@ -116,19 +116,32 @@ def run(cfg: ExperimentConfig) -> dict:
             if signals:
                 signals.install()
             with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
-                return _train_with_restarts(cfg, data, stop, signals, progress)
+                result = _train_with_restarts(cfg, data, stop, signals, progress)
         except KeyboardInterrupt:
             if signals:
                 signals.caught()
-            latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
-            raise Stopped(signals.signum if signals and signals.signum else signal.SIGINT, progress["iterations"],
-                          str(latest.parent / latest.read_text().strip()) if latest.is_file() else None) from None
+            raise _stopped(cfg, signals, progress) from None
         finally:
+            if signals:  # the shutdown below is not interrupted; a signal meanwhile is kept (signals.signum)
+                signals.caught()
             if owns_ray and ray.is_initialized():
                 ray.shutdown()  # a joined cluster (ray_address) is only disconnected from
     finally:
         if signals:
             signals.restore()
+    if signals and signals.signum:  # came while the finished run shut down: it still ends as stopped
+        raise _stopped(cfg, signals, progress)
+    return result
+
+
+def _stopped(cfg: ExperimentConfig, signals, progress: dict) -> Stopped:
+    """The run's Stopped: its signal (SIGINT without one: Ctrl-C inside a Ray call), its iterations
+    and its last checkpoint."""
+    latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
+    return Stopped(signals.signum if signals and signals.signum else signal.SIGINT, progress["iterations"],
+                   str(latest.parent / latest.read_text().strip()) if latest.is_file() else None)
+
+
 
 
 def _train_with_restarts(cfg: ExperimentConfig, data, stop: threading.Event, signals, progress: dict) -> dict:

@@ -25,7 +25,7 @@ def logits_and_exports(rank, world, tokens, paths: dict[str, str], layouts: list
     `paths`, Megatron's full logits on `tokens` (None but on the last stage's TP rank 0 of each
     replica) and its export (empty but on rank 0), keyed (tp, pp, ep, name)."""
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     result = {}
@@ -33,7 +33,7 @@ def logits_and_exports(rank, world, tokens, paths: dict[str, str], layouts: list
         init_model_parallel(tp, pp, ep=ep)
         for name, path in paths.items():
             ckpt = HFCheckpoint(path)
-            engine = ModelEngine(ckpt.arch)
+            engine = MegatronModel(ckpt.arch)
             engine.load_hf(ckpt)
             result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
     return result

@@ -38,18 +38,18 @@ def checkpoints(tmp_path_factory):
 
 def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine, ModelInputs
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, pp)
     result = {}
     for name, (path, *_) in checkpoints.items():
         ckpt = HFCheckpoint(path)
-        engine = ModelEngine(ckpt.arch)
+        engine = MegatronModel(ckpt.arch)
         engine.load_hf(ckpt)
         logits = engine.full_logits(tokens)
         exported = dict(engine.hf_tensors())
-        critic = ModelEngine(ckpt.arch, value_head=True)
+        critic = MegatronModel(ckpt.arch, value_head=True)
         critic.load_hf(ckpt)
         values = critic.run([ModelInputs(tokens)], collect=lambda o, b: o)
         result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None,
@@ -84,7 +84,7 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
 
 def _train_one_step(rank, world, tp, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp, 1)
@@ -92,7 +92,7 @@ def _train_one_step(rank, world, tp, tokens, path):
     # Adam's first step is lr·g/(|g|+eps): with eps=1e-8 an element whose gradient is ~1e-10
     # turns fp32 summation-order noise (TP reduces in another order) into a visible update;
     # eps=1e-6 keeps the comparison about the parallel math, not about that amplification.
-    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6))
+    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6))
     engine.load_hf(ckpt)
     initial_optimizer = copy.deepcopy(engine.optimizer.state_dict())
     total_tokens = tokens[:, 1:].numel()

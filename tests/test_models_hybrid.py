@@ -162,12 +162,12 @@ def wrapper(tmp_path_factory, checkpoints):
 
 def _wrapper_logits(rank, world, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel()
     ckpt = HFCheckpoint(path)
-    engine = ModelEngine(ckpt.arch)
+    engine = MegatronModel(ckpt.arch)
     engine.load_hf(ckpt)
     return engine.full_logits(tokens)
 

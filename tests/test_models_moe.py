@@ -56,7 +56,7 @@ def _train_steps(rank, world, tokens, path):
     from the same weights, then one step of the load-balancing loss alone (both ranks on all
     of `tokens`) at EP=2."""
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
     from orz.models.parallel import init_model_parallel
 
     ckpt = HFCheckpoint(path)
@@ -80,7 +80,7 @@ def _train_steps(rank, world, tokens, path):
              (2, True, AUX_COEF, "alltoall")]
     for ep, packed, aux, dispatcher in steps:
         init_model_parallel(1, 1, ep=ep)
-        engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=aux, moe_dispatcher=dispatcher)
+        engine = MegatronModel(ckpt.arch, optim=optim, moe_aux_loss_coef=aux, moe_dispatcher=dispatcher)
         engine.load_hf(ckpt)
         inputs = [ModelInputs(t, padding=torch.zeros(t.shape, dtype=torch.bool),
                               lengths=torch.full((len(t),), t.shape[1]) if packed else None) for t in mine]
@@ -92,7 +92,7 @@ def _train_steps(rank, world, tokens, path):
                                                    if hasattr(m, "token_dispatcher")},
                                    "passes": [(tuple(p.input_ids.shape), p.lengths.tolist() if p.lengths is not None
                                                else None) for p, _ in engine._even_shapes(inputs)]}
-    engine = ModelEngine(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
+    engine = MegatronModel(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
     engine.load_hf(ckpt)
     out = engine.train_step([ModelInputs(t) for t in _aux_micro_batches(tokens)],
                             lambda logits, batch: (0.0 * logits.sum(), {}))

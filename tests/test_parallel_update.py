@@ -78,11 +78,11 @@ def _two_steps(rank, world, role, dtype, model, ckpt):
     w.save(ckpt)
     dist.barrier()
     metrics.append(_step(w, world, second))
-    weights = dict(w.engine.hf_tensors())
+    weights = dict(w.model.hf_tensors())
     resumed = _worker(rank, world, role, dtype, model)
     resumed.load(ckpt)
     resumed_metrics = _step(resumed, world, second)
-    resumed_weights = dict(resumed.engine.hf_tensors())
+    resumed_weights = dict(resumed.model.hf_tensors())
     if rank != 0:
         return None
     return {"metrics": metrics, "weights": weights, "resumed_metrics": resumed_metrics, "resumed_weights": resumed_weights}
@@ -244,7 +244,7 @@ def _second_step_from(rank, world, role, model, ckpt):
     w = _worker(rank, world, role, "float32", model)
     w.load(ckpt)
     metrics = _step(w, world, _minibatches()[1])
-    weights = dict(w.engine.hf_tensors())
+    weights = dict(w.model.hf_tensors())
     return (metrics, weights) if rank == 0 else None
 
 
@@ -370,7 +370,7 @@ def _update_with_and_without_old(rank, world, role, model):
         read_old = torch.zeros(16, max(mb.experience.response_mask.shape[1] for mb in minibatches))
         for rows, values in (piece for p in parts if p for piece in p.old_logprobs):
             read_old[rows, : values.shape[1]] = values
-        return combine_metrics([p.metrics for p in parts if p]), dict(w.engine.hf_tensors()), read_old
+        return combine_metrics([p.metrics for p in parts if p]), dict(w.model.hf_tensors()), read_old
 
     minibatches = [replace(mb, experience=replace(mb.experience, old_logprobs=None)) for mb in _minibatches()]
     separate = worker()
@@ -474,7 +474,7 @@ def _resume_step_two(rank, world, role, model, ckpt, resave):
         w = _worker(rank, world, role, "float32", model)
         w.load(resave)
     metrics = _step(w, world, _minibatches()[1])
-    weights = dict(w.engine.hf_tensors())
+    weights = dict(w.model.hf_tensors())
     return (metrics, weights) if rank == 0 else None
 
 
@@ -531,8 +531,8 @@ def _multi_turn_update(rank, world, role, model, from_whole_logits):
 
         e = batch.micro.experience  # (B, S, V/TP) as Megatron's column-parallel LM head made them
         group = self.ps.get_tensor_model_parallel_group()
-        logits = copy_to_tensor_model_parallel_region(hidden, group=group) @ self.engine.lm_head_weight().t()
-        logprobs, entropy = lp.logprobs_from_logits(logits[:, :-1], e.sequences[:, 1:], self.engine.arch.vocab_size,
+        logits = copy_to_tensor_model_parallel_region(hidden, group=group) @ self.model.lm_head_weight().t()
+        logprobs, entropy = lp.logprobs_from_logits(logits[:, :-1], e.sequences[:, 1:], self.model.arch.vocab_size,
                                                     group, temperature, with_entropy)
         return (e.gather_response(torch.nn.functional.pad(v, (1, 0))) if v is not None else None
                 for v in (logprobs, entropy))

@@ -218,12 +218,12 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
 
 
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
-    from orz.models.megatron_engine import ModelEngine, ModelInputs
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=tp, ep=ep)
     ckpt = HFCheckpoint(path)
-    engine = ModelEngine(ckpt.arch)
+    engine = MegatronModel(ckpt.arch)
     engine.load_hf(ckpt)
     engine.model.eval()
     width = max(len(s) for s in sequences)
@@ -374,11 +374,11 @@ def test_a_hung_engine_fails_the_sync_loudly_and_is_restarted(fleet, weights, ca
 def _actor_hf_tensors(rank, world, tp, path, ep=1):
     """The HF tensors a Megatron actor at TP=`tp` (EP=`ep`) streams to the engines (gathered over TP
     and EP)."""
-    from orz.models.megatron_engine import ModelEngine
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
     init_model_parallel(tp=tp, ep=ep)
-    engine = ModelEngine(HFCheckpoint(path).arch)
+    engine = MegatronModel(HFCheckpoint(path).arch)
     engine.load_hf(HFCheckpoint(path))
     return dict(engine.hf_tensors())
 

@@ -90,7 +90,7 @@ def _replay_world(rank, world, path):
     worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
                             rank, world)
     worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    engine, arch = worker.engine, worker.engine.arch
+    engine, arch = worker.model, worker.model.arch
     used = []  # (S·B, E) routing maps the routers handed to the experts, in call order
     for module in engine.module.modules():
         if isinstance(module, TopKRouter):
@@ -177,10 +177,10 @@ def _pipelined(rank, world, path, rollout):
     worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
                             rank, world)
     worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    worker.engine.model.eval()
+    worker.model.model.eval()
     with torch.no_grad():
-        worker.engine.run([ModelInputs(rollout.sequences)], collect=lambda logits, b: None)
-    stage_routes = worker.engine.chosen_routes[0]  # this stage's layer, -1 in the other's
+        worker.model.run([ModelInputs(rollout.sequences)], collect=lambda logits, b: None)
+    stage_routes = worker.model.chosen_routes[0]  # this stage's layer, -1 in the other's
     routes = stage_routes.clone()
     dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
     replayed = replace(rollout, routed_experts=routes)

@@ -216,6 +216,29 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     assert re.fullmatch(rf"orz: stopped by {re.escape(name)} after \d+ iterations; {re.escape(kept)}", stopped), stopped
 
 
+def test_sigterm_while_a_finished_run_shuts_down_exits_143_naming_its_checkpoint(ray_cluster, tiny_run, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """A SIGTERM that comes once the last iteration is done, while the run shuts its roles and Ray
+    down (here: as that shutdown begins), does not interrupt the shutdown, and `orz train` still
+    exits 143 with its one line: after 1 iteration, with its checkpoint (not "while starting")."""
+    from orz.stopping import StopSignals
+    from orz.train import main
+
+    caught = StopSignals.caught
+
+    def caught_then_signalled(self):
+        caught(self)
+        if not self.signum:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(StopSignals, "caught", caught_then_signalled)
+    out = tmp_path / "run"
+    assert main([*tiny_run(out, "grpo", iterations=1), "data.eval={}", "trainer.export_hf=false"]) == 143
+    stopped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orz:")]
+    assert stopped == [f"orz: stopped by SIGTERM after 1 iterations; the last checkpoint is "
+                       f"{out / 'checkpoints' / 'iter_000001'} (the same command resumes from it)"]
+
+
 def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_cluster, tiny_run, tmp_path):
     """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
     iteration 2 of `python -m orz.train` on the quiet console (three runs side by side on the
@@ -356,7 +379,7 @@ def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, r
     last checkpoint removed, resumes from iteration 1 and repeats iteration 2: the same samples, and
     its loss, entropy, gradient norm (and load-balancing loss) within `rel` (fp32: 1e-5 where sums
     run in another order, 0 at the same layout). At EP > 1 the replicas' micro-batches are padded to equal shapes for the
-    experts' collectives (ModelEngine._even_shapes): the padding is kept out of the load-balancing
+    experts' collectives (MegatronModel._even_shapes): the padding is kept out of the load-balancing
     statistics, or the aux loss would differ by ~1e-3. The Adam moments' re-sharding is checked in
     test_parallel_update."""
     checkpoints = out / "checkpoints"

@@ -1,8 +1,8 @@
 """A Megatron model's checkpoint, with its optimizer, in Megatron's own format: dist_checkpointing's
 torch_dist, as Megatron-LM, verl, slime and NeMo-RL write it.
 
-    save(engine, directory, meta, hf_config)   # every rank of the model's world; an empty directory
-    meta = load(engine, directory)     # every rank, at any TP/PP/DP/EP the re-sharding rules below allow
+    save(megatron_model, directory, meta, hf_config)   # every rank of the model's world; an empty directory
+    meta = load(megatron_model, directory)     # every rank, at any TP/PP/DP/EP the re-sharding rules below allow
     request = save(..., asynchronous=True); saves = PendingSaves(); saves.add(request); saves.finish()  # GPU
 
 A directory holds Megatron's files (`.metadata`, `__R_0.distcp`, `common.pt`, `metadata.json`) and
@@ -48,10 +48,10 @@ from orz.models.checkpoint import (
 _SHARDING_KEY = "distrib_optim_sharding_type"  # where Megatron-LM records the cut (content metadata)
 
 
-def layout_sizes(engine) -> dict[str, int]:
+def layout_sizes(megatron_model) -> dict[str, int]:
     """The sizes a checkpoint records; tp, pp, ep and etp decide what loads where, dp does not (nor
     cp: its ranks hold copies of the weights, as DP replicas do)."""
-    layout = engine.layout
+    layout = megatron_model.layout
     return {"tp": layout.tp, "pp": layout.pp, "dp": ps.get_data_parallel_world_size(), "ep": layout.ep,
             "etp": layout.etp, "cp": ps.get_context_parallel_world_size()}
 
@@ -62,31 +62,31 @@ def chain(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
-def optimizer_kind(engine) -> str | None:
+def optimizer_kind(megatron_model) -> str | None:
     """None (no optimizer: a reference model), "distributed" (ZeRO-1) or "plain"."""
-    if engine.optimizer is None:
+    if megatron_model.optimizer is None:
         return None
-    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in chain(engine.optimizer)) else "plain"
+    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in chain(megatron_model.optimizer)) else "plain"
 
 
-def _state(engine, loading: bool, sharding: str, with_optimizer: bool, with_rng: bool) -> dict:
+def _state(megatron_model, loading: bool, sharding: str, with_optimizer: bool, with_rng: bool) -> dict:
     """The sharded state dict of the model, its optimizer and this rank's RNG."""
-    model = engine.module.sharded_state_dict()
+    model = megatron_model.module.sharded_state_dict()
     state = {"model": model}
-    if with_optimizer and engine.optimizer is not None:
+    if with_optimizer and megatron_model.optimizer is not None:
         # Keys without the chain's `chained_i.` prefix, so that the model-shaped cuts are the same
         # whether the experts have an optimizer of their own or not (EP 1 against EP > 1).
         metadata = {"chained_optim_avoid_prefix": True}
-        if optimizer_kind(engine) == "distributed":  # memory-efficient: gathered over gloo on DP rank 0 only
+        if optimizer_kind(megatron_model) == "distributed":  # memory-efficient: gathered over gloo on DP rank 0 only
             metadata |= {_SHARDING_KEY: sharding, "distrib_optim_fully_reshardable_mem_efficient": True}
-        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
+        state["optimizer"] = megatron_model.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
     if with_rng:  # per rank: it loads only where the world is laid out as it was saved
         world, rank = dist.get_world_size(), dist.get_rank()
         state["rng"] = ShardedObject("orz.rng_state", torch.get_rng_state(), (world,), (rank,), replica_id=0)
     return state
 
 
-def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: str = FAST,
+def save(megatron_model, directory: str | Path, meta: dict, hf_config: dict, sharding: str = FAST,
          asynchronous: bool = False):
     """Writes the model, its optimizer (in `sharding`'s cut) and each rank's RNG into `directory`
     (made if missing; it must be empty), then rank 0 writes orz_checkpoint.json: `meta` plus what
@@ -96,11 +96,11 @@ def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: s
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    kind = optimizer_kind(engine)
-    record = {"format": "torch_dist", "hf_config": hf_config, "layout": layout_sizes(engine),
-              "padded_vocab": engine.layout.padded_vocab, "value_head": engine.layout.value_head,
-              "dtype": str(engine.config.params_dtype).removeprefix("torch."), "optimizer": kind,
-              "chained": len(chain(engine.optimizer)) if kind else 0,
+    kind = optimizer_kind(megatron_model)
+    record = {"format": "torch_dist", "hf_config": hf_config, "layout": layout_sizes(megatron_model),
+              "padded_vocab": megatron_model.layout.padded_vocab, "value_head": megatron_model.layout.value_head,
+              "dtype": str(megatron_model.config.params_dtype).removeprefix("torch."), "optimizer": kind,
+              "chained": len(chain(megatron_model.optimizer)) if kind else 0,
               "optimizer_sharding": sharding if kind == "distributed" else None} | meta
 
     def write_meta():
@@ -109,7 +109,7 @@ def save(engine, directory: str | Path, meta: dict, hf_config: dict, sharding: s
 
     # "mcore": Megatron's own background writer (its default, "nvrx", needs nvidia-resiliency-ext)
     background = {"async_sharded_save": True, "async_strategy": "mcore"} if asynchronous else {}
-    request = dist_checkpointing.save(_state(engine, False, sharding, True, True), str(directory),
+    request = dist_checkpointing.save(_state(megatron_model, False, sharding, True, True), str(directory),
                                       content_metadata={_SHARDING_KEY: sharding}, **background)
     if asynchronous:  # untested here: GPU only (tests/gpu)
         request.add_finalize_fn(write_meta)
@@ -159,15 +159,15 @@ def _sharded_tensors(tree):
         yield tree.key, tree
 
 
-def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_optimizer=None) -> dict:
-    """Loads what `save` wrote into `engine` (weights; with_optimizer: masters, moments, param
+def load(megatron_model, directory: str | Path, with_optimizer: bool = True, adjust_optimizer=None) -> dict:
+    """Loads what `save` wrote into `megatron_model` (weights; with_optimizer: masters, moments, param
     groups), re-sharded by Megatron to this layout; returns orz_checkpoint.json. The RNG comes
     back where the world is laid out as saved. adjust_optimizer(state) may edit the optimizer's
     loaded param groups (a stage's LR) before they are set. NeedsRecut: a `dp_reshardable`
     checkpoint at another model-parallel layout, not yet re-cut (`recut`); ModelConfigError: one this model cannot take."""
     directory = Path(directory)
     meta = read_megatron_meta(directory)
-    mine, kind = layout_sizes(engine), optimizer_kind(engine) if with_optimizer else None
+    mine, kind = layout_sizes(megatron_model), optimizer_kind(megatron_model) if with_optimizer else None
     if kind is not None and meta["optimizer"] not in (None, kind):
         raise ModelConfigError(f"{directory}: saved with the {meta['optimizer']} optimizer, this run has the {kind} "
                                "one (<role>.use_distributed_optimizer): resume as it was saved")
@@ -179,22 +179,22 @@ def load(engine, directory: str | Path, with_optimizer: bool = True, adjust_opti
     same_model_parallel = model_parallel(meta["layout"]) == model_parallel(mine)
     if kind == "distributed" and sharding == FAST and not same_model_parallel:
         if (recut_dir(directory) / MEGATRON_META).is_file():
-            return load(engine, recut_dir(directory), with_optimizer, adjust_optimizer)
+            return load(megatron_model, recut_dir(directory), with_optimizer, adjust_optimizer)
         raise NeedsRecut(f"{directory}: saved at {describe(meta['layout'])} in Megatron's dp_reshardable cut, "
                          f"which loads at another DP only; this run has {describe(mine)}")
-    state = _state(engine, True, sharding, kind is not None, with_rng=meta["layout"] == mine)
+    state = _state(megatron_model, True, sharding, kind is not None, with_rng=meta["layout"] == mine)
     _check_shapes(state, directory)
     loaded = dist_checkpointing.load(state, str(directory))
-    engine.module.load_state_dict(loaded["model"])
+    megatron_model.module.load_state_dict(loaded["model"])
     if kind is None:
-        engine.refresh_masters()
-    elif meta["chained"] == len(chain(engine.optimizer)):
+        megatron_model.refresh_masters()
+    elif meta["chained"] == len(chain(megatron_model.optimizer)):
         if adjust_optimizer is not None:
             adjust_optimizer(loaded["optimizer"])
         with torch.no_grad():  # the fp32 masters are leaves that require grad
-            engine.optimizer.load_state_dict(loaded["optimizer"])
+            megatron_model.optimizer.load_state_dict(loaded["optimizer"])
     else:
-        _load_into_another_chain(engine.optimizer, loaded["optimizer"], meta["chained"])
+        _load_into_another_chain(megatron_model.optimizer, loaded["optimizer"], meta["chained"])
     if "rng" in loaded:
         torch.set_rng_state(loaded["rng"])
     return meta
@@ -234,12 +234,12 @@ def _saved_step(common: dict):
     return (common["optimizer"] if "fp32_from_fp16_params" in common else common)["state"]["common_step"]
 
 
-def recut(engine, source: str | Path) -> Path:
+def recut(megatron_model, source: str | Path) -> Path:
     """Re-saves a `dp_reshardable` checkpoint in the `fully_reshardable` cut beside it, on workers of
     its own TP/PP/EP/ETP (any DP): what a resume at another model-parallel layout loads."""
     target = recut_dir(source)
-    meta = load(engine, source)
-    save(engine, target, {k: v for k, v in meta.items() if k not in _RECORDED}, meta["hf_config"], RESHARDABLE)
+    meta = load(megatron_model, source)
+    save(megatron_model, target, {k: v for k, v in meta.items() if k not in _RECORDED}, meta["hf_config"], RESHARDABLE)
     return target
 
 

@@ -3,7 +3,7 @@ the trainer's passes start from.
 
     builder = ExperienceBuilder(cfg, fleet, tokenizer, data, reward_model, out)
     builder.enter_stage(stage_cfg, algo)                  # the stage's data, template, reward, environments
-    experience, metrics = builder.build(batch, min_version)
+    experience, metrics = builder.build(iteration, min_version)
 
 A batch is one draw of prompts; with dynamic sampling, more draws until the kept groups fill it,
 and it is then cut, by whole groups, to prompts_per_iteration × n_samples. Each prompt's group
@@ -79,16 +79,16 @@ class ExperienceBuilder:
                                           TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
                                           turn_stops(cfg.rollout)) if used else None
 
-    def build(self, batch: int, min_version: int) -> tuple[Experience, dict]:
-        """Batch `batch` (its iteration index) from engines holding weights >= min_version (see
-        the module docstring); a sample dump of this batch also lists every draw's samples."""
+    def build(self, iteration: int, min_version: int) -> tuple[Experience, dict]:
+        """The batch of iteration `iteration` (an index from 0) from engines holding weights >=
+        min_version (see the module docstring); its sample dump also lists every draw's samples."""
         start = time.perf_counter()
         algo, n = self.algo, self.cfg.rollout.n_samples
         target = self.cfg.trainer.prompts_per_iteration * n
         kept, judged, drawn, dropped, first_group, model_score_sum, reward_wait = [], [], [], 0, 0, 0.0, 0.0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
-            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(batch, draw), min_version)
+            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(iteration, draw), min_version)
             judged += verdicts
             reward_wait += wait
             scores = torch.tensor([v.score for v in verdicts])
@@ -113,8 +113,8 @@ class ExperienceBuilder:
         if not kept:
             raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
         every = self.run_cfg.trainer.dump_samples_every
-        if every and (batch + 1) % every == 0:
-            self._dump_draws(batch, drawn, {id(s) for s, _, _ in kept})
+        if every and (iteration + 1) % every == 0:
+            self._dump_draws(iteration, drawn, {id(s) for s, _, _ in kept})
         samples = [sample for sample, _, _ in kept]
         scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
@@ -173,11 +173,11 @@ class ExperienceBuilder:
         return overlong_penalty(lengths, budgets, algo.overlong_buffer, algo.overlong_factor)
 
 
-    def _sampling(self, batch: int, draw: int) -> SamplingConfig:
-        # Seeds depend on the batch, so a resumed run samples what the uninterrupted one did. Each
+    def _sampling(self, iteration: int, draw: int) -> SamplingConfig:
+        # Seeds depend on the iteration, so a resumed run samples what the uninterrupted one did. Each
         # draw's samples take seeds seed, seed + 1, ... (see SamplingConfig.seed): 2^24 apart,
         # no two draws of the run (up to 64 per batch) share one.
-        seed = ((self.run_cfg.trainer.seed * 2**20 + batch) * 2**6 + draw) * 2**24
+        seed = ((self.run_cfg.trainer.seed * 2**20 + iteration) * 2**6 + draw) * 2**24
         return SamplingConfig.from_config(self.cfg.rollout, seed)
 
     def _prompt_ids(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
@@ -238,12 +238,12 @@ class ExperienceBuilder:
                                "(vLLM's enable_return_routed_experts off, or not on Model Runner V2)")
         return dict(routed_experts=[s.routed_experts for s in samples], moe_layers=self.moe_layers)
 
-    def _dump_draws(self, batch: int, drawn: list, kept: set[int]) -> None:
-        """samples/iter_N_draws.jsonl: every sample of every draw of batch N, its score as the
+    def _dump_draws(self, iteration: int, drawn: list, kept: set[int]) -> None:
+        """samples/iter_N_draws.jsonl: every sample of every draw of iteration N (= index + 1), its score as the
         dynamic-sampling filter saw it, its group, whether it went into the batch, and the weight
         versions its tokens came from (more than one: continued by newer weights, partial rollout)."""
         (self.out / "samples").mkdir(exist_ok=True)
-        with open(self.out / "samples" / f"iter_{batch + 1:06d}_draws.jsonl", "w") as out:
+        with open(self.out / "samples" / f"iter_{iteration + 1:06d}_draws.jsonl", "w") as out:
             for draw, sample, score, group, keep in drawn:
                 record = {"draw": draw, "group": group, "response": sample.text, "score": score,
                           "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep,

@@ -120,21 +120,21 @@ def load(worker, role_dir: str | Path) -> int:
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    engine, layout = worker.engine, worker.engine.layout
+    model, layout = worker.model, worker.model.layout
     ep_rank = f"_{layout.ep_rank:03d}" if layout.ep > 1 else ""
     shard = Path(role_dir) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}{ep_rank}"
     if not (shard / "optim.pt").is_file():  # only the first expert-DP replica wrote a MoE's
         raise ModelConfigError(f"{shard}/optim.pt: missing; upgrade at the layout the role was saved at")
     state = torch.load(shard / "optim.pt", weights_only=False)
-    engine.module.load_state_dict(load_file(shard / "model.safetensors"), strict=False)
-    engine.refresh_masters()
+    model.module.load_state_dict(load_file(shard / "model.safetensors"), strict=False)
+    model.refresh_masters()
     torch.set_rng_state(state["rng"])
     distributed = state.get("distributed", any(Path(role_dir).glob("mp_rank_*/optim_dp_*.pt")))
     if "optimizer" in state:  # the distributed optimizer's param groups, or the earliest whole state
         with torch.no_grad():
-            engine.optimizer.load_state_dict(state["optimizer"])
-    names = {param: name for name, param in engine.model.named_parameters()}
+            model.optimizer.load_state_dict(state["optimizer"])
+    names = {param: name for name, param in model.model.named_parameters()}
     if "distributed" in state or distributed:  # pieces by name (since 2026-11)
-        for i, optimizer in enumerate(_optimizers(engine.optimizer)):
+        for i, optimizer in enumerate(_optimizers(model.optimizer)):
             _load_optimizer(optimizer, names, shard, i, ps.get_data_parallel_rank(), distributed)
     return state.get("scheduler_steps") or state["scheduler"]["num_steps"]

@@ -185,8 +185,8 @@ class RayPPOTrainer:
             self.fleet = start_fleet() if fleet is None else fleet.result()
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
-        self.weights = GroupSource(self.actor)
-        self.experiences = ExperienceBuilder(cfg, self.fleet, self.tokenizer, self.data, self.reward_model, self.out)
+        self.weight_source = GroupSource(self.actor)
+        self.builder = ExperienceBuilder(cfg, self.fleet, self.tokenizer, self.data, self.reward_model, self.out)
 
     def _setup_controllers(self):
         a = self.run_cfg.algorithm  # controller settings are run-wide (run_rules._RUN_ONLY)
@@ -202,7 +202,7 @@ class RayPPOTrainer:
         self.stage_index = index
         self.stage_cfg = cfg = stage_configs(self.run_cfg)[index][1]
         self.algo = run_rules.algorithm(cfg)  # its None defaults decided
-        self.experiences.enter_stage(cfg, self.algo, loader_state)
+        self.builder.enter_stage(cfg, self.algo, loader_state)
         self._setup_eval()
         roles = placement.roles(cfg)
         for name, group in self._named_groups():
@@ -264,7 +264,7 @@ class RayPPOTrainer:
         with timer("step"):
             show("rollout")
             while len(self.batches_ahead) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
-                self.batches_ahead.append(self.experiences.build(self.iteration + len(self.batches_ahead), self.version))
+                self.batches_ahead.append(self.builder.build(self.iteration + len(self.batches_ahead), self.version))
             experience, metrics = self.batches_ahead.popleft()
             metrics |= self._staleness(experience, k)
             colocated = self.run_cfg.trainer.colocate  # the roles' turn: the engines sleep until the sync
@@ -333,21 +333,21 @@ class RayPPOTrainer:
         elif fault.role == "engine":
             self.fleet.arm_fault(fault.message("every vLLM engine's generation"))
         else:
-            self.experiences.reward.arm_fault(fault.message("the reward router's scoring"))
+            self.builder.reward.arm_fault(fault.message("the reward router's scoring"))
 
     def _sync(self, timer: Timer, show) -> dict:
         """The actor's new weights into every engine, as the next version."""
         show("weight sync")
         with timer("sync"):
             self.version += 1
-            return self.fleet.sync(self.weights, self.version)
+            return self.fleet.sync(self.weight_source, self.version)
 
-    def _prefetch(self, batch: int, version: int) -> tuple[tuple[Experience, dict], tuple[float, float]]:
+    def _prefetch(self, iteration: int, version: int) -> tuple[tuple[Experience, dict], tuple[float, float]]:
         """The batch built in the background, and when (perf_counter start and end); once it is
         done the workers may take every core."""
         start = time.perf_counter()
         try:
-            return self.experiences.build(batch, version), (start, time.perf_counter())
+            return self.builder.build(iteration, version), (start, time.perf_counter())
         finally:  # before the result is set: the next iteration's share comes after this one
             self._share_cores(engines_generate=False)
 
@@ -441,8 +441,8 @@ class RayPPOTrainer:
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        step = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
-        metrics, read_old = self.actor.train_actor_async(minibatches, step).get(like=experience.response_mask)
+        settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
+        metrics, read_old = self.actor.train_actor_async(minibatches, settings).get(like=experience.response_mask)
         if read_old is not None:
             experience = replace(experience, old_logprobs=read_old)
         metrics |= {key: float(value) for key, value in mismatch_metrics(
@@ -489,8 +489,8 @@ class RayPPOTrainer:
             evaluator.close()
         benchmarks = [benchmark_from_rows(name, rows) for name, rows in self.data.eval_sets(cfg.data).items()]
         # A run with environments is evaluated the way it trains: rows take their own environment, else rollout.env.
-        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.experiences.template, benchmarks,
-                                             settings, progress=False, turns=self.experiences.multiturn,
+        self.evaluators = {prefix: Evaluator(self.fleet, self.tokenizer, self.builder.template, benchmarks,
+                                             settings, progress=False, turns=self.builder.multiturn,
                                              env=cfg.rollout.env)
                            for prefix, settings in eval_settings(cfg, self.run_cfg.trainer.seed).items()} \
             if benchmarks else {}
@@ -510,7 +510,7 @@ class RayPPOTrainer:
     def save_checkpoint(self) -> Path:
         """checkpoints/iter_N of the trained roles, the trainer's state and the batches generated ahead."""
         state = {
-            "iteration": self.iteration, "version": self.version, "loader": self.experiences.loader.state_dict(),
+            "iteration": self.iteration, "version": self.version, "loader": self.builder.loader.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(), "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
             "config": to_dict(self.run_cfg),
         }
@@ -538,7 +538,7 @@ class RayPPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
-        self.fleet.sync(self.weights, self.version)
+        self.fleet.sync(self.weight_source, self.version)
         console.print(f"orz: resumed from {ckpt} at iteration {self.iteration}")
 
     def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
@@ -555,7 +555,7 @@ class RayPPOTrainer:
     def shutdown(self) -> None:
         self._background.shutdown(wait=True, cancel_futures=True)  # a batch in flight uses the fleet
         self.logger.close(plot=False)
-        self.experiences.close()
+        self.builder.close()
         for evaluator in self.evaluators.values():
             evaluator.close()
         self.fleet.shutdown()

@@ -153,7 +153,7 @@ class MegatronWorker(FaultSite):
         from megatron.core import parallel_state as ps
 
         from orz.models.checkpoint import HFCheckpoint
-        from orz.models.megatron_engine import ModelEngine, OptimConfig
+        from orz.models.megatron_model import MegatronModel, OptimConfig
         from orz.models.parallel import init_model_parallel, join_store
 
         cfg = self.spec.cfg
@@ -168,14 +168,14 @@ class MegatronWorker(FaultSite):
                                 adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
                                 clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
-        self.engine = ModelEngine(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
+        self.model = MegatronModel(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
                                   self.spec.vocab_divisible_by, self.spec.deterministic,
                                   self.spec.moe_aux_loss_coef if self.spec.train else 0.0,
                                   self.spec.routing_replay, self.spec.moe_dispatcher)
         if ckpt.arch.moe is not None:  # in the worker's log: what Megatron built
             print(f"{self.spec.name} rank {self.rank}: experts over EP {cfg.ep} × ETP {cfg.etp}, token dispatcher "
-                  f"{self.engine.config.moe_token_dispatcher_type}", flush=True)
-        self.engine.load_hf(ckpt)
+                  f"{self.model.config.moe_token_dispatcher_type}", flush=True)
+        self.model.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
             self.configure(cfg)
@@ -195,11 +195,11 @@ class MegatronWorker(FaultSite):
             return
         steps_done = self.scheduler.num_steps if self.scheduler is not None else 0
         total = max(self.spec.total_steps, cfg.warmup_steps + 1)
-        for group in self.engine.optimizer.param_groups:  # the groups' own max/min_lr win over the scheduler's
+        for group in self.model.optimizer.param_groups:  # the groups' own max/min_lr win over the scheduler's
             group.update(betas=tuple(cfg.adam_betas), max_lr=cfg.lr, min_lr=cfg.min_lr)
-        self.engine.optimizer.config.clip_grad = cfg.clip_grad
+        self.model.optimizer.config.clip_grad = cfg.clip_grad
         self.scheduler = OptimizerParamScheduler(
-            self.engine.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,
+            self.model.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr,
             min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=total,
             lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant",
@@ -228,7 +228,7 @@ class MegatronWorker(FaultSite):
         """Megatron inputs, each micro-batch at its own width (PP exchanges shapes), with the routes
         to replay when the engine replays them (-1 on padding) and, for a MoE, where the padding is;
         with <role>.pack, its rows packed (their lengths)."""
-        moe = self.engine.arch.moe is not None
+        moe = self.model.arch.moe is not None
         return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience),
                             ~mb.experience.attention_mask.bool() if moe else None,
                             mb.experience.sequence_lengths() if self.spec.cfg.pack else None)
@@ -236,7 +236,7 @@ class MegatronWorker(FaultSite):
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
         """(B, S, L, K) the recorded routes to replay, -1 on padding; None: the routers choose."""
-        if self.engine.routes is None or exp.routed_experts is None:
+        if self.model.routes is None or exp.routed_experts is None:
             return None
         return exp.routed_experts.masked_fill(~exp.attention_mask.bool()[:, :, None, None], -1)
 
@@ -245,7 +245,7 @@ class MegatronWorker(FaultSite):
         same / total over real tokens and MoE layers, each stage counting its own (a collective)."""
         counts = sum(routing_agreement_counts(mb.experience.routed_experts, chosen,  # this stage's layers, real tokens
                                               (chosen >= 0).all(-1) & mb.experience.attention_mask.bool()[:, :, None])
-                     for mb, chosen in zip(micro_batches, self.engine.chosen_routes))
+                     for mb, chosen in zip(micro_batches, self.model.chosen_routes))
         torch.distributed.all_reduce(counts, group=self.ps.get_pipeline_model_parallel_group())
         return float(counts[0] / counts[1].clamp_min(1))
 
@@ -259,7 +259,7 @@ class MegatronWorker(FaultSite):
         rows, cols = exp.response_mask.bool().nonzero(as_tuple=True)
         at = exp.response_positions()[rows, cols]  # (N,) where each response token sits
         logprobs, entropy = token_logprobs(  # the hidden state one position earlier predicts it
-            hidden[rows, at - 1], self.engine.lm_head_weight(), exp.sequences[rows, at], self.engine.arch.vocab_size,
+            hidden[rows, at - 1], self.model.lm_head_weight(), exp.sequences[rows, at], self.model.arch.vocab_size,
             self.ps.get_tensor_model_parallel_group(), temperature, self.spec.logprob_chunk_tokens or 0, with_entropy)
         shape = exp.response_mask.shape
         per_token = [torch.zeros(shape).index_put((rows, cols), v) if v is not None else None for v in (logprobs, entropy)]
@@ -288,7 +288,7 @@ class MegatronWorker(FaultSite):
 
     def _no_grad_passes(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
         micro = self._micro_batches(shard)
-        self.engine.model.eval()
+        self.model.model.eval()
 
         def collect(output, batch):
             self._take_threads()
@@ -296,7 +296,7 @@ class MegatronWorker(FaultSite):
 
         self._take_threads()
         with torch.no_grad():
-            outputs = self.engine.run(self._inputs(micro), collect=collect)
+            outputs = self.model.run(self._inputs(micro), collect=collect)
         return shard.in_row_order(micro, outputs) if outputs else None
 
     def _forward(self, experience: Experience, per_micro_batch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -335,7 +335,7 @@ class MegatronWorker(FaultSite):
             self._take_threads()
             micro = self._micro_batches(shard)
             inputs = self._inputs(micro)
-            out = self.engine.train_step(inputs, threaded_loss)
+            out = self.model.train_step(inputs, threaded_loss)
             self.scheduler.step(increment=1)
             agreement = self._routing_agreement(micro) if inputs[0].routes is not None else None
             real = [int(mb.experience.sequence_lengths().sum()) for mb in micro]
@@ -351,7 +351,7 @@ class MegatronWorker(FaultSite):
                     step[f"{self.spec.name}/moe_aux_loss"] = out["moe_aux_loss"]
                 # Megatron skips a step whose gradients hold inf/NaN (or overflow an fp16 scale).
                 step[f"{self.spec.name}/skipped_step_frac"] = 0.0 if out["update_ok"] else 1.0
-                step[f"{self.spec.name}/lr"] = self.engine.optimizer.param_groups[0]["lr"]
+                step[f"{self.spec.name}/lr"] = self.model.optimizer.param_groups[0]["lr"]
                 step[f"{self.spec.name}/threads"] = float(torch.get_num_threads())  # at the step's end
                 # What the token budget (or row count) made of the shard: passes, the largest one's token
                 # slots (rows × width; packed: its real tokens), and the share of every DP rank's slots that pad.
@@ -371,13 +371,13 @@ class MegatronWorker(FaultSite):
         merged["tokens"] = sum(s["tokens"] for s in steps)
         return merged
 
-    def train_actor(self, minibatches: list[MiniBatch], step: ActorSettings) -> ActorUpdate | None:
+    def train_actor(self, minibatches: list[MiniBatch], settings: ActorSettings) -> ActorUpdate | None:
         """Without old_logprobs, π_old is this actor's weights before the update: the first
         mini-batch reads it from its own forward (detached; the weights have not moved yet), the
         others from one no-grad pass before the first step. One pass fewer than a separate one.
         The objective is core_algos.actor_loss; the π_old read here goes back with the metrics."""
         self._raise_armed_fault()
-        algo, temperature = step.algo, step.temperature
+        algo, temperature = settings.algo, settings.temperature
         shards = [minibatch.shard(*self._dp) for minibatch in minibatches]
         reads_old = shards[0].experience.old_logprobs is None
         first_old = torch.zeros(shards[0].experience.response_mask.shape)  # (B_shard, T) π_old of shard 0
@@ -397,8 +397,8 @@ class MegatronWorker(FaultSite):
                 clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.loss_agg,
                 denominator=mb.denominator(algo.loss_agg), rollout_logprob=exp.rollout_logprobs,
                 is_level=algo.is_level if algo.is_correction else None, is_cap=algo.is_cap,
-                entropy=entropy, entropy_coef=step.entropy_coef,
-                ref_logprob=exp.ref_logprobs, kl_coef=step.kl_coef, kl_kind=algo.kl_kind)
+                entropy=entropy, entropy_coef=settings.entropy_coef,
+                ref_logprob=exp.ref_logprobs, kl_coef=settings.kl_coef, kl_kind=algo.kl_kind)
             return loss, {k: float(v) for k, v in metrics.items()}
 
         metrics = self._train(shards, loss_fn)
@@ -425,16 +425,16 @@ class MegatronWorker(FaultSite):
         return self._train([minibatch.shard(*self._dp) for minibatch in minibatches], loss_fn)
 
     def offload(self) -> None:
-        self.engine.offload()
+        self.model.offload()
 
     def onload(self) -> None:
-        self.engine.onload()
+        self.model.onload()
 
     # ---- weights out -------------------------------------------------------------------------
     def _with_hf_tensors(self, use):
         """use(stream of HF tensors) on rank 0; the other ranks only take part in the gather. If
         `use` fails part-way, rank 0 still drains the stream, so no rank is left in a gather."""
-        tensors = self.engine.hf_tensors()
+        tensors = self.model.hf_tensors()
         try:
             return use(tensors) if self.rank == 0 else None
         finally:
@@ -488,7 +488,7 @@ class MegatronWorker(FaultSite):
         from orz.models.checkpoint import HFCheckpoint
 
         meta = {"role": self.spec.name} | ({"scheduler_steps": self.scheduler.num_steps} if self.spec.train else {})
-        request = dist_checkpoint.save(self.engine, root, meta, HFCheckpoint(self.spec.model_path).config,
+        request = dist_checkpoint.save(self.model, root, meta, HFCheckpoint(self.spec.model_path).config,
                                        asynchronous=asynchronous)
         if request is not None:
             self._saves = self._saves or dist_checkpoint.PendingSaves()
@@ -507,7 +507,7 @@ class MegatronWorker(FaultSite):
 
         # A checkpoint at a stage boundary holds the previous stage's LR in its param groups, by which
         # Megatron matches them to the live ones: give them this stage's (configure sets the rest).
-        meta = dist_checkpoint.load(self.engine, root, with_optimizer=self.spec.train,
+        meta = dist_checkpoint.load(self.model, root, with_optimizer=self.spec.train,
                                     adjust_optimizer=lambda state: _set_group_lr(state, self.spec.cfg))
         if self.spec.train:
             self.scheduler.num_steps = meta["scheduler_steps"]
@@ -517,7 +517,7 @@ class MegatronWorker(FaultSite):
         """On workers of the saved layout: `source` re-saved beside it in the cut that loads at any layout."""
         from orz.models import dist_checkpoint
 
-        dist_checkpoint.recut(self.engine, source)
+        dist_checkpoint.recut(self.model, source)
 
 
 def _set_group_lr(optimizer_state, cfg: RoleConfig) -> None:
@@ -631,10 +631,10 @@ class WorkerGroup:
         """(B, T) a reward model's score on each row's last response token, once `.get()`."""
         return PendingRows(self._call("scores", experience))
 
-    def train_actor_async(self, minibatches: list[MiniBatch], step: ActorSettings) -> PendingUpdate:
+    def train_actor_async(self, minibatches: list[MiniBatch], settings: ActorSettings) -> PendingUpdate:
         """One optimizer step per mini-batch; the merged `actor/*` metrics and the π_old the
         actor read (rows in the mini-batches' source Experience) once `.get(like)`."""
-        return PendingUpdate(self._call("train_actor", minibatches, step))
+        return PendingUpdate(self._call("train_actor", minibatches, settings))
 
     def train_critic_async(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> PendingMetrics:
         return PendingMetrics(self._call("train_critic", minibatches, algo))

@@ -30,10 +30,10 @@ def world():
 
 def _engine(path, optim=True):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_engine import ModelEngine, OptimConfig
+    from orz.models.megatron_model import MegatronModel, OptimConfig
 
     ckpt = HFCheckpoint(path)
-    engine = ModelEngine(ckpt.arch, optim=OptimConfig(lr=1e-5) if optim else None, dtype=torch.bfloat16)
+    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-5) if optim else None, dtype=torch.bfloat16)
     engine.load_hf(ckpt)
     return ckpt, engine
 

@@ -41,7 +41,7 @@ from orz.models.convert import (
 from orz.models.inputs import ModelInputs
 from orz.models.routing import MoeRoutes
 
-_PADDING = object()  # the result of a micro-batch that only pads (see ModelEngine._even_shapes)
+_PADDING = object()  # the result of a micro-batch that only pads (see MegatronModel._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
 
@@ -74,7 +74,7 @@ def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int) -> Layout:
     )
 
 
-class ModelEngine:
+class MegatronModel:
     """One rank's stage of a model (an LM head, or a value head), wrapped in Megatron DDP, with its optimizer."""
 
     def __init__(
