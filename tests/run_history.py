@@ -44,6 +44,12 @@ def resume_problems(out, before: bytes, console: str, checkpoint: int) -> list[s
     return problems
 
 
+def prompts_by_iteration(out) -> list[list[str]]:
+    """Each iteration's prompts, as its samples/iter_N_draws.jsonl lists them (one per sample)."""
+    return [[json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+            for path in sorted((Path(out) / "samples").glob("iter_*_draws.jsonl"))]
+
+
 def check_resumed(out, before: bytes, console: str, checkpoint: int, reference) -> None:
     """`out` resumed from its iter_`checkpoint` (resume_problems) and continued to the metrics of
     the uninterrupted run `reference` (its output directory)."""

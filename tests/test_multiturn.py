@@ -305,33 +305,50 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
     assert boundaries > 0  # the premise: a model turn closed a block and its output followed it
 
 
-@pytest.mark.slow
-def test_conversations_continued_across_the_update_train_with_the_overlong_penalty(ray_cluster, tool_model,
-                                                                                  tiny_run, tmp_path):
-    """Multi-turn, asynchronous (trainer.max_staleness=1) and partial: the update interrupts the
-    batch ahead mid-turn (two sequences decode at a time), and each conversation keeps its
-    finished turns and the tokens of its current turn, then goes on with the new weights. The
-    per-token dump shows both versions inside one model turn, old tokens first; the tokens of the
-    actor's own version have the engine's log-probs to 1e-3 (a continuation conditioned on
-    anything but the ids so far would not), and the overlong penalty is each sample's model tokens
-    against the context less its prompt (derived here from the settings)."""
+PROMPT_MAX, TURN, OBSERVATION, TURNS, BUFFER = 64, 16, 8, 3, 64  # the longest buffer allowed: 128 − 64
+
+
+def _async_partial(tiny_run, tool_model, rows):
+    """Overrides of a multi-turn run, asynchronous and partial, with the overlong penalty: Echo's
+    rows, three turns, two sequences decoded at a time (so that the update interrupts the batch
+    ahead mid-turn), a checkpoint every iteration."""
+    def overrides(out):
+        return [*tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
+                f"data.prompt_max_tokens={PROMPT_MAX}", "rollout.stop=[]", f"rollout.max_new_tokens={TURN}",
+                f"rollout.max_turns={TURNS}", f"rollout.max_observation_tokens={OBSERVATION}",
+                "rollout.envs={echo: 'turn_envs:Echo'}", "rollout.max_num_seqs=2",
+                "reward.custom={digits: 'shaped_reward:digit_share'}",
+                "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}", "trainer.max_staleness=1", "rollout.partial=true",
+                f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false"]
+
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def async_tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
     from orz.train import run as train
+
+    out = tmp_path_factory.mktemp("async_tools")
+    overrides = _async_partial(tiny_run, tool_model, _rows(out / "rows.jsonl", ["echo"] * 8))
+    train(load_config(None, overrides(out / "whole")))
+    return out / "whole", overrides
+
+
+@pytest.mark.slow
+def test_conversations_continued_across_the_update_train_with_the_overlong_penalty(async_tool_run):
+    """Multi-turn, asynchronous (trainer.max_staleness=1) and partial: the update interrupts the
+    batch ahead mid-turn, and each conversation keeps its finished turns and the tokens of its
+    current turn, then goes on with the new weights. The per-token dump shows both versions inside
+    one model turn, old tokens first; the tokens of the actor's own version have the engine's
+    log-probs to 1e-3 (a continuation conditioned on anything but the ids so far would not), and
+    the overlong penalty is each sample's model tokens against the context less its prompt
+    (derived here from the settings)."""
     from run_history import history
 
-    out = tmp_path / "run"
-    rows = _rows(tmp_path / "rows.jsonl", ["echo"] * 8)
-    prompt_max, turn, observation, turns, buffer = 64, 16, 8, 3, 64  # the longest buffer allowed: 128 − 64
-    train(load_config(None, [
-        *tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
-        f"data.prompt_max_tokens={prompt_max}", "rollout.stop=[]", f"rollout.max_new_tokens={turn}",
-        f"rollout.max_turns={turns}", f"rollout.max_observation_tokens={observation}",
-        "rollout.envs={echo: 'turn_envs:Echo'}", "rollout.max_num_seqs=2",
-        "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}",
-        "trainer.max_staleness=1", "rollout.partial=true", f"algorithm.overlong_buffer={buffer}",
-        "trainer.dump_per_token=true", "trainer.save_every=0", "trainer.export_hf=false"]))
+    out, _ = async_tool_run
     metrics = history(out)[1:]
     assert all(row["actor/grad_norm"] > 0 for row in metrics)  # the premise: a signal to train on
-    context = prompt_max + turns * turn + (turns - 1) * observation  # run_rules.context_length
+    context = PROMPT_MAX + TURNS * TURN + (TURNS - 1) * OBSERVATION  # run_rules.context_length
     mixed, penalised = 0, 0
     for iteration in (1, 2, 3):
         samples = out / "samples"
@@ -352,11 +369,49 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
             engine, trainer = torch.tensor(record["rollout_logprobs"]), torch.tensor(record["old_logprobs"])
             assert ((engine[own] - trainer[own]).abs() < 1e-3).all()
             model_tokens, budget = sum(record["response_mask"]), context - len(record["prompt_ids"])
-            penalty = max(-1.0, min(0.0, -(model_tokens - (budget - buffer)) / buffer))
+            penalty = max(-1.0, min(0.0, -(model_tokens - (budget - BUFFER)) / BUFFER))
             assert record["scores"] == pytest.approx(draw["score"] + penalty, abs=1e-5)
             penalised += penalty < 0
     assert mixed > 0, "no model turn was continued across the update"  # the premise
     assert 0 < penalised < 48  # the premise: the penalty bound, and not on every sample
+
+
+@pytest.mark.slow
+def test_an_async_multiturn_run_stopped_inside_an_iteration_resumes_every_prompt_once(async_tool_run, ray_cluster,
+                                                                                     tmp_path, capsys):
+    """SIGTERM inside an iteration of the run above (in a process of its own, on the suite's
+    cluster): it exits 143 with its one line naming its last checkpoint. The same command resumes:
+    the metrics rows up to the checkpoint are kept byte for byte and the later ones written again,
+    and every iteration draws the uninterrupted run's prompts: none skipped, none trained twice
+    (the conversations in flight at the signal went with their batch, drawn again)."""
+    import subprocess
+    import time
+
+    from orz.train import run as train
+    from run_history import joined, prompts_by_iteration, resume_problems
+
+    whole, overrides = async_tool_run
+    out, console = tmp_path / "stopped", tmp_path / "console.txt"
+    latest = out / "checkpoints" / "latest"
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(out), joined(ray_cluster)],
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text() == "iter_000001"):
+        assert proc.poll() is None and time.time() < deadline, console.read_text()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # iteration 2 under way, its batch ahead generating
+    assert proc.wait(timeout=120) == 143, console.read_text()
+    checkpoint = int(latest.read_text()[len("iter_"):])
+    assert checkpoint < 3  # the premise: stopped before the end
+    stopped = [line for line in console.read_text().splitlines() if line.startswith("orz: stopped")]
+    assert stopped == [f"orz: stopped by SIGTERM after {checkpoint} iterations; the last checkpoint is "
+                       f"{out / 'checkpoints' / latest.read_text()} (the same command resumes from it)"]
+    before = (out / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    train(load_config(None, overrides(out)))
+    assert not resume_problems(out, before, capsys.readouterr().out, checkpoint)
+    assert prompts_by_iteration(out) == prompts_by_iteration(whole)
+    assert len({p for prompts in prompts_by_iteration(whole) for p in prompts}) == 8  # the premise: 8 rows
 
 
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across

@@ -22,19 +22,20 @@ from orz.config import load_config
 from orz.models.checkpoint import read_megatron_meta
 from orz.ppo.workers import WorkerGroup
 from orz.train import run as train
-from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, ray_sessions, \
-    resume_problems, title
+from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, prompts_by_iteration, \
+    ray_sessions, resume_problems, title
 
 pytestmark = pytest.mark.slow
 
 
-def _check_run(out, model, iterations):
+def _check_run(out, model, iterations, staleness=0):
     history = _history(out)
     assert [row["step"] for row in history] == list(range(iterations + 1))  # 0: evaluation before training
     for row in history:
         assert all(torch.isfinite(torch.tensor(v)) for v in row.values()), row
-    # Every iteration trained on samples of the previous iteration's weights, and synced a new version.
-    assert [row["rollout/sample_weight_version"] for row in history[1:]] == list(range(iterations))
+    # Iteration i trained on samples of weights max(0, i − 1 − staleness), and synced a new version.
+    assert [row["rollout/sample_weight_version"] for row in history[1:]] == [max(0, i - staleness)
+                                                                             for i in range(iterations)]
     assert [row["rollout/weight_version"] for row in history[1:]] == list(range(1, iterations + 1))
     exported, initial = load_file(f"{out}/hf/model.safetensors"), load_file(f"{model}/model.safetensors")
     assert exported.keys() == initial.keys()
@@ -46,11 +47,14 @@ def _check_run(out, model, iterations):
 
 def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch,
                                                         capsys):
+    """Asynchronous (trainer.max_staleness=1): stopped by SIGUSR1 while starting, killed (SIGKILL of
+    the process group) inside iteration 3, resumed: the uninterrupted run's metrics exactly, and each
+    iteration's prompts (samples/iter_N_draws.jsonl) its own, none skipped or trained twice."""
     whole = tmp_path / "whole"
     capsys.readouterr()
-    train(load_config(None, tiny_run(whole, "grpo")))
+    train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1"]))
     whole_console = capsys.readouterr().out
-    reference = _check_run(whole, arith_model, 3)
+    reference = _check_run(whole, arith_model, 3, staleness=1)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal
 
     # The same run in other processes: first stopped by SIGUSR1 (Slurm's time-limit warning) while
@@ -63,7 +67,8 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     # wandb.init exports the address of its service process (test_trackers started one in this
     # process); children would share it, and a SIGKILLed child's run would stay "in use" there.
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
-    overrides = [*tiny_run(killed, "grpo"), "trainer.loggers=[jsonl, wandb, mlflow]", joined(ray_cluster)]
+    overrides = [*tiny_run(killed, "grpo"), "trainer.max_staleness=1", "trainer.loggers=[jsonl, wandb, mlflow]",
+                 joined(ray_cluster)]
     cmd = [sys.executable, "-m", "orz.train", *overrides]
     console = tmp_path / "console.txt"
 
@@ -91,8 +96,9 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
 
     train(load_config(None, overrides))  # resumes from iteration 2
     check_resumed(killed, before, capsys.readouterr().out, 2, whole)
-    resumed = _check_run(killed, arith_model, 3)
+    resumed = _check_run(killed, arith_model, 3, staleness=1)
     _check_one_tracker_run(killed, resumed)
+    assert prompts_by_iteration(killed) == prompts_by_iteration(whole)
     # The checker rejects what a resume turned into a fresh start writes: the uninterrupted run is one.
     problems = resume_problems(whole, before, whole_console, 2)
     assert len(problems) == 2 and "the console says []" in problems[0] and "byte for byte" in problems[1], problems

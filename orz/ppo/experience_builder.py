@@ -239,13 +239,15 @@ class ExperienceBuilder:
         return dict(routed_experts=[s.routed_experts for s in samples], moe_layers=self.moe_layers)
 
     def _dump_draws(self, iteration: int, drawn: list, kept: set[int]) -> None:
-        """samples/iter_N_draws.jsonl: every sample of every draw of iteration N (= index + 1), its score as the
-        dynamic-sampling filter saw it, its group, whether it went into the batch, and the weight
-        versions its tokens came from (more than one: continued by newer weights, partial rollout)."""
+        """samples/iter_N_draws.jsonl: every sample of every draw of iteration N (= index + 1): its
+        prompt, its score as the dynamic-sampling filter saw it, its group, whether it went into the
+        batch, and the weight versions its tokens came from (more than one: continued by newer
+        weights, partial rollout)."""
         (self.out / "samples").mkdir(exist_ok=True)
         with open(self.out / "samples" / f"iter_{iteration + 1:06d}_draws.jsonl", "w") as out:
             for draw, sample, score, group, keep in drawn:
-                record = {"draw": draw, "group": group, "response": sample.text, "score": score,
+                record = {"draw": draw, "group": group, "prompt": self.tokenizer.decode(sample.prompt_ids),
+                          "response": sample.text, "score": score,
                           "length": len(sample.response_ids), "kept": id(sample) in kept, "passed_filter": keep,
                           "weight_versions": sorted(set(sample.token_versions))}
                 if isinstance(sample, Conversation):  # every turn in order: origin "model" or "env", text, ids

@@ -116,15 +116,16 @@ class RolloutDriver:
                 self._open(engine)
             client.begin(self)
             while True:
-                self._flush()
+                if self.events.empty():  # else more asks may come first: one call per engine for all
+                    self._flush()
                 yield from client.ready()
                 if client.finished():
                     return
                 self._next_event(client)
-        finally:
+        finally:  # a rollout abandoned part-way (an exception) leaves nothing generating behind
             for engine, session in enumerate(self.sessions):
                 if session is not None:
-                    self.fleet.close_session(engine, session)
+                    self.fleet.close_session(engine, session, abort=not client.finished())
 
     def _next_event(self, client: Client) -> None:
         """Handles what arrived first; with nothing waiting, first the client's timers, the new

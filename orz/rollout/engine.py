@@ -157,7 +157,8 @@ class VLLMEngine(FaultSite):
 
     @ray.method(concurrency_group="control")
     def interrupt(self, session: int) -> None:
-        """Asks `serve(session)` to stop at its next step (runs beside it, or before it starts)."""
+        """Asks `serve(session)` to stop at its next step (runs beside it, or before it starts):
+        partial rollout, or a driver that abandons its rollout."""
         self._interrupted.add(session)
 
     @ray.method(concurrency_group="control")
@@ -172,9 +173,9 @@ class VLLMEngine(FaultSite):
         waits for its environment. Yields, after each step that finished some, a list of their
         Sample dicts (`index`: the request's key); ends once the session is closed and nothing is left.
 
-        interruptible (partial rollout): after `interrupt(session)` it stops at its next step and
-        yields every unfinished response with the tokens it has (finish_reason None), then ends;
-        its driver continues them once newer weights are in. Such a session receives each step's
+        After `interrupt(session)` it stops at its next step and yields every unfinished response
+        with the tokens it has (finish_reason None), then ends. An interruptible session (partial
+        rollout: its driver continues them once newer weights are in) receives each step's
         new tokens (vLLM's DELTA outputs); the others only each request's final output, which is
         cheaper (docs/performance.md)."""
         from vllm import SamplingParams
@@ -187,7 +188,7 @@ class VLLMEngine(FaultSite):
         engine, live, closing = self.llm.llm_engine, {}, False  # request id -> its response
         try:
             while live or not closing:
-                if interruptible and session in self._interrupted:
+                if session in self._interrupted:
                     if live:
                         engine.abort_request(list(live))
                         yield [asdict(self._sample(response)) for response in live.values()]

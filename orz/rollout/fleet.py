@@ -273,10 +273,13 @@ class EngineFleet:
     def submit(self, engine_id: int, session: int, requests: list[Request]) -> None:
         self.engines[engine_id].submit.remote(session, requests)
 
-    def close_session(self, engine_id: int, session: int) -> None:
-        """Ends the session once what it holds has finished (at once when it holds nothing)."""
+    def close_session(self, engine_id: int, session: int, abort: bool = False) -> None:
+        """Ends the session once what it holds has finished (at once when it holds nothing), or
+        with `abort` at its next step, what it holds dropped."""
         with self._synced:
             self._interruptible.pop(session, None)
+        if abort:
+            self.engines[engine_id].interrupt.remote(session)
         self.engines[engine_id].submit.remote(session, None)
 
     def interrupt(self) -> None:

@@ -384,8 +384,9 @@ def routing_replay_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[s
         problems.append("rollout.routing_replay=true with model.recompute=true: the recomputed forward in the "
                         "backward would route anew (Megatron's REPLAY_BACKWARD is not wired): set one false")
     continued = [key for key, on in (("rollout.partial", cfg.rollout.partial), ("rollout.env", cfg.rollout.env)) if on]
-    problems += [f"rollout.routing_replay=true with {key}: a response continued over several engine requests "
-                 f"has no routes of its own (not wired): unset one of them" for key in continued]
+    problems += [f"rollout.routing_replay=true with {key}: a sample of several engine requests would replay the "
+                 f"routes of its last one (docs/mismatch.md), which no test checks yet: unset one of them"
+                 for key in continued]
     return problems
 
 
