@@ -393,8 +393,10 @@ def test_an_async_multiturn_run_stopped_inside_an_iteration_resumes_every_prompt
     whole, overrides = async_tool_run
     out, console = tmp_path / "stopped", tmp_path / "console.txt"
     latest = out / "checkpoints" / "latest"
+    tests = os.path.dirname(__file__)  # turn_envs and shaped_reward, given by import path
     proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(out), joined(ray_cluster)],
-                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
     deadline = time.time() + 300
     while not (latest.exists() and latest.read_text() == "iter_000001"):
         assert proc.poll() is None and time.time() < deadline, console.read_text()
