@@ -19,13 +19,14 @@ long the engine had nothing to decode because every sample it held waited for a 
 Fields: bench, settings.smoke, settings.model.params, settings.latency.mean_s,
 multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac,
 synchronous.tokens, synchronous.seconds, synchronous.tokens_per_s, synchronous.engine_idle_frac,
-ratio_tokens_per_s, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
+ratio_tokens_per_s, ratio_per_repeat, ratio_median, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -167,6 +168,8 @@ def main(args: argparse.Namespace) -> None:
                 "frac_matmul_limit": tokens / seconds * 2 * params / (limits["matmul_fp32_gflops"] * 1e9)}
 
     multiturn, synchronous = side(runs["multiturn"]), side(runs["synchronous"])
+    ratios = [(m["tokens"] / m["seconds"]) / (s["tokens"] / s["seconds"])
+              for m, s in zip(runs["multiturn"], runs["synchronous"])]
     emit({
         "bench": "multiturn",
         "settings": {
@@ -181,6 +184,8 @@ def main(args: argparse.Namespace) -> None:
         "multiturn": multiturn,
         "synchronous": synchronous,
         "ratio_tokens_per_s": multiturn["tokens_per_s"] / synchronous["tokens_per_s"],
+        # each repeat's ratio (its two sides ran back to back), and their median: robust to load that moves
+        "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
         "limits": limits,
         "threads": threads,
         "machine": machine(),
