@@ -297,22 +297,15 @@ def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, t
 def test_a_sample_more_versions_behind_than_max_staleness_is_refused():
     """The staleness guard itself (a pure check on the batch's weight versions; the runs above
     never produce such a sample): a sample of version 1 reaching an actor at version 3 with k=1."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
     import torch
 
-    from orz.ppo.experience import experience_from_rollouts
-    from orz.ppo.trainer import RayPPOTrainer
+    from orz.ppo.pipeline import staleness_metrics
 
-    experience = experience_from_rollouts([[1, 2]] * 2, [[3], [4]])
-    experience = replace(experience, info={"weight_version": torch.tensor([2, 1])})
-    trainer = SimpleNamespace(version=3, iteration=4)
-    assert RayPPOTrainer._staleness(trainer, experience, 2) == {"rollout/staleness_mean": 1.5,
-                                                                "rollout/staleness_max": 2.0}
+    versions = torch.tensor([2, 1])
+    assert staleness_metrics(versions, 3, 2, 5) == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0}
     with pytest.raises(RuntimeError, match=r"iteration 5: a sample of weight version 1 is 2 versions behind the "
                                            r"actor's 3, more than trainer.max_staleness=1"):
-        RayPPOTrainer._staleness(trainer, experience, 1)
+        staleness_metrics(versions, 3, 1, 5)
 
 
 def test_partial_rollout_finishes_the_batch_ahead_with_the_new_weights(ray_cluster, tiny_run, tmp_path):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +59,7 @@ from orz.ppo.core_algos import (
 from orz.ppo.experience import Experience
 from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
+from orz.ppo.pipeline import BatchesAhead, staleness_metrics
 from orz.ppo.trackers import open_trackers
 from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
@@ -106,9 +106,7 @@ class RayPPOTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
         self.iteration, self.version, self.restarts = 0, 0, restarts
-        # Batches generated ahead (max_staleness > 0: by a background thread while the actor trains), not yet trained on.
-        self.batches_ahead: deque[tuple[Experience, dict]] = deque()
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")
+        self.pipeline = BatchesAhead(cfg.trainer.max_staleness)  # the batches generated ahead (docs/async.md)
         self.last_checkpoint = resume_from  # the latest complete one
         self._saving: checkpoints.PendingCheckpoint | None = None  # one still being written (trainer.async_save)
         self.total = total_iterations(cfg)
@@ -258,23 +256,21 @@ class RayPPOTrainer:
     def step(self, show=lambda phase: None) -> dict:
         """One iteration. With trainer.max_staleness = k > 0 the engines generate (and the pool
         scores) batch i + k in a background thread while the actor trains on batch i; the sync
-        waits for them. Batches already generated wait in `self.batches_ahead` (and in checkpoints)."""
+        waits for them. Batches already generated wait in `self.pipeline` (and in checkpoints)."""
         timer, k = Timer(), self.run_cfg.trainer.max_staleness
         self._arm_fault()
         with timer("step"):
             show("rollout")
-            while len(self.batches_ahead) < max(k, 1):  # on-policy, a stage's first iteration, a fresh start
-                self.batches_ahead.append(self.builder.build(self.iteration + len(self.batches_ahead), self.version))
-            experience, metrics = self.batches_ahead.popleft()
-            metrics |= self._staleness(experience, k)
+            experience, metrics = self.pipeline.take(self.iteration, lambda i: self.builder.build(i, self.version))
+            metrics |= staleness_metrics(experience.info["weight_version"], self.version, k, self.iteration + 1)
             colocated = self.run_cfg.trainer.colocate  # the roles' turn: the engines sleep until the sync
             if colocated:
                 with timer("sleep"):
                     self.fleet.sleep()
-            ahead, prefetch, generating = self.iteration + k, None, (0.0, 0.0)
+            ahead = self.iteration + k
             if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
                 self._share_cores(engines_generate=True)
-                prefetch = self._background.submit(self._prefetch, ahead, self.version)
+                self.pipeline.start(self._prefetch, ahead, self.version)
             else:
                 self._share_cores(engines_generate=False)
             show("log-probs and values")
@@ -286,15 +282,14 @@ class RayPPOTrainer:
                 show("update")
                 with timer("update"):
                     experience, update_metrics = self._update(experience)
-            partial = prefetch is not None and self.stage_cfg.rollout.partial
+            partial = self.pipeline.generating and self.stage_cfg.rollout.partial
             if partial:  # the engines pause mid-batch, take the new weights, and finish it with them
                 self.fleet.interrupt()
                 sync = self._sync(timer, show)
             with timer("wait_rollout"):
-                if prefetch is not None:
+                if self.pipeline.generating:
                     show("waiting for the next batch")
-                    batch, generating = prefetch.result()
-                    self.batches_ahead.append(batch)
+                generating = self.pipeline.finish()
             if colocated:
                 with timer("wake_up"):
                     self.fleet.wake_up()
@@ -358,15 +353,6 @@ class RayPPOTrainer:
             role = roles[name]
             if role.threads_alone:
                 group.use_threads(role.threads if engines_generate else role.threads_alone)
-
-    def _staleness(self, experience: Experience, k: int) -> dict:
-        """How many versions behind the actor each sample's weights are; more than k is refused."""
-        staleness = self.version - experience.info["weight_version"]
-        if int(staleness.max()) > k:
-            raise RuntimeError(f"iteration {self.iteration + 1}: a sample of weight version "
-                               f"{int(experience.info['weight_version'].min())} is {int(staleness.max())} versions behind "
-                               f"the actor's {self.version}, more than trainer.max_staleness={k}")
-        return {"rollout/staleness_mean": float(staleness.float().mean()), "rollout/staleness_max": float(staleness.max())}
 
     # ---- phases ------------------------------------------------------------------------------
     def _forward(self, experience: Experience) -> Experience:
@@ -517,7 +503,7 @@ class RayPPOTrainer:
         t = self.run_cfg.trainer
         self.finish_checkpoint()
         self._saving = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
-                                        self.batches_ahead, t.keep_checkpoints, t.keep_every, t.async_save)
+                                        self.pipeline.ready, t.keep_checkpoints, t.keep_every, t.async_save)
         final = self._saving.final
         if not t.async_save:
             self.finish_checkpoint()
@@ -534,7 +520,7 @@ class RayPPOTrainer:
         stage and its loader position were restored by _enter_stage."""
         state, ahead = checkpoints.load(ckpt, self._trained_named())
         self.iteration, self.version = state["iteration"], state["version"]
-        self.batches_ahead = deque(ahead)
+        self.pipeline = BatchesAhead(self.run_cfg.trainer.max_staleness, ahead)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
@@ -553,7 +539,7 @@ class RayPPOTrainer:
         return [f"{group.spec.name} rank {rank}" for group in self._groups() for rank in group.dead_ranks()]
 
     def shutdown(self) -> None:
-        self._background.shutdown(wait=True, cancel_futures=True)  # a batch in flight uses the fleet
+        self.pipeline.shutdown()
         self.logger.close(plot=False)
         self.builder.close()
         for evaluator in self.evaluators.values():
