@@ -71,12 +71,12 @@ class _Turn:
     def whole(self, last: dict) -> Sample:
         """The turn's response: its parts' tokens, log-probs and versions joined."""
         parts = [*self.parts, last]
-        joined = lambda name: [x for part in parts for x in part[name]]  # noqa: E731
-        return Sample(index=self.request.key, prompt_ids=self.request.prompt_ids, response_ids=joined("response_ids"),
-                      logprobs=joined("logprobs"), finish_reason=last["finish_reason"],
-                      text="".join(part["text"] for part in parts),
-                      weight_version=min(joined("token_versions"), default=parts[0]["weight_version"]),
-                      token_versions=joined("token_versions"), routed_experts=last["routed_experts"])
+        ids, logprobs, versions = ([x for part in parts for x in part[name]]
+                                   for name in ("response_ids", "logprobs", "token_versions"))
+        return Sample(index=self.request.key, prompt_ids=self.request.prompt_ids, response_ids=ids, logprobs=logprobs,
+                      finish_reason=last["finish_reason"], text="".join(part["text"] for part in parts),
+                      weight_version=min(versions, default=parts[0]["weight_version"]), token_versions=versions,
+                      routed_experts=last["routed_experts"])
 
 
 class RolloutDriver:

@@ -73,7 +73,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # engine log π(token), after temperature (vLLM's processed_logprobs)
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length"; None: interrupted (VLLMEngine.serve), continued by the driver
     text: str
     weight_version: int  # the oldest weights that generated any of it
     token_versions: list[int] = field(default_factory=list)  # each response token's weights (partial rollout)
