@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.exceptions import RayActorError
@@ -44,13 +44,32 @@ _POLL_S = 0.05  # how often an interrupted driver looks for the new weights
 log = logging.getLogger(__name__)
 
 
-class Client(Protocol):
-    def begin(self, driver: RolloutDriver) -> None: ...
-    def turn_ended(self, key: int, turn: Sample) -> None: ...
-    def ready(self) -> list: ...
-    def finished(self) -> bool: ...
-    def deadline(self) -> float | None: ...
-    def expire(self, now: float) -> None: ...
+class Client:
+    """What the driver calls back (see the module docstring). A client puts what it has finished
+    (a prompt's group) in `_ready`; the driver yields it once."""
+
+    def __init__(self):
+        self._ready: list = []
+
+    def begin(self, driver: RolloutDriver) -> None:
+        raise NotImplementedError
+
+    def turn_ended(self, key: int, turn: Sample) -> None:
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def ready(self) -> list:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def deadline(self) -> float | None:
+        """When `expire` next has work (None: never)."""
+        return None
+
+    def expire(self, now: float) -> None:
+        pass
 
 
 @dataclass
@@ -258,15 +277,15 @@ class RolloutDriver:
 
 
 # ---- single turn ---------------------------------------------------------------------------
-class Batch:
+class Batch(Client):
     """The single-turn client: `sampling.n` one-turn samples per prompt; sample j of prompt i is
     key i·n + j and samples from seed + i·n + j. Yields each prompt's group once all n ended."""
 
     def __init__(self, prompts: list[list[int]], sampling: SamplingConfig):
+        super().__init__()
         self.prompts, self.sampling, self.n = prompts, sampling, sampling.n
         self.samples: dict[int, Sample] = {}
         self.left = {i: self.n for i in range(len(prompts))}
-        self._ready: list[list[Sample]] = []
 
     def begin(self, driver: RolloutDriver) -> None:
         s = self.sampling
@@ -281,18 +300,8 @@ class Batch:
         if not self.left[i]:
             self._ready.append([self.samples.pop(i * self.n + j) for j in range(self.n)])
 
-    def ready(self) -> list[list[Sample]]:
-        ready, self._ready = self._ready, []
-        return ready
-
     def finished(self) -> bool:
         return not any(self.left.values())
-
-    def deadline(self) -> float | None:
-        return None
-
-    def expire(self, now: float) -> None:
-        pass
 
 
 def stream(fleet: EngineFleet, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None,

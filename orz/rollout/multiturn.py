@@ -37,7 +37,7 @@ import torch
 from orz.config import CodeScoringConfig, RolloutConfig
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import PYTHON, Environment, StepResult, as_step_result, load_env_class
-from orz.rollout.driver import RolloutDriver
+from orz.rollout.driver import Client, RolloutDriver
 from orz.rollout.fleet import EngineFleet
 
 MODEL, ENV = "model", "env"  # a turn's origin
@@ -133,11 +133,12 @@ class MultiTurnRollout:
             conversations.close()
 
 
-class Conversations:
+class Conversations(Client):
     """The multi-turn client of the rollout driver: one stream's conversations and environments.
     Sample j of prompt i is key i·n + j; its turn t samples from seed + key + t·2^20."""
 
     def __init__(self, rollout: MultiTurnRollout, prompts, sampling: SamplingConfig):
+        super().__init__()
         self.r, self.sampling, self.n = rollout, sampling, sampling.n
         self.driver: RolloutDriver | None = None
         # Environment calls run in daemon threads: one that never returns cannot keep the process
@@ -157,7 +158,6 @@ class Conversations:
                                                        env=env)
                 self.rows[key] = row
         self.left = {i: self.n for i in range(len(prompts))}  # conversations not ended, by prompt
-        self._ready: list[list[Conversation]] = []  # groups whose conversations have all ended
 
     # ---- the driver's client -----------------------------------------------------------------
     def begin(self, driver: RolloutDriver) -> None:
@@ -167,10 +167,6 @@ class Conversations:
                 self._call_env(key, "reset", self.rows[key])
             else:
                 self._ask_model(key)
-
-    def ready(self) -> list[list[Conversation]]:
-        ready, self._ready = self._ready, []
-        return ready
 
     def finished(self) -> bool:
         return not any(self.left.values())
