@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from orz.config import load_config
 from orz.models.checkpoint import read_megatron_meta
 from orz.ppo.workers import WorkerGroup
+from orz.stopping import Stopped, StopSignals
 from orz.train import run as train
 from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, prompts_by_iteration, \
     ray_sessions, resume_problems, title
@@ -49,7 +50,9 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
                                                         capsys):
     """Asynchronous (trainer.max_staleness=1): stopped by SIGUSR1 while starting, killed (SIGKILL of
     the process group) inside iteration 3, resumed: the uninterrupted run's metrics exactly, and each
-    iteration's prompts (samples/iter_N_draws.jsonl) its own, none skipped or trained twice."""
+    iteration's prompts (samples/iter_N_draws.jsonl) its own, none skipped or trained twice. A
+    SIGTERM while the resumed run, finished, shuts down still ends it as stopped, naming its
+    last checkpoint (not "while starting", as before 2026-12-05)."""
     whole = tmp_path / "whole"
     capsys.readouterr()
     train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1"]))
@@ -94,7 +97,19 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     assert latest.read_text() == "iter_000002"
     before = (killed / "metrics.jsonl").read_bytes()  # as the killed run left it
 
-    train(load_config(None, overrides))  # resumes from iteration 2
+    caught = StopSignals.caught
+
+    def caught_then_signalled(self):  # a SIGTERM as the finished run's shutdown begins
+        caught(self)
+        if not self.signum:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(StopSignals, "caught", caught_then_signalled)
+    with pytest.raises(Stopped) as stopped:
+        train(load_config(None, overrides))  # resumes from iteration 2
+    # The shutdown went on, and the run still ends as stopped (`orz train`: 143 and this line).
+    assert str(stopped.value) == (f"stopped by SIGTERM after 3 iterations; the last checkpoint is "
+                                  f"{killed / 'checkpoints' / 'iter_000003'} (the same command resumes from it)")
     check_resumed(killed, before, capsys.readouterr().out, 2, whole)
     resumed = _check_run(killed, arith_model, 3, staleness=1)
     _check_one_tracker_run(killed, resumed)
@@ -220,29 +235,6 @@ def test_sigterm_or_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path, sig)
     kept = (f"the last checkpoint is {latest.parent / latest.read_text()} (the same command resumes from it)"
             if latest.exists() else "no checkpoint was written (the same command starts over)")
     assert re.fullmatch(rf"orz: stopped by {re.escape(name)} after \d+ iterations; {re.escape(kept)}", stopped), stopped
-
-
-def test_sigterm_while_a_finished_run_shuts_down_exits_143_naming_its_checkpoint(ray_cluster, tiny_run, tmp_path,
-                                                                                 monkeypatch, capsys):
-    """A SIGTERM that comes once the last iteration is done, while the run shuts its roles and Ray
-    down (here: as that shutdown begins), does not interrupt the shutdown, and `orz train` still
-    exits 143 with its one line: after 1 iteration, with its checkpoint (not "while starting")."""
-    from orz.stopping import StopSignals
-    from orz.train import main
-
-    caught = StopSignals.caught
-
-    def caught_then_signalled(self):
-        caught(self)
-        if not self.signum:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(StopSignals, "caught", caught_then_signalled)
-    out = tmp_path / "run"
-    assert main([*tiny_run(out, "grpo", iterations=1), "data.eval={}", "trainer.export_hf=false"]) == 143
-    stopped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orz:")]
-    assert stopped == [f"orz: stopped by SIGTERM after 1 iterations; the last checkpoint is "
-                       f"{out / 'checkpoints' / 'iter_000001'} (the same command resumes from it)"]
 
 
 def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_cluster, tiny_run, tmp_path):
