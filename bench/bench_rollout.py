@@ -131,7 +131,7 @@ def hf_run(model, prompts, targets, pad_id, buckets: int, seed: int) -> dict:
 
 # ---- vLLM fleet -----------------------------------------------------------------------------
 def fleet_run(fleet, prompts, sampling: SamplingConfig, targets: list[int]) -> dict:
-    """fleet.generate with per-request lengths when `sampling.n` is 1 (else the stock path, every
+    """driver.generate with per-request lengths when `sampling.n` is 1 (else the stock path, every
     response `sampling.max_new_tokens` long); returns wall and CPU seconds (engine + this process)
     and real tokens, checked against the targets (one per sample, in order)."""
     import ray
@@ -230,8 +230,8 @@ def main(args: argparse.Namespace) -> None:
                          "clip": [args.min_tokens, args.max_tokens], "mean": float(np.mean(variable)),
                          "p50": float(np.median(variable)), "p90": float(np.percentile(variable, 90)),
                          "max": max(variable)},
-            "vllm": {"engines": 1, "omp_threads": 1, "path_fixed": "EngineFleet.generate, n per prompt",
-                     "path_variable": "EngineFleet.generate, one request per sample, per-request max_tokens",
+            "vllm": {"engines": 1, "omp_threads": 1, "path_fixed": "driver.generate, n samples per prompt",
+                     "path_variable": "driver.generate, one prompt per sample, per-request max_tokens",
                      "engine_start_s": fleet_start_s, "engine_args": engine_args},
             "transformers": {"threads": threads["torch_threads"], "padding": "left", "use_cache": True,
                              "fixed": f"one batch of {len(expanded)}",

@@ -96,7 +96,7 @@ def joined(ray_cluster) -> str:
 
 
 def title(proc) -> str:
-    """A process's name as its command line gives it (Ray's workers: `ray::VLLMEngine.generate`)."""
+    """A process's name as its command line gives it (Ray's workers: `ray::VLLMEngine.serve`)."""
     with contextlib.suppress(psutil.Error, IndexError):
         return os.path.basename(proc.cmdline()[0])
     return "?"

@@ -71,6 +71,13 @@ def _write_benchmarks(tmp_path):
     return paths
 
 
+def _scripted_run(evaluator):
+    """evaluator.run(min_version=7), its scripted fleet answering in place of the rollout driver."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("orz.evaluation.runner.generate", lambda fleet, *args, **kwargs: fleet.generate(*args, **kwargs))
+        return evaluator.run(min_version=7)
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bench")
@@ -81,7 +88,7 @@ def scripted(tmp_path_factory):
     tokenizer = char_tokenizer(texts + [r for responses in SCRIPT.values() for r, _ in responses])
     fleet = ScriptedFleet(tokenizer)
     evaluator = Evaluator(fleet, tokenizer, template, benchmarks, EvalConfig(n=4, seed=10), progress=False)
-    report = evaluator.run(min_version=7)
+    report = _scripted_run(evaluator)
     yield fleet, evaluator, report, benchmarks, tokenizer
     evaluator.close()
 
@@ -139,7 +146,7 @@ def test_chunking_changes_nothing_but_the_calls(scripted):
     evaluator.cfg = replace(whole, chunk_samples=4)  # one problem per generate call; the same pools
     fleet.calls.clear()
     try:
-        again = evaluator.run(min_version=7)
+        again = _scripted_run(evaluator)
     finally:
         evaluator.cfg = whole
     assert [(c["prompts"], c["seed"]) for c in fleet.calls] == [(1, 10), (1, 11), (1, 10), (1, 10)]

@@ -133,7 +133,7 @@ def test_a_session_opened_while_the_last_one_closes_keeps_its_requests(fleet):
 
 
 @pytest.mark.parametrize("interrupt_first", [False, True])
-def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights, interrupt_first):
+def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights, tiny_model, interrupt_first):
     """Partial rollout: `interrupt` stops a stream at its engine's next step; once the fleet holds
     new weights, each unfinished response continues from its last token. Its first tokens are the
     uninterrupted generation's, each token records its version, and the rest is exactly what the
@@ -141,9 +141,11 @@ def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights,
     A stream that starts after the interrupt and before the sync (the trainer's update may end
     before the batch ahead has begun) generates nothing until the new weights are in: then
     exactly what they sample from scratch."""
+    from orz.data.tokenizers import load_tokenizer
+
     original, perturbed = weights
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
-    old = fleet.weight_version
+    old, eos = fleet.weight_version, load_tokenizer(tiny_model).eos_token_id
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=64, n=8, seed=11)
     prompts = PROMPTS * 4
     reference = generate(fleet, prompts, sampling)
@@ -175,7 +177,8 @@ def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights,
         assert s.token_versions == [old] * kept + [old + 1] * (len(s.response_ids) - kept)
         assert s.weight_version == min(s.token_versions) and len(s.logprobs) == len(s.response_ids) <= 64
         assert s.response_ids[:kept] == ref.response_ids[:kept] and s.logprobs[:kept] == ref.logprobs[:kept]
-        assert s.finish_reason == ("length" if len(s.response_ids) == 64 else "stop")
+        # vLLM checks EOS before the budget: a 64th token that is EOS ends it as "stop"
+        assert s.finish_reason == ("length" if len(s.response_ids) == 64 and s.response_ids[-1] != eos else "stop")
     for i, s in continued[:3]:
         kept, j = s.token_versions.count(old), i % sampling.n
         alone = SamplingConfig(temperature=1.0, max_new_tokens=64 - kept, n=1,

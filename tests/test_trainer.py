@@ -246,7 +246,7 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_
     the run)."""
     origins = {  # role: (its phase, where the traceback says it was raised, where the orz: line says)
         "actor": ("update", "repr=actor-0", "(raised in actor-0, MegatronWorker.train_actor)"),  # Ray's line over
-        "engine": ("rollout", "repr=engine-0", "(raised in engine-0, VLLMEngine.generate)"),  # the actor's traceback
+        "engine": ("rollout", "repr=engine-0", "(raised in engine-0, VLLMEngine.serve)"),  # the actor's traceback
         "reward": ("rollout", 'orz/reward/router.py", line', "the reward router's"),  # the trainer's own process
     }
     runs = {}

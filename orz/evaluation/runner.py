@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tqdm import tqdm
 
@@ -34,15 +34,8 @@ from orz.reward.router import RewardRouter, RouterConfig
 from orz.rollout.driver import generate
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names
+from orz.rollout.fleet import EngineFleet
 from orz.rollout.multiturn import Conversation, MultiTurnRollout
-
-
-class Generator(Protocol):
-    """What the evaluator needs of a fleet (EngineFleet, or a stand-in in tests)."""
-
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, min_version: int | None = None
-    ) -> list[Sample]: ...
 
 
 @dataclass(frozen=True)
@@ -165,7 +158,7 @@ class Evaluator:
     """Evaluates whatever weights `fleet` holds on `benchmarks`; holds the verifier pools between
     runs (call `close()`)."""
 
-    def __init__(self, fleet: Generator, tokenizer: Any, template: Any, benchmarks: Sequence[Benchmark],
+    def __init__(self, fleet: EngineFleet, tokenizer: Any, template: Any, benchmarks: Sequence[Benchmark],
                  cfg: EvalConfig = EvalConfig(), progress: bool = True, turns: MultiTurnRollout | None = None,
                  env: str = ""):
         """turns: a multi-turn rollout over the same fleet, for rows with an environment (a row's
@@ -205,7 +198,7 @@ class Evaluator:
         }
 
     def run(self, min_version: int | None = None) -> EvalReport:
-        """Generates and judges every benchmark; `min_version` is passed to fleet.generate (the
+        """Generates and judges every benchmark; `min_version` is passed to the rollout driver (the
         trainer's guarantee that the engines hold the weights it means to evaluate)."""
         figures, records, versions = {}, [], set()
         total = sum(len(b.problems) for b in self.benchmarks) * self.cfg.n
