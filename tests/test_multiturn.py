@@ -319,7 +319,8 @@ def _async_partial(tiny_run, tool_model, rows):
                 "rollout.envs={echo: 'turn_envs:Echo'}", "rollout.max_num_seqs=2",
                 "reward.custom={digits: 'shaped_reward:digit_share'}",
                 "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}", "trainer.max_staleness=1", "rollout.partial=true",
-                f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false"]
+                f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false",
+                "trainer.keep_checkpoints=1", "trainer.keep_every=2"]
 
     return overrides
 
@@ -338,7 +339,7 @@ def async_tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
 def test_conversations_continued_across_the_update_train_with_the_overlong_penalty(async_tool_run):
     """Multi-turn, asynchronous (trainer.max_staleness=1) and partial: the update interrupts the
     batch ahead mid-turn, and each conversation keeps its finished turns and the tokens of its
-    current turn, then goes on with the new weights. The per-token dump shows both versions inside
+    current turn, then goes on with the new weights, within the staleness bound. The per-token dump shows both versions inside
     one model turn, old tokens first; the tokens of the actor's own version have the engine's
     log-probs to 1e-3 (a continuation conditioned on anything but the ids so far would not), and
     the overlong penalty is each sample's model tokens against the context less its prompt
@@ -348,6 +349,12 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
     out, _ = async_tool_run
     metrics = history(out)[1:]
     assert all(row["actor/grad_norm"] > 0 for row in metrics)  # the premise: a signal to train on
+    # The staleness bound holds with partial rollout: a sample's version is its oldest token's.
+    assert [row["rollout/sample_weight_version"] for row in metrics] == [0, 0, 1]
+    assert [row["rollout/staleness_max"] for row in metrics] == [0, 1, 1]
+    assert metrics[0]["rollout/partial_samples"] == 0  # generated before any update
+    # saved every iteration: the last one stays, and every second (trainer.keep_every=2)
+    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000002", "iter_000003"]
     context = PROMPT_MAX + TURNS * TURN + (TURNS - 1) * OBSERVATION  # run_rules.context_length
     mixed, penalised = 0, 0
     for iteration in (1, 2, 3):
@@ -356,6 +363,7 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
         trained = [json.loads(line) for line in (samples / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
         kept = [d for d in draws if d["kept"]]
         assert len(kept) == len(trained) == 16
+        assert metrics[iteration - 1]["rollout/partial_samples"] == sum(len(d["weight_versions"]) > 1 for d in kept)
         for draw, record in zip(kept, trained):
             ids = [i for t in draw["turns"] for i in t["ids"]]
             assert record["response_ids"] == ids  # every turn's ids, appended
@@ -377,39 +385,39 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
 
 
 @pytest.mark.slow
-def test_an_async_multiturn_run_stopped_inside_an_iteration_resumes_every_prompt_once(async_tool_run, ray_cluster,
-                                                                                     tmp_path, capsys):
-    """SIGTERM inside an iteration of the run above (in a process of its own, on the suite's
-    cluster): it exits 143 with its one line naming its last checkpoint. The same command resumes:
-    the metrics rows up to the checkpoint are kept byte for byte and the later ones written again,
-    and every iteration draws the uninterrupted run's prompts: none skipped, none trained twice
-    (the conversations in flight at the signal went with their batch, drawn again)."""
-    import subprocess
+def test_an_async_multiturn_run_stopped_inside_an_iteration_resumes_every_prompt_once(async_tool_run, tmp_path,
+                                                                                     capsys):
+    """SIGTERM inside an iteration of the run above (`orz train`'s main, in this process): it
+    exits 143 with its one line naming its last checkpoint. The same command resumes: the metrics
+    rows up to the checkpoint are kept byte for byte and the later ones written again, and every
+    iteration draws the uninterrupted run's prompts: none skipped, none trained twice (the
+    conversations in flight at the signal went with their batch, drawn again)."""
+    import threading
     import time
 
-    from orz.train import run as train
-    from run_history import joined, prompts_by_iteration, resume_problems
+    from orz.train import main, run as train
+    from run_history import prompts_by_iteration, resume_problems
 
     whole, overrides = async_tool_run
-    out, console = tmp_path / "stopped", tmp_path / "console.txt"
+    out = tmp_path / "stopped"
     latest = out / "checkpoints" / "latest"
-    tests = os.path.dirname(__file__)  # turn_envs and shaped_reward, given by import path
-    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(out), joined(ray_cluster)],
-                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
-    deadline = time.time() + 300
-    while not (latest.exists() and latest.read_text() == "iter_000001"):
-        assert proc.poll() is None and time.time() < deadline, console.read_text()
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGTERM)  # iteration 2 under way, its batch ahead generating
-    assert proc.wait(timeout=120) == 143, console.read_text()
+
+    def signal_in_iteration_2():  # its batch ahead generating
+        deadline = time.time() + 300
+        while not (latest.exists() and latest.read_text() == "iter_000001") and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_in_iteration_2, daemon=True)
+    signaller.start()
+    assert main(overrides(out)) == 143
+    signaller.join()
     checkpoint = int(latest.read_text()[len("iter_"):])
     assert checkpoint < 3  # the premise: stopped before the end
-    stopped = [line for line in console.read_text().splitlines() if line.startswith("orz: stopped")]
+    stopped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orz: stopped")]
     assert stopped == [f"orz: stopped by SIGTERM after {checkpoint} iterations; the last checkpoint is "
                        f"{out / 'checkpoints' / latest.read_text()} (the same command resumes from it)"]
     before = (out / "metrics.jsonl").read_bytes()
-    capsys.readouterr()
     train(load_config(None, overrides(out)))
     assert not resume_problems(out, before, capsys.readouterr().out, checkpoint)
     assert prompts_by_iteration(out) == prompts_by_iteration(whole)

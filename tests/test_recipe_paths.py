@@ -308,32 +308,6 @@ def test_a_sample_more_versions_behind_than_max_staleness_is_refused():
         staleness_metrics(versions, 3, 1, 5)
 
 
-def test_partial_rollout_finishes_the_batch_ahead_with_the_new_weights(ray_cluster, tiny_run, tmp_path):
-    """rollout.partial: the update ends before the batch ahead is generated (the engine decodes
-    two sequences at a time, with no stop string), so the engine pauses, takes the new weights
-    and finishes each unfinished response with them. The staleness bound still holds: a
-    response's version is its oldest token's."""
-    out = tmp_path / "run"
-    train(load_config(None, [*tiny_run(out, "grpo", iterations=3), "trainer.max_staleness=1", "rollout.partial=true",
-                             "rollout.max_num_seqs=2", "rollout.stop=[]", "rollout.max_new_tokens=40",
-                             "trainer.keep_checkpoints=1", "trainer.keep_every=2"]))
-    rows = _history(out)[1:]
-    # saved every iteration: the last one stays, and every second (trainer.keep_every=2)
-    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000002", "iter_000003"]
-    assert [row["rollout/sample_weight_version"] for row in rows] == [0, 0, 1]
-    assert [row["rollout/staleness_max"] for row in rows] == [0, 1, 1]
-    assert rows[0]["rollout/partial_samples"] == 0  # generated before any update
-    # 16 responses of ~25 tokens two at a time (~1 s) against an update of 16 rows (~0.1 s): the
-    # interrupt finds two responses under way, or, when it comes before the batch ahead has been
-    # submitted, stops it after its first step. The first update is slower (~1.5 s on a quiet
-    # machine: its first steps), and the batch ahead beside it may finish first.
-    assert any(0 < row["rollout/partial_samples"] for row in rows[1:])  # the premise: some were continued
-    for i, row in enumerate(rows, start=1):  # the kept samples whose tokens came from more than one version
-        draws = [json.loads(line) for line in (out / "samples" / f"iter_{i:06d}_draws.jsonl").read_text().splitlines()]
-        assert row["rollout/partial_samples"] == sum(len(d["weight_versions"]) > 1 for d in draws if d["kept"])
-    assert all(row["response/length_max"] == 40 for row in rows)
-
-
 def test_an_eval_prompt_longer_than_prompt_max_tokens_is_refused_naming_its_row(tiny_run, tmp_path):
     """Training skips a prompt above data.prompt_max_tokens; an evaluation set is never trimmed,
     so such a prompt would fail inside vLLM mid-run: it stops the run before anything starts."""
