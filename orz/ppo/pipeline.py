@@ -24,9 +24,9 @@ class BatchesAhead:
     """The batches generated and not yet trained on, and the one being generated (one at a time,
     by a background thread)."""
 
-    def __init__(self, staleness: int, ready: list | None = None):
+    def __init__(self, staleness: int):
         self.k = staleness
-        self.ready: deque = deque(ready or [])  # (Experience, metrics), in iteration order
+        self.ready: deque = deque()  # (Experience, metrics), in iteration order; a resume fills it
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="orz-rollout")
         self._generating: Future | None = None
 

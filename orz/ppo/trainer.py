@@ -520,7 +520,7 @@ class RayPPOTrainer:
         stage and its loader position were restored by _enter_stage."""
         state, ahead = checkpoints.load(ckpt, self._trained_named())
         self.iteration, self.version = state["iteration"], state["version"]
-        self.pipeline = BatchesAhead(self.run_cfg.trainer.max_staleness, ahead)
+        self.pipeline.ready.extend(ahead)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.entropy_ctl and state["entropy_ctl"]:
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])

@@ -108,6 +108,7 @@ class RolloutDriver:
         n = fleet.num_engines
         self.events: queue.Queue = queue.Queue()
         self.turns: dict[int, _Turn] = {}  # asked and not ended
+        self.held = [0] * n  # how many of them each engine holds (kept: `_busy` runs on every ask and event)
         self.outbox: list[list[int]] = [[] for _ in range(n)]  # keys asked since the last flush
         self.sessions: list[int | None] = [None] * n  # each engine's open session; None: paused (interrupted)
         self.heard = [time.monotonic()] * n  # when each engine last sent turns (or was given work)
@@ -121,6 +122,7 @@ class RolloutDriver:
         if self.sessions[engine] is not None and not self._busy(engine):
             self.heard[engine] = time.monotonic()  # idle until now: its clock starts with this turn
         self.turns[key] = _Turn(Request(key, list(context), seed, max_tokens, tuple(stop)), engine)
+        self.held[engine] += 1
         self.outbox[engine].append(key)
 
     def call_soon(self, function: Callable[[], Any]) -> None:
@@ -191,6 +193,7 @@ class RolloutDriver:
             turn.parts.append(part)
             return
         del self.turns[part["index"]]
+        self.held[turn.engine] -= 1
         client.turn_ended(part["index"], turn.whole(part))
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -250,7 +253,7 @@ class RolloutDriver:
     # ---- failures ----------------------------------------------------------------------------
     def _busy(self, engine: int) -> bool:
         """Whether the engine has an open session holding turns (only those can hang)."""
-        return self.sessions[engine] is not None and any(t.engine == engine for t in self.turns.values())
+        return self.sessions[engine] is not None and self.held[engine] > 0
 
     def _failed(self, engine: int, err: Exception) -> None:
         """A dead engine is restarted; any other failure (raised inside it) ends the rollout."""
