@@ -24,6 +24,7 @@ ratio_tokens_per_s, ratio_per_repeat, ratio_median, limits.matmul_fp32_gflops, t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -45,7 +46,9 @@ import orz.rollout.fleet as fleet_module  # noqa: E402
 from orz.data.synthetic import arithmetic_rows  # noqa: E402
 from orz.rollout.driver import generate  # noqa: E402
 from orz.rollout.engine import SamplingConfig, VLLMEngine  # noqa: E402
-from orz.rollout.multiturn import MultiTurnRollout, TurnLimits  # noqa: E402
+from orz.rollout.agent_loop import TurnLimits  # noqa: E402
+from orz.rollout.envs import EnvLoop  # noqa: E402
+from orz.rollout.multiturn import MultiTurnRollout  # noqa: E402
 
 
 class TimedEngine(VLLMEngine):
@@ -94,7 +97,7 @@ class SlowTool:
 def run_multiturn(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
     limits = TurnLimits(max_turns=args.turns, max_new_tokens=args.turn_tokens, max_model_len=args.max_model_len,
                         max_observation_tokens=32, env_timeout_s=3600.0)
-    rollout = MultiTurnRollout(fleet, tokenizer, {"slow": SlowTool}, limits, env_threads=len(prompts))
+    rollout = MultiTurnRollout(fleet, tokenizer, {"slow": functools.partial(EnvLoop, SlowTool, [])}, limits, env_threads=len(prompts))
     sampling = SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed)
     busy = fleet.engines[0].busy_seconds.remote
     before, start = ray.get(busy()), time.perf_counter()

@@ -193,13 +193,14 @@ def _multi_turn(cli: CliConfig, fleet, tokenizer, benchmarks, model_dir: str):
     else the model's), the code reward's sandbox for the python tool."""
     from orz.config import CodeScoringConfig
     from orz.models.arch import read_hf_config
-    from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, make_envs, turn_stops
+    from orz.rollout.agent_loop import TurnLimits
+    from orz.rollout.multiturn import MultiTurnRollout, make_loops
 
     r = cli.rollout
     context = cli.max_model_len or read_hf_config(model_dir)["max_position_embeddings"]
     used = {r.env, *(row.env for b in benchmarks for row in b.problems)} - {""}
     limits = TurnLimits(r.max_turns, r.max_new_tokens, context, r.max_observation_tokens, r.env_timeout_s)
-    return MultiTurnRollout(fleet, tokenizer, make_envs(r, CodeScoringConfig(), used, tokenizer), limits, turn_stops(r))
+    return MultiTurnRollout(fleet, tokenizer, make_loops(r, CodeScoringConfig(), used, tokenizer), limits)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 tokens out of the actor's loss, refusals before start, and one tiny `orz train` run (python tool
 and a user environment by import path, side by side) whose dumps are checked token by token."""
 import ast
+import functools
 import json
 import os
+import queue
 import signal
 import string
 import sys
@@ -15,6 +17,7 @@ import torch
 from orz.config import ConfigError, RolloutConfig, load_config
 from orz.ppo.core_algos import actor_loss
 from orz.ppo.experience import experience_from_rollouts
+from orz.rollout.agent_loop import TurnLimits
 from orz.rollout.envs import StepResult, as_step_result
 from orz.rollout.python_tool import PYTHON_FUNCTION, PythonTool, ToolFormat, closed_block, prompt_tools, tool_format
 
@@ -310,15 +313,15 @@ PROMPT_MAX, TURN, OBSERVATION, TURNS, BUFFER = 64, 16, 8, 3, 64  # the longest b
 
 def _async_partial(tiny_run, tool_model, rows):
     """Overrides of a multi-turn run, asynchronous and partial, with the overlong penalty: Echo's
-    rows, three turns, two sequences decoded at a time (so that the update interrupts the batch
-    ahead mid-turn), a checkpoint every iteration."""
+    rows and a user's agent loop's (Reviser), three turns, two sequences decoded at a time (so that
+    the update interrupts the batch ahead mid-turn), a checkpoint every iteration."""
     def overrides(out):
         return [*tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
                 f"data.prompt_max_tokens={PROMPT_MAX}", "rollout.stop=[]", f"rollout.max_new_tokens={TURN}",
                 f"rollout.max_turns={TURNS}", f"rollout.max_observation_tokens={OBSERVATION}",
-                "rollout.envs={echo: 'turn_envs:Echo'}", "rollout.max_num_seqs=2",
+                "rollout.envs={echo: 'turn_envs:Echo', revise: 'turn_envs:Reviser'}", "rollout.max_num_seqs=2",
                 "reward.custom={digits: 'shaped_reward:digit_share'}",
-                "reward.weights={digits: 1.0, math: 0.0, echo: 0.5}", "trainer.max_staleness=1", "rollout.partial=true",
+                "reward.weights={digits: 1.0, math: 0.0, echo: 0.5, revise: 0.25}", "trainer.max_staleness=1", "rollout.partial=true",
                 f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false",
                 "trainer.keep_checkpoints=1", "trainer.keep_every=2"]
 
@@ -330,7 +333,7 @@ def async_tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
     from orz.train import run as train
 
     out = tmp_path_factory.mktemp("async_tools")
-    overrides = _async_partial(tiny_run, tool_model, _rows(out / "rows.jsonl", ["echo"] * 8))
+    overrides = _async_partial(tiny_run, tool_model, _rows(out / "rows.jsonl", ["echo"] * 6 + ["revise"] * 2))
     train(load_config(None, overrides(out / "whole")))
     return out / "whole", overrides
 
@@ -382,6 +385,33 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
             penalised += penalty < 0
     assert mixed > 0, "no model turn was continued across the update"  # the premise
     assert 0 < penalised < 48  # the premise: the penalty bound, and not on every sample
+
+
+@pytest.mark.slow
+def test_a_users_agent_loop_trains_asynchronously_with_its_own_observation_ids(async_tool_run, tool_model):
+    """The Reviser rows (rollout.envs names an agent loop: `async def run(sample)`) run the user's
+    loop in the same run: a turn, its token count as the loop's own observation ids, a second
+    turn, scored as the verifier says plus 0.25 × the loop's reward, and trained on exactly those
+    ids with the observation out of the loss."""
+    from orz.data.tokenizers import load_tokenizer
+
+    out, _ = async_tool_run
+    tokenizer, revised = load_tokenizer(tool_model), 0
+    for iteration in (1, 2, 3):
+        samples = out / "samples"
+        draws = [json.loads(line) for line in (samples / f"iter_{iteration:06d}_draws.jsonl").read_text().splitlines()]
+        trained = [json.loads(line) for line in (samples / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
+        for draw, record in zip([d for d in draws if d["kept"]], trained):
+            if draw["env"] != "revise":
+                continue
+            revised += 1
+            first, note, second = draw["turns"]
+            assert [t["origin"] for t in draw["turns"]] == ["model", "env", "model"]
+            assert note["ids"] == tokenizer.encode(f" {len(first['ids'])}:", add_special_tokens=False)
+            assert record["response_mask"] == [1.0] * len(first["ids"]) + [0.0] * len(note["ids"]) + [1.0] * len(second["ids"])
+            expected = digit_share(first["text"] + second["text"]) + 0.25 * digit_share(second["text"])
+            assert draw["score"] == pytest.approx(expected, abs=1e-6)
+    assert revised > 0  # the premise: the loop's rows were drawn and kept
 
 
 @pytest.mark.slow
@@ -458,53 +488,42 @@ class _Timed:
 
 
 class _AnswersAfter:
-    """An environment whose step answers `seconds` after it is called: done, nothing to observe."""
+    """An environment whose step answers after row["seconds"]: done, nothing to observe."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def reset(self, row):
+        self.seconds = row["seconds"]
 
     def step(self, turn_text):
         import time
 
         time.sleep(self.seconds)
-        self.answered = time.monotonic()
         return {"observation": None, "done": True}
 
 
-def test_an_answer_given_in_time_is_not_timed_out_by_a_loop_held_up_meanwhile():
-    """The loop itself can be held up past an environment's deadline (an engine's restart runs in
-    it): an answer that came within env_timeout_s is taken, one that came after it is a timeout.
-    The two steps below are called at once, answer after 0 s and 0.4 s (the deadline: 0.2 s), and
-    the loop looks at them only after 0.6 s."""
+def test_an_environment_past_env_timeout_s_scores_its_sample_0_and_holds_up_no_other():
+    """rollout.env_timeout_s = 0.2: of two samples whose environment answers after 0 s and after
+    0.4 s, the first ends as it said, the second with a timeout (scored 0) as soon as 0.2 s have
+    passed, without waiting for the answer (the sample's loop awaits it; no thread waits)."""
     import time
-    from types import SimpleNamespace
 
-    from orz.rollout.driver import RolloutDriver
-    from orz.rollout.engine import SamplingConfig
-    from orz.rollout.multiturn import Conversations, TurnLimits, env_scores
+    from orz.rollout.envs import EnvLoop
+    from orz.rollout.multiturn import env_scores
 
     limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
-    rollout = SimpleNamespace(env_threads=2, limits=limits)
-    run = Conversations(rollout, [([1, 2], {}, "answers"), ([3, 4], {}, "answers")], SamplingConfig(n=1))
-    fleet = SimpleNamespace(weight_version=0, num_engines=1, cfg=SimpleNamespace(request_timeout_s=60.0))
-    run.driver = driver = RolloutDriver(fleet, SamplingConfig(n=1))  # no engine session open: none can hang
-    envs = {key: _AnswersAfter(seconds) for key, seconds in ((0, 0.0), (1, 0.4))}
-    for key, env in envs.items():
-        run.instances[key] = env
-        run._call_env(key, "step", "")
-    deadlines = dict(run.deadlines)
-    time.sleep(0.6)
-    # the premise: one answered before its deadline, one after, and both before the loop looked
-    assert envs[0].answered <= deadlines[0] < deadlines[1] < envs[1].answered < time.monotonic()
-    driver._next_event(run)
-    driver._next_event(run)
+    run, driver = _stub_run(limits, [[1, 2], [3, 4]], [{"seconds": 0.0}, {"seconds": 0.4}],
+                            functools.partial(EnvLoop, _AnswersAfter, []))
+    for _ in range(2):
+        _model_says(run, driver.asked.get(timeout=5)[0], [5, 6])
+    asked_at = time.monotonic()
+    _until(run.finished)
+    assert 0.2 <= time.monotonic() - asked_at < 0.4  # the premise: the timeout bound, not the answer
     run.close()
     in_time, late = run.conversations[0], run.conversations[1]
-    assert in_time.env_error == ""
+    assert in_time.env_error == "" and in_time.model_turns == 1
     assert late.env_error == "timeout: no answer within rollout.env_timeout_s=0.2"
     # a sample whose environment timed out scores 0, whatever its verifier said
     assert env_scores([in_time, late], torch.tensor([1.0, 1.0]), {}).tolist() == [1.0, 0.0]
-    assert [[c.index for c in group] for group in run.ready()] == [[0], [1]]
+    assert sorted(c.index for group in run.ready() for c in group) == [0, 1]
 
 
 @pytest.mark.slow
@@ -518,7 +537,8 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
     from orz.data.tokenizers import load_tokenizer
     from orz.rollout.engine import SamplingConfig
     from orz.rollout.fleet import EngineFleet, FleetConfig
-    from orz.rollout.multiturn import MultiTurnRollout, TurnLimits, multiturn_metrics
+    from orz.rollout.envs import EnvLoop
+    from orz.rollout.multiturn import MultiTurnRollout, multiturn_metrics
 
     fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
                                                 request_timeout_s=15.0))  # an 8-token turn: < 1 s alone
@@ -526,7 +546,7 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
     try:
         tokenizer = load_tokenizer(tool_model)
         limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=4.0)
-        rollout = MultiTurnRollout(fleet, tokenizer, {"timed": _Timed}, limits)
+        rollout = MultiTurnRollout(fleet, tokenizer, {"timed": functools.partial(EnvLoop, _Timed, [])}, limits)
         sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
 
         def run(names):
@@ -590,22 +610,46 @@ def test_orz_eval_runs_rows_with_their_environment(ray_cluster, tool_model, tmp_
     assert calls > 0  # the premise: the python tool was called
 
 
-def _stub_run(limits, prompts):
-    """Multi-turn Conversations whose driver records the turns asked (key, context, seed,
-    max_tokens, stop), with no Ray and no environment threads: the test plays the model's turns
-    and the environment's answers itself."""
+class _Scripted:
+    """An environment that answers row["observations"] in turn, then is done."""
+
+    def reset(self, row):
+        self.observations = list(row["observations"])
+
+    def step(self, turn_text):
+        return {"observation": self.observations.pop(0) if self.observations else None, "done": False}
+
+
+class _StubDriver:
+    """Records the turns asked (key, context, seed, max_tokens, stop) and runs what the loops post
+    at once: no Ray and no engine; the test plays the model's turns itself (_model_says)."""
+
+    min_version = 0
+
+    def __init__(self):
+        self.asked = queue.Queue()
+
+    def call_soon(self, function):
+        function()
+
+    def ask(self, key, group, *request):
+        self.asked.put((key, *request))
+
+
+def _stub_run(limits, prompts, rows, loop):
+    """The multi-turn client (AgentLoops) of samples with one loop, on a stub driver."""
     from types import SimpleNamespace
 
     from orz.data.tokenizers import char_tokenizer
     from orz.rollout.engine import SamplingConfig
-    from orz.rollout.multiturn import Conversations
+    from orz.rollout.multiturn import AgentLoops
 
-    asked = []
-    rollout = SimpleNamespace(env_threads=0, limits=limits, tokenizer=char_tokenizer([string.digits + " ok:"]),
-                              stops={})
-    run = Conversations(rollout, [(p, {}, "e") for p in prompts], SamplingConfig(n=1))
-    run.driver = SimpleNamespace(min_version=0, ask=lambda key, group, *request: asked.append((key, *request)))
-    return run, asked
+    rollout = SimpleNamespace(env_threads=2, limits=limits, tokenizer=char_tokenizer([string.digits + " ok:"]),
+                              loops={"e": loop})
+    run = AgentLoops(rollout, [(p, row, "e") for p, row in zip(prompts, rows)], SamplingConfig(n=1))
+    driver = _StubDriver()
+    run.begin(driver)
+    return run, driver
 
 
 def _model_says(run, key, ids, finish_reason="stop"):
@@ -616,71 +660,137 @@ def _model_says(run, key, ids, finish_reason="stop"):
                                token_versions=[0] * len(ids)))
 
 
+def _until(condition, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def test_max_model_len_bounds_each_turn_and_ends_the_sample_that_reaches_it():
     """rollout.max_model_len = 12 with a 3-token prompt and turns of up to 4 tokens: a turn is asked
     for no more tokens than fit (12 − context), an observation that leaves no room ends the sample
     with "length" (≥: 3 + 4 + 5 = 12 ends it, 3 + 4 + 4 = 11 leaves one token), and a prompt that
     fills the context is never sent to the engine."""
-    from orz.rollout.envs import StepResult
-    from orz.rollout.multiturn import TurnLimits
+    from orz.rollout.envs import EnvLoop
 
     limits = TurnLimits(max_turns=5, max_new_tokens=4, max_model_len=12, max_observation_tokens=8, env_timeout_s=60)
-    run, asked = _stub_run(limits, [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1] * 12])
-    for key in range(4):
-        run._ask_model(key)
-    assert [request[3] for request in asked] == [4, 4, 4]  # min(4, 12 − 3): the bound not yet active
-    assert run._ready[0][0].finish_reason == "length" and run._ready[0][0].index == 3  # 12 tokens: nothing asked
+    rows = [{"observations": ["12", " 1"]}, {"observations": [" 123"]}, {"observations": [" 1234"]},
+            {"observations": []}]
+    run, driver = _stub_run(limits, [[1, 2, 3]] * 3 + [[1] * 12], rows, functools.partial(EnvLoop, _Scripted, []))
+    asked = sorted(driver.asked.get(timeout=5) for _ in range(3))
+    assert [request[0] for request in asked] == [0, 1, 2] and [request[3] for request in asked] == [4, 4, 4]
+    _until(lambda: run.left[3] == 0)  # 12 tokens: nothing asked
+    assert run.conversations[3].finish_reason == "length" and not run.conversations[3].turns
     tokenizer = run.r.tokenizer
     # sample 0: observation of 2 → context 9: the next turn is asked for 12 − 9 = 3 < max_new_tokens
     _model_says(run, 0, [5, 6, 7, 8])
-    run._after_step(0, StepResult("12", None, False))
-    assert asked[-1][0] == 0 and len(asked[-1][1]) == 9 and asked[-1][3] == 3
+    key, context, _, max_tokens, _ = driver.asked.get(timeout=5)
+    assert key == 0 and len(context) == 9 and max_tokens == 3
     _model_says(run, 0, [5, 6, 7], "length")  # context 12: nothing left
-    run._after_step(0, StepResult(" 1", None, False))
+    _until(lambda: run.left[0] == 0)
     c = run.conversations[0]
     assert c.finish_reason == "length" and c.turns[-1].origin == "model" and len(c.prompt_ids + c.response_ids) == 12
-    assert len(asked) == 4  # not asked again
     # samples 1 and 2 after a 4-token turn (context 7): an observation of 4 fits, one of 5 ends the sample
-    for key, observation in ((1, " 123"), (2, " 1234")):
+    for key in (1, 2):
         _model_says(run, key, [5, 6, 7, 8])
-        run._after_step(key, StepResult(observation, None, False))
-    assert asked[-1][0] == 1 and asked[-1][3] == 1 and len(asked[-1][1]) == 11
+    key, context, _, max_tokens, _ = driver.asked.get(timeout=5)
+    assert key == 1 and max_tokens == 1 and len(context) == 11
+    _until(lambda: run.left[2] == 0)
     two = run.conversations[2]
     assert two.finish_reason == "length" and two.turns[-1].origin == "model"
     assert len(tokenizer.encode(" 1234", add_special_tokens=False)) == 5  # the premise: 3 + 4 + 5 = 12
+    assert driver.asked.empty()  # sample 0 was not asked again
+    run.close()
 
 
 def test_an_observation_longer_than_max_observation_tokens_is_cut_to_it():
     """rollout.max_observation_tokens = 5: an environment's 11-token observation enters the
     conversation as its first 5 tokens, none of them in the loss, and the next turn's context
     holds exactly those."""
-    from orz.rollout.envs import StepResult
-    from orz.rollout.multiturn import TurnLimits
+    from orz.rollout.envs import EnvLoop
 
     limits = TurnLimits(max_turns=3, max_new_tokens=4, max_model_len=64, max_observation_tokens=5, env_timeout_s=60)
-    run, asked = _stub_run(limits, [[1, 2, 3]])
-    run._ask_model(0)
+    run, driver = _stub_run(limits, [[1, 2, 3]], [{"observations": [" 1234567890"]}],
+                            functools.partial(EnvLoop, _Scripted, []))
+    driver.asked.get(timeout=5)
     _model_says(run, 0, [5, 6, 7, 8])
     ids = run.r.tokenizer.encode(" 1234567890", add_special_tokens=False)
     assert len(ids) == 11 > 5  # the premise: the cut binds
-    run._after_step(0, StepResult(" 1234567890", None, False))
+    assert driver.asked.get(timeout=5)[1] == [1, 2, 3, 5, 6, 7, 8, *ids[:5]]
     c = run.conversations[0]
     assert c.turns[-1].ids == ids[:5] and c.turns[-1].text == run.r.tokenizer.decode(ids[:5])
     assert c.loss_mask == [1] * 4 + [0] * 5 and c.logprobs[-5:] == [0.0] * 5
-    assert asked[-1][1] == [1, 2, 3, 5, 6, 7, 8, *ids[:5]]
+    run.close()
+
+
+class _Reviser:
+    """A user's agent loop: a turn, a hint computed in a thread as observation ids, a second turn
+    with a stop string of its own, a reward; a row asking for it fails on purpose."""
+
+    async def run(self, sample):
+        first = await sample.generate()
+        if sample.row.get("fail"):
+            sample.fail("no hint for this one")
+        hint = await sample.call(lambda: f" {len(first.response_ids)}:")
+        sample.observe(sample.tokenizer.encode(hint, add_special_tokens=False))
+        await sample.generate(stop=["!"])
+        sample.reward += 0.5
+        sample.counts["hints"] = 1
+
+
+class _Raises:
+    async def run(self, sample):
+        raise ValueError("a bug in the loop")
+
+
+def test_a_users_agent_loop_asks_turns_as_ids_and_appends_its_own():
+    """An agent loop's turns are asked on the ids so far, from the sample's seed + t·2^20, with
+    its stop strings; its observation ids enter out of the loss; its reward and counts are the
+    sample's. sample.fail and an exception out of the loop score the sample 0 with what happened."""
+    from orz.rollout.agent_loop import TURN_SEED_STRIDE
+    from orz.rollout.multiturn import env_scores, multiturn_metrics
+
+    limits = TurnLimits(max_turns=3, max_new_tokens=4, max_model_len=64, max_observation_tokens=8, env_timeout_s=60)
+    run, driver = _stub_run(limits, [[1, 2, 3], [4, 5]], [{}, {"fail": True}], _Reviser)
+    first = sorted(driver.asked.get(timeout=5) for _ in range(2))
+    assert [(key, context, seed) for key, context, seed, _, _ in first] == [(0, [1, 2, 3], 0), (1, [4, 5], 1)]
+    _model_says(run, 1, [7])
+    _model_says(run, 0, [7, 8, 9])
+    hint = run.r.tokenizer.encode(" 3:", add_special_tokens=False)
+    key, context, seed, max_tokens, stop = driver.asked.get(timeout=5)
+    assert (key, context, seed, stop) == (0, [1, 2, 3, 7, 8, 9, *hint], TURN_SEED_STRIDE, ["!"])
+    _model_says(run, 0, [6])
+    _until(run.finished)
+    run.close()
+    done, failed = run.conversations[0], run.conversations[1]
+    assert done.response_ids == [7, 8, 9, *hint, 6] and done.loss_mask == [1, 1, 1, 0, 0, 0, 1]
+    assert done.logprobs == [-1.0] * 3 + [0.0] * 3 + [-1.0] and done.text == "xxxx"
+    assert (done.env_reward, done.counts, done.env_error) == (0.5, {"hints": 1}, "")
+    assert failed.env_error == "no hint for this one" and failed.model_turns == 1
+    assert env_scores([done, failed], torch.tensor([1.0, 1.0]), {"e": 2.0}).tolist() == [2.0, 0.0]
+    assert multiturn_metrics([done, failed])["rollout/env_errors"] == 1
+    run, driver = _stub_run(limits, [[1]], [{}], _Raises)
+    _until(run.finished)
+    run.close()
+    assert run.conversations[0].env_error == "ValueError: a bug in the loop" and driver.asked.empty()
 
 
 def test_turn_limits_and_the_python_tool_take_the_rollouts_settings():
     """The run's settings reach the driver's limits (TurnLimits.of, positional) and the python tool
-    (make_envs): a swap of two of them would pass every test that uses the defaults."""
+    (make_loops): a swap of two of them would pass every test that uses the defaults."""
     from orz.config import CodeScoringConfig
     from orz.data.tokenizers import char_tokenizer
-    from orz.rollout.multiturn import TurnLimits, make_envs
+    from orz.rollout.multiturn import make_loops
     from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
 
     rollout = RolloutConfig(env="python", max_turns=2, max_new_tokens=3, max_observation_tokens=40, env_timeout_s=7.0,
                             tool_timeout_s=0.5)
     assert TurnLimits.of(rollout, 11) == TurnLimits(2, 3, 11, 40, 7.0)
-    tool = make_envs(rollout, CodeScoringConfig(allow_weak_sandbox=True), {"python"}, char_tokenizer(["abc"]))["python"]()
+    loop = make_loops(rollout, CodeScoringConfig(allow_weak_sandbox=True), {"python"}, char_tokenizer(["abc"]))["python"]()
+    assert loop.stop == ["</code>"]  # a turn ends where a block closes
+    tool = loop.make()
     assert tool.limits.wall_s == 0.5
     assert tool.max_chars == 40 - len(OUTPUT_OPEN) - len(OUTPUT_CLOSE)

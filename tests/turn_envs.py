@@ -25,3 +25,16 @@ class Broken:
 
     def step(self, turn_text: str) -> dict:
         raise RuntimeError("broken on purpose")
+
+
+class Reviser:
+    """A user's agent loop, token in and token out: a model turn, then the count of its tokens as
+    observation ids (computed in a thread), then a second turn; it rewards the second turn's share
+    of digits."""
+
+    async def run(self, sample) -> None:
+        first = await sample.generate()
+        note = await sample.call(lambda: f" {len(first.response_ids)}:")
+        sample.observe(sample.tokenizer.encode(note, add_special_tokens=False))
+        second = await sample.generate()
+        sample.reward += digit_share(second.text)

@@ -35,7 +35,8 @@ from orz.rollout.driver import generate
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names
 from orz.rollout.fleet import EngineFleet
-from orz.rollout.multiturn import Conversation, MultiTurnRollout
+from orz.rollout.agent_loop import Conversation
+from orz.rollout.multiturn import MultiTurnRollout
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,12 @@ from orz.run import run_rules
 from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
 from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, Verdict, reward_metrics
+from orz.rollout.agent_loop import Conversation, TurnLimits
 from orz.rollout.driver import stream
 from orz.rollout.engine import Sample, SamplingConfig
 from orz.rollout.envs import env_names, envs_used
 from orz.rollout.fleet import EngineFleet
-from orz.rollout.multiturn import (
-    Conversation, MultiTurnRollout, TurnLimits, env_scores, make_envs, multiturn_metrics, turn_stops,
-)
+from orz.rollout.multiturn import MultiTurnRollout, env_scores, make_loops, multiturn_metrics
 from orz.rollout.python_tool import prompt_tools
 
 
@@ -75,9 +74,9 @@ class ExperienceBuilder:
             self.reward.close()
         self.reward = RewardRouter.from_config(cfg.reward, self.loader.rows, envs=env_names(cfg.rollout.envs))
         used = envs_used(cfg.rollout, self.loader.rows)
-        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, make_envs(cfg.rollout, cfg.reward.code, used, self.tokenizer),
-                                          TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True)),
-                                          turn_stops(cfg.rollout)) if used else None
+        limits = TurnLimits.of(cfg.rollout, run_rules.context_length(cfg, multi_turn=True))
+        loops = make_loops(cfg.rollout, cfg.reward.code, used, self.tokenizer)
+        self.multiturn = MultiTurnRollout(self.fleet, self.tokenizer, loops, limits) if used else None
 
     def build(self, iteration: int, min_version: int) -> tuple[Experience, dict]:
         """The batch of iteration `iteration` (an index from 0) from engines holding weights >=

@@ -9,10 +9,9 @@ A client asks for turns and hears each one end; the driver does the rest:
     client.begin(driver)             driver.ask(key, group, context ids, seed, max tokens, stop) per turn
     client.turn_ended(key, turn)     a turn's whole response (a Sample), asked again or not as it decides
     client.ready() / finished()      what the driver yields, and when it is done
-    client.deadline() / expire(now)  the client's own timers (an environment's timeout)
 
 `Batch` here is the single-turn client: every sample a conversation of one turn.
-orz.rollout.multiturn.Conversations is the multi-turn one; both reach the engines only through this.
+orz.rollout.multiturn.AgentLoops is the multi-turn one; both reach the engines only through this.
 
 Each engine runs one `serve` session at a time (VLLMEngine.serve). A turn goes to engine
 group mod engines (a prompt's samples share an engine and its prefix cache). The driver
@@ -63,13 +62,6 @@ class Client:
     def ready(self) -> list:
         ready, self._ready = self._ready, []
         return ready
-
-    def deadline(self) -> float | None:
-        """When `expire` next has work (None: never)."""
-        return None
-
-    def expire(self, now: float) -> None:
-        pass
 
 
 @dataclass
@@ -149,17 +141,15 @@ class RolloutDriver:
                     self.fleet.close_session(engine, session, abort=not client.finished())
 
     def _next_event(self, client: Client) -> None:
-        """Handles what arrived first; with nothing waiting, first the client's timers, the new
-        weights an interrupted engine waits for, and the engines past request_timeout_s. Never
-        the other way round: the loop may have been held up (a restart), and what is already
-        in the queue came in time."""
+        """Handles what arrived first; with nothing waiting, first the new weights an interrupted
+        engine waits for, and the engines past request_timeout_s. Never the other way round: the
+        loop may have been held up (a restart), and what is already in the queue came in time."""
         if self.events.empty():
-            client.expire(time.monotonic())
             self._resume_paused()
             self._watch_engines()
             self._flush()  # what they asked again
         try:
-            kind, who, value = self.events.get(timeout=self._wait_s(client))
+            kind, who, value = self.events.get(timeout=self._wait_s())
         except queue.Empty:
             return
         if kind == "call":
@@ -176,11 +166,10 @@ class RolloutDriver:
         else:
             self._failed(engine, value)
 
-    def _wait_s(self, client: Client) -> float | None:
-        """Until the client's next deadline, the next engine that may be declared hung, or the next poll."""
+    def _wait_s(self) -> float | None:
+        """Until the next engine that may be declared hung, or the next poll."""
         timeout = self.fleet.cfg.request_timeout_s
-        deadlines = [d for d in [client.deadline()] if d is not None]
-        deadlines += [self.heard[e] + timeout for e in range(len(self.sessions)) if self._busy(e)]
+        deadlines = [self.heard[e] + timeout for e in range(len(self.sessions)) if self._busy(e)]
         if self.paused_at is not None:
             deadlines.append(time.monotonic() + _POLL_S)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

@@ -5,18 +5,23 @@
     env.step(turn_text) -> StepResult | {"observation": str | None, "reward": float | None, "done": bool}
 
 `step` receives the text the engine decoded for the model's last turn (its stop string
-included), may block (it runs in a worker thread of the driver, bounded by rollout.env_timeout_s),
-and returns what the model reads next (None: nothing), a reward (summed over the sample's turns,
-None: 0) and whether the sample ends. A user's environment needs no import from orz: a plain dict
-is accepted. "python" names the built-in tool environment (python_tool.py).
+included), may block (it runs in a daemon thread, bounded by rollout.env_timeout_s), and returns
+what the model reads next (None: nothing), a reward (summed over the sample's turns, None: 0) and
+whether the sample ends. A user's environment needs no import from orz: a plain dict is
+accepted. "python" names the built-in tool environment (python_tool.py).
+
+An environment runs as an agent loop (EnvLoop; orz.rollout.agent_loop): a class in rollout.envs
+with an `async def run(sample)` is a loop of the user's own instead, run as it is.
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from orz.import_path import load_by_path
+from orz.rollout.agent_loop import AgentLoop, AgentSample, SampleFailed
 
 PYTHON = "python"  # reserved: the built-in python tool
 
@@ -60,6 +65,51 @@ def as_step_result(value: Any) -> StepResult:
     return StepResult(observation, None if reward is None else float(reward), bool(value["done"]))
 
 
-def load_env_class(name: str, spec: str) -> Callable[[], Environment]:
-    """The class `spec` ("package.module:Class") names; errors name the key, the path and the module."""
-    return load_by_path(f"rollout.envs.{name}", spec, "Class")
+class EnvLoop:
+    """An environment as an agent loop: reset(row), then a model turn and step(its text), each
+    observation appended, until the environment is done, observes nothing, or max_turns ends it.
+    What the environment raises fails the sample ("step: <error>")."""
+
+    def __init__(self, make: Callable[[], Environment], stop: list[str]):
+        self.make, self.stop = make, stop
+
+    async def run(self, sample: AgentSample) -> None:
+        env = await self._call(sample, "reset", self._reset, sample.row)
+        while True:
+            turn = await sample.generate(self.stop)
+            step = await self._call(sample, "step", lambda: as_step_result(env.step(turn.text)))
+            sample.reward += step.reward or 0.0
+            for name, count in step.counts.items():
+                sample.counts[name] = sample.counts.get(name, 0) + count
+            if step.done or step.observation is None or sample.model_turns >= sample.limits.max_turns:
+                return
+            sample.observe(sample.tokenizer.encode(step.observation, add_special_tokens=False))
+
+    def _reset(self, row: dict) -> Environment:
+        env = self.make()
+        env.reset(row)
+        return env
+
+    @staticmethod
+    async def _call(sample: AgentSample, method: str, function: Callable[..., Any], *args) -> Any:
+        try:
+            return await sample.call(function, *args)
+        except SampleFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - a user's environment: the sample scores 0
+            raise SampleFailed(f"{method}: {type(err).__name__}: {err}") from err
+
+
+def is_agent_loop(cls: type) -> bool:
+    """Whether a class in rollout.envs is an agent loop (an `async def run`) rather than an environment."""
+    return inspect.iscoroutinefunction(getattr(cls, "run", None))
+
+
+def load_env_class(name: str, spec: str) -> Callable[[], Environment | AgentLoop]:
+    """The class `spec` ("package.module:Class") names, an environment (reset and step) or an agent
+    loop (async run); errors name the key, the path and the module."""
+    cls = load_by_path(f"rollout.envs.{name}", spec, "Class")
+    if not is_agent_loop(cls) and not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
+        raise ValueError(f"rollout.envs.{name}: {spec!r} is neither an environment (methods reset and step) nor an "
+                         "agent loop (an 'async def run(self, sample)')")
+    return cls
