@@ -461,6 +461,8 @@ def _refusal(tmp_path, overrides):
 def test_refusals_before_start_name_the_keys(tmp_path):
     assert "cannot import module 'no_such_module'" in _refusal(tmp_path, ["rollout.envs.x=no_such_module:Env"])
     assert "no class 'Nope'" in _refusal(tmp_path, ["rollout.envs.x=turn_envs:Nope"])
+    assert ("rollout.envs.x: 'turn_envs:digit_share' is neither an environment (methods reset and step) nor an agent "
+            "loop") in _refusal(tmp_path, ["rollout.envs.x=turn_envs:digit_share"])
     assert "'python' is the built-in" in _refusal(tmp_path, ["rollout.envs.python=turn_envs:Echo"])
     assert "rollout.env='chess' names no environment" in _refusal(tmp_path, ["rollout.env=chess"])
     text = _refusal(tmp_path, ["rollout.env=python", "rollout.tool_timeout_s=60", "rollout.env_timeout_s=30"])
