@@ -19,7 +19,10 @@ long the engine had nothing to decode because every sample it held waited for a 
 Fields: bench, settings.smoke, settings.model.params, settings.latency.mean_s,
 multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac,
 synchronous.tokens, synchronous.seconds, synchronous.tokens_per_s, synchronous.engine_idle_frac,
-ratio_tokens_per_s, ratio_per_repeat, ratio_median, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
+ratio_tokens_per_s, ratio_per_repeat, ratio_median, bound.turn_alone_s, bound.critical_path_s,
+bound.ratio_per_repeat, bound.ratio_median (the critical-path bound on the ratio: the synchronous
+side's seconds over the longer of its engine work at full batch and the slowest sample's path, its
+tool calls in a row and its turns decoded alone), frac_of_bound, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ import ray
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args,
-    ray_session, set_threads,
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, median_seconds, param_count,
+    parse_args, ray_session, set_threads,
 )
 
 import orz.rollout.fleet as fleet_module  # noqa: E402
@@ -154,6 +157,8 @@ def main(args: argparse.Namespace) -> None:
             num_engines=1, engine_args=engine_args, kv_cache_gib=args.kv_cache_gib, sync_check="off"))
         try:
             generate(fleet, prompts[:4], SamplingConfig(max_new_tokens=8))  # warm-up
+            turn_alone_s = median_seconds(lambda: generate(fleet, prompts[:1], SamplingConfig(
+                max_new_tokens=args.turn_tokens)), repeats=3, warmup=0)
             # Interleaved, so that a change in the shared machine's load hits both sides alike.
             runs = {"multiturn": [], "synchronous": []}
             for _ in range(args.repeats):
@@ -173,6 +178,11 @@ def main(args: argparse.Namespace) -> None:
     multiturn, synchronous = side(runs["multiturn"]), side(runs["synchronous"])
     ratios = [(m["tokens"] / m["seconds"]) / (s["tokens"] / s["seconds"])
               for m, s in zip(runs["multiturn"], runs["synchronous"])]
+    # The critical-path bound: no schedule ends before its slowest sample (its tool calls, one after
+    # another, and its turns decoded alone) nor before the engine's work at full batch (what the
+    # synchronous side's steps took), so no schedule beats sync seconds / max of the two.
+    path_s = max(sum(draws[i * args.turns:(i + 1) * args.turns]) for i in range(args.prompts)) + args.turns * turn_alone_s
+    bounds = [s["seconds"] / max(path_s, s["busy_s"]) for s in runs["synchronous"]]
     emit({
         "bench": "multiturn",
         "settings": {
@@ -189,6 +199,9 @@ def main(args: argparse.Namespace) -> None:
         "ratio_tokens_per_s": multiturn["tokens_per_s"] / synchronous["tokens_per_s"],
         # each repeat's ratio (its two sides ran back to back), and their median: robust to load that moves
         "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
+        "bound": {"turn_alone_s": turn_alone_s, "critical_path_s": path_s, "ratio_per_repeat": bounds,
+                  "ratio_median": statistics.median(bounds)},
+        "frac_of_bound": statistics.median(ratios) / statistics.median(bounds),
         "limits": limits,
         "threads": threads,
         "machine": machine(),

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from orz.config import load_config
 from orz.models.checkpoint import read_megatron_meta
+from orz.ppo.trainer import RayPPOTrainer
 from orz.ppo.workers import WorkerGroup
 from orz.stopping import Stopped, StopSignals
 from orz.train import run as train
@@ -49,10 +50,11 @@ def _check_run(out, model, iterations, staleness=0):
 def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model, tiny_run, tmp_path, monkeypatch,
                                                         capsys):
     """Asynchronous (trainer.max_staleness=1): stopped by SIGUSR1 while starting, killed (SIGKILL of
-    the process group) inside iteration 3, resumed: the uninterrupted run's metrics exactly, and each
-    iteration's prompts (samples/iter_N_draws.jsonl) its own, none skipped or trained twice. A
-    SIGTERM while the resumed run, finished, shuts down still ends it as stopped, naming its
-    last checkpoint (not "while starting", as before 2026-12-05)."""
+    the process group) inside iteration 3, resumed and stopped by SIGTERM inside iteration 3 (its
+    update), resumed: the uninterrupted run's metrics exactly, and each iteration's prompts
+    (samples/iter_N_draws.jsonl) its own, none skipped or trained twice. A SIGTERM while the last
+    run, finished, shuts down still ends it as stopped, naming its last checkpoint (not "while
+    starting", as before 2026-12-05)."""
     whole = tmp_path / "whole"
     capsys.readouterr()
     train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1"]))
@@ -96,6 +98,21 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     assert f"orz: resumed from {killed / 'checkpoints/iter_000001'} at iteration 1" in console.read_text()
     assert latest.read_text() == "iter_000002"
     before = (killed / "metrics.jsonl").read_bytes()  # as the killed run left it
+
+    update = RayPPOTrainer._update
+
+    def signalled_in_update(self, experience):  # a SIGTERM inside iteration 3, its batch trained
+        os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, experience)
+
+    monkeypatch.setattr(RayPPOTrainer, "_update", signalled_in_update)
+    with pytest.raises(Stopped) as stopped:
+        train(load_config(None, overrides))  # resumes from iteration 2
+    assert str(stopped.value) == (f"stopped by SIGTERM after 2 iterations; the last checkpoint is "
+                                  f"{killed / 'checkpoints' / 'iter_000002'} (the same command resumes from it)")
+    assert (killed / "metrics.jsonl").read_bytes() == before and latest.read_text() == "iter_000002"
+    monkeypatch.setattr(RayPPOTrainer, "_update", update)
+    capsys.readouterr()
 
     caught = StopSignals.caught
 
