@@ -415,41 +415,59 @@ def test_a_users_agent_loop_trains_asynchronously_with_its_own_observation_ids(a
 
 
 @pytest.mark.slow
-def test_an_async_multiturn_run_stopped_inside_an_iteration_resumes_every_prompt_once(async_tool_run, tmp_path,
-                                                                                     capsys):
-    """SIGTERM inside an iteration of the run above (`orz train`'s main, in this process): it
-    exits 143 with its one line naming its last checkpoint. The same command resumes: the metrics
-    rows up to the checkpoint are kept byte for byte and the later ones written again, and every
-    iteration draws the uninterrupted run's prompts: none skipped, none trained twice (the
-    conversations in flight at the signal went with their batch, drawn again)."""
+def test_an_async_multiturn_run_killed_then_stopped_inside_iterations_resumes_every_prompt_once(
+        async_tool_run, ray_cluster, tmp_path, capsys):
+    """The run above, killed (SIGKILL of its process group) inside iteration 2, resumed (`orz
+    train`'s main, in this process) and stopped by SIGTERM inside iteration 3: it exits 143 with
+    its one line naming its last checkpoint. The same command resumes once more. After each
+    resume the metrics rows up to its checkpoint are kept byte for byte and the later ones written
+    again, and every iteration draws the uninterrupted run's prompts: none skipped, none trained
+    twice (the conversations in flight at the kill or the signal went with their batch, drawn again)."""
+    import subprocess
     import threading
     import time
 
     from orz.train import main, run as train
-    from run_history import prompts_by_iteration, resume_problems
+    from run_history import joined, kill_run, prompts_by_iteration, resume_problems
 
     whole, overrides = async_tool_run
     out = tmp_path / "stopped"
     latest = out / "checkpoints" / "latest"
 
-    def signal_in_iteration_2():  # its batch ahead generating
+    def written(checkpoint: str) -> bool:
+        return latest.exists() and latest.read_text() == checkpoint
+
+    console = tmp_path / "console.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(out), joined(ray_cluster)],
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
+    deadline = time.time() + 600
+    while not written("iter_000001"):
+        assert proc.poll() is None and time.time() < deadline, console.read_text()
+        time.sleep(0.05)
+    kill_run(proc)  # inside iteration 2: its batch ahead generating
+    assert written("iter_000001")
+    before = (out / "metrics.jsonl").read_bytes()
+
+    def signal_in_iteration_3():
         deadline = time.time() + 300
-        while not (latest.exists() and latest.read_text() == "iter_000001") and time.time() < deadline:
+        while not written("iter_000002") and time.time() < deadline:
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    signaller = threading.Thread(target=signal_in_iteration_2, daemon=True)
+    signaller = threading.Thread(target=signal_in_iteration_3, daemon=True)
     signaller.start()
     assert main(overrides(out)) == 143
     signaller.join()
-    checkpoint = int(latest.read_text()[len("iter_"):])
-    assert checkpoint < 3  # the premise: stopped before the end
-    stopped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orz: stopped")]
-    assert stopped == [f"orz: stopped by SIGTERM after {checkpoint} iterations; the last checkpoint is "
-                       f"{out / 'checkpoints' / latest.read_text()} (the same command resumes from it)"]
+    assert written("iter_000002")  # the premise: stopped before the end
+    out_console, err = capsys.readouterr()
+    assert not resume_problems(out, before, out_console, 1)
+    stopped = [line for line in err.splitlines() if line.startswith("orz: stopped")]
+    assert stopped == [f"orz: stopped by SIGTERM after 2 iterations; the last checkpoint is "
+                       f"{out / 'checkpoints' / 'iter_000002'} (the same command resumes from it)"]
     before = (out / "metrics.jsonl").read_bytes()
     train(load_config(None, overrides(out)))
-    assert not resume_problems(out, before, capsys.readouterr().out, checkpoint)
+    assert not resume_problems(out, before, capsys.readouterr().out, 2)
     assert prompts_by_iteration(out) == prompts_by_iteration(whole)
     assert len({p for prompts in prompts_by_iteration(whole) for p in prompts}) == 8  # the premise: 8 rows
 

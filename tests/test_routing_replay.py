@@ -150,8 +150,9 @@ def _replay_world(rank, world, path):
                                                 mb.experience.attention_mask.bool()[:, :, None].expand(-1, -1, layers))
                        for mb, chosen in zip(micro, engine.chosen_routes)).tolist()
     update = worker.train_actor([MiniBatch.of(rollout)], ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0))
+    continued = _continued_samples(worker, loss)
     pp = _pipelined(rank, world, path, replace(rollout, routed_experts=None))
-    return dict(pp=pp, 
+    return dict(pp=pp, continued=continued,
         recorded=recorded, free_routes=free_routes, own_under_replay=own_under_replay,
         used_under_replay=_by_micro_batch(used_under_replay, shapes, layers),
         used_in_update=_by_micro_batch(used_in_update, shapes, layers),
@@ -161,6 +162,72 @@ def _replay_world(rank, world, path):
         actor_engine_lp=actor_engine_lp, actor_same_weights_lp=actor_same_weights_lp,
         actor_off=actor_off, actor_metrics=update and update.metrics, expected_agreement=agree / total,
     )
+
+
+def _continued_samples(worker, loss):
+    """Samples of several engine requests, each request's routes recorded by Megatron's router as
+    the engine reports them (prompt included, the last token not routed) at that request's weight
+    version, a before an optimizer step and b after it, then joined by the rollout's own code: a
+    conversation (turn 1 at a, an observation, turn 2 at b: AgentSample.generate) and a turn
+    interrupted at a and continued at b (the driver's _Turn.whole). Replayed at b, each sample's
+    routes are its last request's, which cover every token (docs/mismatch.md)."""
+    import asyncio
+
+    from orz.models.inputs import ModelInputs
+    from orz.rollout.agent_loop import AgentSample, Conversation, TurnLimits
+    from orz.rollout.driver import _Turn
+    from orz.rollout.engine import Request, Sample
+    from orz.ppo.experience import experience_from_rollouts
+
+    engine, arch = worker.model, worker.model.arch
+    g = torch.Generator().manual_seed(7)  # the same samples on both ranks
+
+    def ids(n):
+        return torch.randint(3, arch.vocab_size, (n,), generator=g).tolist()
+
+    def engine_routes(tokens):  # vLLM's layout: (tokens − 1, hidden layers, K) uint8, dense layers 0
+        engine.model.eval()
+        with torch.no_grad():
+            engine.run([ModelInputs(torch.tensor([tokens]))], collect=lambda hidden, b: None)
+        chosen = engine.chosen_routes[0][0, :-1]  # (S − 1, moe layers, K)
+        routes = np.zeros((len(tokens) - 1, arch.num_layers, chosen.shape[-1]), dtype=np.uint8)
+        routes[:, list(arch.moe.layers)] = chosen.numpy()
+        return routes
+
+    def sample(prompt, response, routes=None):
+        return Sample(index=0, prompt_ids=prompt, response_ids=response, logprobs=[0.0] * len(response),
+                      finish_reason="stop", text="", weight_version=0, token_versions=[0] * len(response),
+                      routed_experts=routes)
+
+    prompt, turn_1, observation, turn_2 = ids(6), ids(6), ids(3), ids(5)  # the conversation
+    q, part_1, part_2 = ids(6), ids(5), ids(5)  # the turn continued
+    at_a = {"turn_1": engine_routes(prompt + turn_1), "whole": engine_routes(q + part_1 + part_2)}
+    engine.train_step([ModelInputs(torch.tensor([ids(9), ids(9)]))], loss)  # version b
+    turns = iter([sample(prompt, turn_1, at_a["turn_1"]),
+                  sample(prompt + turn_1 + observation, turn_2, engine_routes(prompt + turn_1 + observation + turn_2))])
+
+    async def ask(context, seed, max_tokens, stop):
+        return next(turns)
+
+    async def conversation_loop(conversation):
+        agent = AgentSample(conversation, {}, None, TurnLimits(3, 8, 64, 8, 60.0), 0, [], ask, None)
+        await agent.generate()
+        agent.observe(observation, text="")
+        await agent.generate()
+
+    conversation = Conversation(index=0, prompt_ids=prompt, response_ids=[], logprobs=[], finish_reason="", text="",
+                                weight_version=0)
+    asyncio.run(conversation_loop(conversation))
+    interrupted = _Turn(Request(1, q, 0, 8, ()), 0, parts=[vars(sample(q, part_1))])
+    continued = interrupted.whole(vars(sample(q + part_1, part_2, engine_routes(q + part_1 + part_2))))
+    exp = experience_from_rollouts([prompt, q], [conversation.response_ids, continued.response_ids],
+                                   routed_experts=[conversation.routed_experts, continued.routed_experts],
+                                   moe_layers=arch.moe.layers)
+    first_version = experience_from_rollouts([prompt, q], [conversation.response_ids, continued.response_ids],
+                                             routed_experts=[at_a["turn_1"], at_a["whole"]], moe_layers=arch.moe.layers)
+    return dict(routes=exp.routed_experts, attention=exp.attention_mask, response=conversation.response_ids,
+                expected_response=turn_1 + observation + turn_2, free=worker.logprobs(replace(exp, routed_experts=None)),
+                replayed=worker.logprobs(exp), first_version=worker.logprobs(first_version))
 
 
 def _pipelined(rank, world, path, rollout):
@@ -247,6 +314,27 @@ def test_routes_travel_with_the_experience_through_the_actors_micro_batches(repl
     assert len(agreement) == 2 and all(0 < a < 1 for a in agreement)  # the premise: one step off, routers disagree
     # each DP rank's figure: its real tokens' recorded experts that its routers, under replay, would choose too
     assert agreement == pytest.approx([r["expected_agreement"] for r in replay_ranks], rel=1e-6)
+
+
+def test_a_sample_of_several_requests_replays_its_last_requests_routes(replay_ranks):
+    """A conversation of two turns and a turn continued after an interrupt, their requests routed at
+    two weight versions: each sample carries its last request's routes, which cover every token
+    but the last, and replayed at that version they give the free forward's log-probs, where the
+    first request's routes (the other version's, and none past turn 1) would not."""
+    for r in replay_ranks:
+        c = r["continued"]
+        assert c["response"] == c["expected_response"]  # turn, observation ids, turn, as appended
+        covered = (c["routes"] >= 0).all(dim=-1).all(dim=-1)  # (B, S): every layer and k routed
+        lengths = c["attention"].sum(1)
+        for row, length in enumerate(lengths.tolist()):
+            assert covered[row, : length - 1].all() and not covered[row, length - 1:].any()
+    reported = [r["continued"] for r in replay_ranks if r["continued"]["free"] is not None]
+    assert len(reported) == 2  # each DP rank holds one of the two samples
+    for c in reported:
+        (_, free), (_, replayed) = c["free"], c["replayed"]
+        assert torch.allclose(replayed, free, atol=1e-5)
+    # the premise: the first request's routes (the other version's, none past turn 1) would change them
+    assert max((c["first_version"][1] - c["free"][1]).abs().max() for c in reported) > 1e-3
 
 
 def test_each_pipeline_stage_replays_its_own_moe_layer(replay_ranks):

@@ -354,7 +354,6 @@ def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layo
     ("moe", False, [], r"^rollout.routing_replay=true needs engines that report each token's experts \(vLLM's "
                        r"enable_return_routed_experts\), which vLLM runs on Model Runner V2 only"),
     ("moe", True, ["model.recompute=true"], r"^rollout.routing_replay=true with model.recompute=true"),
-    ("moe", True, ["rollout.partial=true", "trainer.max_staleness=1"], r"^rollout.routing_replay=true with rollout.partial"),
     ("moe", True, ["actor.pack=true"], r"^actor.pack=true with rollout.routing_replay=true: replayed routes are laid "),
 ])
 def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on_gpu, overrides, message, monkeypatch):
@@ -371,6 +370,9 @@ def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on
         run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
+    # samples of several requests replay their last one's routes (tests/test_routing_replay.py)
+    run_rules.check(load_config(None, ["rollout.routing_replay=true", "rollout.partial=true", "trainer.max_staleness=1",
+                                       "rollout.env=python"]), arch_from_dict(MOE_ARCH), on_gpu=True)
 
 
 def test_run_rules_roles_whitening_and_schedule_length():
