@@ -372,7 +372,8 @@ def test_routing_replay_is_refused_where_it_cannot_act_naming_the_key(family, on
     run_rules.check(load_config(None, ["rollout.routing_replay=true"]), arch_from_dict(MOE_ARCH), on_gpu=True)
     # samples of several requests replay their last one's routes (tests/test_routing_replay.py)
     run_rules.check(load_config(None, ["rollout.routing_replay=true", "rollout.partial=true", "trainer.max_staleness=1",
-                                       "rollout.env=python"]), arch_from_dict(MOE_ARCH), on_gpu=True)
+                                       "rollout.env=python", "rollout.max_turns=2", "rollout.max_new_tokens=256"]),
+                    arch_from_dict(MOE_ARCH), on_gpu=True)
 
 
 def test_run_rules_roles_whitening_and_schedule_length():
