@@ -16,7 +16,7 @@ a thousand samples wait on the engine or on their tools at once; only `call` may
 
     sample.generate(stop=())   the model's next turn (an engine Sample: response_ids, text,
                                finish_reason), asked on the ids so far, within max_new_tokens and
-                               max_model_len; seed + key + t·2^20 for its t-th turn
+                               max_model_len; seed + key + t·2^20 for its t-th turn; one at a time
     sample.observe(ids, text)  appends an observation, cut to max_observation_tokens
     sample.call(fn, *args)     fn(*args) in a daemon thread, within rollout.env_timeout_s
     sample.fail(reason)        the sample scores 0 (rollout/env_errors); so does an exception out of run
@@ -188,12 +188,14 @@ class AgentSample:
         alive); EnvTimeout past rollout.env_timeout_s, the call's wall time in env_seconds."""
         start = time.perf_counter()
         future = asyncio.wrap_future(self._threads.submit(function, *args))
-        try:
-            return await asyncio.wait_for(future, self.limits.env_timeout_s)
-        except asyncio.TimeoutError:
-            raise EnvTimeout(f"timeout: no answer within rollout.env_timeout_s={self.limits.env_timeout_s}") from None
+        try:  # asyncio.wait, not wait_for: a TimeoutError the call raises is its own, not a timeout
+            done, _ = await asyncio.wait({future}, timeout=self.limits.env_timeout_s)
         finally:
             self.conversation.env_seconds += time.perf_counter() - start
+        if not done:
+            future.cancel()
+            raise EnvTimeout(f"timeout: no answer within rollout.env_timeout_s={self.limits.env_timeout_s}")
+        return future.result()
 
     def fail(self, reason: str) -> None:
         raise SampleFailed(reason)

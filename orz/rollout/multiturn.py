@@ -117,7 +117,7 @@ class AgentLoops(Client):
         return not any(self.left.values())
 
     def turn_ended(self, key: int, turn: Sample) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.waiting.pop(key).set_result(turn))
+        self.loop.call_soon_threadsafe(self._answer, key, turn)
 
     def _end(self, key: int) -> None:
         """Ends a conversation; its group is ready once all of the prompt's n have ended."""
@@ -146,18 +146,27 @@ class AgentLoops(Client):
             c.finish_reason = end.reason
         except Exception as err:  # noqa: BLE001 - a user's loop or environment: the sample scores 0
             c.env_error = (str(err) if isinstance(err, SampleFailed) else f"{type(err).__name__}: {err}")[:300]
-            c.finish_reason = c.finish_reason or "stop"
+        c.finish_reason = c.finish_reason or "stop"  # (a loop that asked no turn)
         self.driver.call_soon(functools.partial(self._end, key))
 
     def _ask(self, key: int, group: int, context: list[int], seed: int, max_tokens: int,
              stop: list[str]) -> asyncio.Future:
+        if key in self.waiting:
+            raise RuntimeError("a sample asks one turn at a time: await each generate() before the next")
         self.waiting[key] = future = self.loop.create_future()
         self.driver.call_soon(functools.partial(self.driver.ask, key, group, context, seed, max_tokens, stop))
         return future
 
+    def _answer(self, key: int, turn: Sample) -> None:
+        future = self.waiting.pop(key, None)
+        if future is not None and not future.done():  # (done: cancelled, the rollout abandoned)
+            future.set_result(turn)
+
     def close(self) -> None:
         """Cancels the loops still running (an abandoned rollout) and stops the event loop."""
-        if self.loop.is_running():
+        if self.driver is None:  # never begun
+            self.loop.close()
+        else:
             def stop():
                 for task in asyncio.all_tasks(self.loop):
                     task.cancel()
