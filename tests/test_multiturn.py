@@ -473,14 +473,13 @@ def test_an_async_multiturn_run_killed_then_stopped_inside_iterations_resumes_ev
 
 
 # ---- the driver alone, on a fleet of one engine (what a benchmark drives): no barrier across
-# the batch, an environment past env_timeout_s, an engine killed mid-conversation.
+# the batch, an environment past env_timeout_s, an engine hung mid-conversation.
 class _Timed:
     """Three turns, an observation after each; each step of a "slow" row takes 3 s, of a "hang"
-    row 6 s (past env_timeout_s=4); the first step of a "kill" row kills the engine, of a "stop" row
-    stops it (SIGSTOP)."""
+    row 6 s (past env_timeout_s=4); the first step of a "stop" row stops the engine (SIGSTOP)."""
 
     log: list = []  # (row prompt, turn, time)
-    fleet, killed, stopped, pid = None, False, False, 0  # pid: the engine's, read before (a call would queue behind serve)
+    stopped, pid = False, 0  # pid: the engine's, read before (a call would queue behind serve)
 
     def reset(self, row):
         self.prompt, self.turns = row["prompt"], 0
@@ -488,16 +487,11 @@ class _Timed:
     def step(self, turn_text):
         import time
 
-        import ray
-
         self.turns += 1
         if self.prompt == "slow":
             time.sleep(3.0)
         if self.prompt == "hang":
             time.sleep(6.0)
-        if self.prompt == "kill" and not _Timed.killed:  # once: the first kill row's first step
-            _Timed.killed = True
-            ray.kill(_Timed.fleet.engines[0], no_restart=True)
         if self.prompt == "stop" and not _Timed.stopped:  # hangs the engine (alive, silent)
             _Timed.stopped = True
             os.kill(_Timed.pid, signal.SIGSTOP)
@@ -520,21 +514,21 @@ class _AnswersAfter:
 
 def test_an_environment_past_env_timeout_s_scores_its_sample_0_and_holds_up_no_other():
     """rollout.env_timeout_s = 0.2: of two samples whose environment answers after 0 s and after
-    0.4 s, the first ends as it said, the second with a timeout (scored 0) as soon as 0.2 s have
-    passed, without waiting for the answer (the sample's loop awaits it; no thread waits)."""
+    1 s, the first ends as it said, the second with a timeout (scored 0) once 0.2 s have passed,
+    without waiting for the answer (the sample's loop awaits it; no thread waits)."""
     import time
 
     from orz.rollout.envs import EnvLoop
     from orz.rollout.multiturn import env_scores
 
     limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
-    run, driver = _stub_run(limits, [[1, 2], [3, 4]], [{"seconds": 0.0}, {"seconds": 0.4}],
+    run, driver = _stub_run(limits, [[1, 2], [3, 4]], [{"seconds": 0.0}, {"seconds": 1.0}],
                             functools.partial(EnvLoop, _AnswersAfter, []))
     for _ in range(2):
         _model_says(run, driver.asked.get(timeout=5)[0], [5, 6])
     asked_at = time.monotonic()
     _until(run.finished)
-    assert 0.2 <= time.monotonic() - asked_at < 0.4  # the premise: the timeout bound, not the answer
+    assert 0.2 <= time.monotonic() - asked_at < 0.9  # the premise: the timeout bound, not the answer
     run.close()
     in_time, late = run.conversations[0], run.conversations[1]
     assert in_time.env_error == "" and in_time.model_turns == 1
@@ -546,8 +540,9 @@ def test_an_environment_past_env_timeout_s_scores_its_sample_0_and_holds_up_no_o
 
 @pytest.mark.slow
 def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray_cluster, tool_model):
-    """No barrier across the batch; an environment past env_timeout_s scores 0; an engine that dies
-    or hangs mid-conversation is restarted and its conversations go on."""
+    """No barrier across the batch; an environment past env_timeout_s scores 0; an engine that hangs
+    mid-conversation is restarted and its conversations go on. (An engine that dies: the same
+    driver's restart, tests/test_rollout.py.)"""
     import time
 
     import ray
@@ -559,8 +554,7 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
     from orz.rollout.multiturn import MultiTurnRollout, multiturn_metrics
 
     fleet = EngineFleet(tool_model, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
-                                                request_timeout_s=15.0))  # an 8-token turn: < 1 s alone
-    _Timed.fleet = fleet
+                                                request_timeout_s=10.0))  # an 8-token turn: < 1 s alone
     try:
         tokenizer = load_tokenizer(tool_model)
         limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=4.0)
@@ -578,14 +572,11 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
         assert all(c.env_error.startswith("timeout") and c.model_turns == 1 for c in ended["hang"][1])
         metrics = multiturn_metrics([c for _, group in ended.values() for c in group])
         assert metrics["rollout/env_errors"] == metrics["rollout/env_timeouts"] == 2
-        ended |= run(["kill"])  # the engine dies at the first step: restarted, the conversations go on
-        assert fleet.metrics["rollout/engine_restarts"] == 1
         _Timed.pid = ray.get(fleet.engines[0].pid.remote())
         ended |= run(["stop"])  # the engine hangs: after request_timeout_s without a turn, restarted
-        assert fleet.metrics["rollout/engine_restarts"] == 2
-        survived = {name: [(c.model_turns, c.env_error, c.finish_reason) for c in ended[name][1]]
-                    for name in ("kill", "stop")}
-        assert all(turns == 3 and not error for runs in survived.values() for turns, error, _ in runs), survived
+        assert fleet.metrics["rollout/engine_restarts"] == 1
+        survived = [(c.model_turns, c.env_error, c.finish_reason) for c in ended["stop"][1]]
+        assert all(turns == 3 and not error for turns, error, _ in survived), survived
         for _, group in ended.values():
             for c in group:
                 assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask)
