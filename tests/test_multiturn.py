@@ -515,27 +515,33 @@ class _AnswersAfter:
 def test_an_environment_past_env_timeout_s_scores_its_sample_0_and_holds_up_no_other():
     """rollout.env_timeout_s = 0.2: of two samples whose environment answers after 0 s and after
     1 s, the first ends as it said, the second with a timeout (scored 0) once 0.2 s have passed,
-    without waiting for the answer (the sample's loop awaits it; no thread waits)."""
+    without waiting for the answer (the sample's loop awaits it; no thread waits), and while a
+    third sample's turn is held by the driver (as an interrupt holds it until the new weights)."""
     import time
 
     from orz.rollout.envs import EnvLoop
     from orz.rollout.multiturn import env_scores
 
     limits = TurnLimits(max_turns=3, max_new_tokens=8, max_model_len=256, max_observation_tokens=8, env_timeout_s=0.2)
-    run, driver = _stub_run(limits, [[1, 2], [3, 4]], [{"seconds": 0.0}, {"seconds": 1.0}],
+    run, driver = _stub_run(limits, [[1, 2], [3, 4], [5]], [{"seconds": 0.0}, {"seconds": 1.0}, {"seconds": 0.0}],
                             functools.partial(EnvLoop, _AnswersAfter, []))
-    for _ in range(2):
-        _model_says(run, driver.asked.get(timeout=5)[0], [5, 6])
+    asked = sorted(driver.asked.get(timeout=5)[0] for _ in range(3))
+    assert asked == [0, 1, 2]
+    for key in (0, 1):
+        _model_says(run, key, [5, 6])
     asked_at = time.monotonic()
-    _until(run.finished)
+    _until(lambda: not run.left[0] and not run.left[1])
     assert 0.2 <= time.monotonic() - asked_at < 0.9  # the premise: the timeout bound, not the answer
+    assert run.left[2] == 1  # still waiting for its turn
+    _model_says(run, 2, [7])
+    _until(run.finished)
     run.close()
     in_time, late = run.conversations[0], run.conversations[1]
     assert in_time.env_error == "" and in_time.model_turns == 1
     assert late.env_error == "timeout: no answer within rollout.env_timeout_s=0.2"
     # a sample whose environment timed out scores 0, whatever its verifier said
     assert env_scores([in_time, late], torch.tensor([1.0, 1.0]), {}).tolist() == [1.0, 0.0]
-    assert sorted(c.index for group in run.ready() for c in group) == [0, 1]
+    assert sorted(c.index for group in run.ready() for c in group) == [0, 1, 2]
 
 
 @pytest.mark.slow
