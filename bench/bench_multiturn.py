@@ -16,13 +16,15 @@ never at the same time.
 The engine's idle fraction is 1 − (seconds inside vLLM's engine step, with requests) / wall: how
 long the engine had nothing to decode because every sample it held waited for a tool.
 
+The critical-path bound on the ratio (bound.*): the synchronous side's seconds over the longer of
+its engine work at full batch and the slowest sample's path (its tool calls in a row, its turns
+decoded alone: turn_alone_s each); frac_of_bound is the ratio's median over the bound's.
+
 Fields: bench, settings.smoke, settings.model.params, settings.latency.mean_s,
 multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac,
 synchronous.tokens, synchronous.seconds, synchronous.tokens_per_s, synchronous.engine_idle_frac,
 ratio_tokens_per_s, ratio_per_repeat, ratio_median, bound.turn_alone_s, bound.critical_path_s,
-bound.ratio_per_repeat, bound.ratio_median (the critical-path bound on the ratio: the synchronous
-side's seconds over the longer of its engine work at full batch and the slowest sample's path, its
-tool calls in a row and its turns decoded alone), frac_of_bound, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
+bound.ratio_per_repeat, bound.ratio_median, frac_of_bound, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
 
