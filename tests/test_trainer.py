@@ -23,7 +23,7 @@ from orz.models.checkpoint import read_megatron_meta
 from orz.ppo.trainer import RayPPOTrainer
 from orz.ppo.workers import WorkerGroup
 from orz.stopping import Stopped, StopSignals
-from orz.train import run as train
+from orz.train import main, run as train
 from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, prompts_by_iteration, \
     ray_sessions, resume_problems, title
 
@@ -106,13 +106,13 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
         return update(self, experience)
 
     monkeypatch.setattr(RayPPOTrainer, "_update", signalled_in_update)
-    with pytest.raises(Stopped) as stopped:
-        train(load_config(None, overrides))  # resumes from iteration 2
-    assert str(stopped.value) == (f"stopped by SIGTERM after 2 iterations; the last checkpoint is "
-                                  f"{killed / 'checkpoints' / 'iter_000002'} (the same command resumes from it)")
+    capsys.readouterr()
+    assert main(overrides) == 143  # `orz train`, in this process: resumes from iteration 2
+    stopped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orz: stopped")]
+    assert stopped == [f"orz: stopped by SIGTERM after 2 iterations; the last checkpoint is "
+                       f"{killed / 'checkpoints' / 'iter_000002'} (the same command resumes from it)"]
     assert (killed / "metrics.jsonl").read_bytes() == before and latest.read_text() == "iter_000002"
     monkeypatch.setattr(RayPPOTrainer, "_update", update)
-    capsys.readouterr()
 
     caught = StopSignals.caught
 
