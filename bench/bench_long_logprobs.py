@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-gib", type=float, default=18.0, help="address-space limit of the whole-logits path")
     parser.add_argument("--worker", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
-    args = parse_args(parser, {"hidden": 64, "vocab": 1000, "tokens": [128, 256, 512, 2048], "repeats": 1}, argv)
+    args = parse_args(parser, {"hidden": 64, "vocab": 1000, "tokens": [128, 2048], "repeats": 1}, argv)
     chunk = args.chunk_tokens or default_chunk_tokens(args.vocab)
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.hidden, args.vocab, chunk, args.repeats,
