@@ -37,8 +37,6 @@ demo: install
 # engine, a run) and the workers fill each other's idle time (a run's single-threaded phases, its
 # timeouts). Each worker has its own Ray cluster (conftest.ray_cluster). xdist sends the files out
 # by their number of tests: the long runs start mid-way (orders that sent them first were slower).
-# test_role_errors.py is a file of its own: inside test_trainer.py, the longest file, it ended the
-# run on one worker while the other stood idle (at half the CPU the CPU work decides the time anyway).
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 test: install
