@@ -14,15 +14,20 @@ only model tokens are counted. Both sides run the one engine (one OMP thread) in
 never at the same time.
 
 The engine's idle fraction is 1 − (seconds inside vLLM's engine step, with requests) / wall: how
-long the engine had nothing to decode because every sample it held waited for a tool.
+long the engine had nothing to decode because every sample it held waited for a tool. Each side
+also reports its engine steps per run, the requests each step held on average, and the seconds a
+step took: samples that advance on their own are decoded in more, smaller steps, and each step
+costs a fixed part (docs/performance.md). Every run starts with an empty prefix cache.
 
 The critical-path bound on the ratio (bound.*): the synchronous side's seconds over the longer of
 its engine work at full batch and the slowest sample's path (its tool calls in a row, its turns
 decoded alone: turn_alone_s each); frac_of_bound is the ratio's median over the bound's.
 
 Fields: bench, settings.smoke, settings.model.params, settings.latency.mean_s,
-multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac,
-synchronous.tokens, synchronous.seconds, synchronous.tokens_per_s, synchronous.engine_idle_frac,
+multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_idle_frac, multiturn.engine_steps,
+multiturn.requests_per_step, multiturn.seconds_per_step, synchronous.tokens, synchronous.seconds,
+synchronous.tokens_per_s, synchronous.engine_idle_frac, synchronous.engine_steps, synchronous.requests_per_step,
+synchronous.seconds_per_step,
 ratio_tokens_per_s, ratio_per_repeat, ratio_median, bound.turn_alone_s, bound.critical_path_s,
 bound.ratio_per_repeat, bound.ratio_median, frac_of_bound, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
 """
@@ -57,24 +62,30 @@ from orz.rollout.multiturn import MultiTurnRollout  # noqa: E402
 
 
 class TimedEngine(VLLMEngine):
-    """The fleet's engine, counting the seconds vLLM's step loop spends with requests to decode."""
+    """The fleet's engine, counting vLLM's engine steps, the requests each held and the seconds
+    they took."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         engine, step = self.llm.llm_engine, self.llm.llm_engine.step
-        self.busy_s = 0.0
+        self.counted = {"busy_s": 0.0, "steps": 0, "held": 0}
 
         def timed_step(*a, **k):
-            start = time.perf_counter()
+            held, start = engine.get_num_unfinished_requests(), time.perf_counter()
             try:
                 return step(*a, **k)
             finally:
-                self.busy_s += time.perf_counter() - start
+                self.counted["busy_s"] += time.perf_counter() - start
+                self.counted["steps"] += 1
+                self.counted["held"] += held
 
         engine.step = timed_step  # shadows the method on this instance only
 
-    def busy_seconds(self) -> float:
-        return self.busy_s
+    def counters(self) -> dict:
+        return dict(self.counted)
+
+    def empty_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 def latency(seed: int, sample: int, turn: int, alpha: float, low: float, cap: float) -> float:
@@ -104,12 +115,12 @@ def run_multiturn(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
                         max_observation_tokens=32, env_timeout_s=3600.0)
     rollout = MultiTurnRollout(fleet, tokenizer, {"slow": functools.partial(EnvLoop, SlowTool, [])}, limits, env_threads=len(prompts))
     sampling = SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed)
-    busy = fleet.engines[0].busy_seconds.remote
-    before, start = ray.get(busy()), time.perf_counter()
-    groups = list(rollout.stream([(p, {"sample": i}, "slow") for i, p in enumerate(prompts)], sampling))
-    seconds = time.perf_counter() - start
-    tokens = sum(sum(c.loss_mask) for group in groups for c in group)
-    return {"tokens": tokens, "seconds": seconds, "busy_s": ray.get(busy()) - before}
+
+    def run() -> int:
+        groups = list(rollout.stream([(p, {"sample": i}, "slow") for i, p in enumerate(prompts)], sampling))
+        return sum(sum(c.loss_mask) for group in groups for c in group)
+
+    return measured(fleet, run)
 
 
 def run_synchronous(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
@@ -119,21 +130,35 @@ def run_synchronous(fleet, tokenizer, prompts: list[list[int]], args) -> dict:
     for i in range(len(prompts)):
         tools.append(SlowTool())
         tools[-1].reset({"sample": i})
-    contexts, tokens, live = [list(p) for p in prompts], 0, list(range(len(prompts)))
-    busy = fleet.engines[0].busy_seconds.remote
-    before, start = ray.get(busy()), time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        for turn in range(args.turns):
-            samples = generate(fleet, [contexts[i] for i in live],
-                               SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed + turn))
-            for i, sample in zip(live, samples):
-                contexts[i] += sample.response_ids
-                tokens += len(sample.response_ids)
-            answers = list(pool.map(lambda i: tools[i].step(""), live))  # the barrier: the slowest call
-            for i, answer in zip(live, answers):
-                contexts[i] += tokenizer.encode(answer["observation"], add_special_tokens=False)
-            live = [i for i, answer in zip(live, answers) if not answer["done"]]
-    return {"tokens": tokens, "seconds": time.perf_counter() - start, "busy_s": ray.get(busy()) - before}
+
+    def run() -> int:
+        contexts, tokens, live = [list(p) for p in prompts], 0, list(range(len(prompts)))
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for turn in range(args.turns):
+                samples = generate(fleet, [contexts[i] for i in live],
+                                   SamplingConfig(max_new_tokens=args.turn_tokens, n=1, seed=args.seed + turn))
+                for i, sample in zip(live, samples):
+                    contexts[i] += sample.response_ids
+                    tokens += len(sample.response_ids)
+                answers = list(pool.map(lambda i: tools[i].step(""), live))  # the barrier: the slowest call
+                for i, answer in zip(live, answers):
+                    contexts[i] += tokenizer.encode(answer["observation"], add_special_tokens=False)
+                live = [i for i, answer in zip(live, answers) if not answer["done"]]
+        return tokens
+
+    return measured(fleet, run)
+
+
+def measured(fleet, run) -> dict:
+    """run()'s model tokens, its seconds, and the engine's counters over it. The prefix cache is
+    emptied first: every repeat asks for the same tokens, and none may find the last one's KV."""
+    engine = fleet.engines[0]
+    ray.get(engine.empty_prefix_cache.remote())
+    before, start = ray.get(engine.counters.remote()), time.perf_counter()
+    tokens = run()
+    seconds = time.perf_counter() - start
+    after = ray.get(engine.counters.remote())
+    return {"tokens": tokens, "seconds": seconds, **{k: after[k] - before[k] for k in after}}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -172,9 +197,10 @@ def main(args: argparse.Namespace) -> None:
 
     def side(repeats: list[dict]) -> dict:
         tokens, seconds = sum(r["tokens"] for r in repeats), sum(r["seconds"] for r in repeats)
-        busy = sum(r["busy_s"] for r in repeats)
+        busy, steps = sum(r["busy_s"] for r in repeats), sum(r["steps"] for r in repeats)
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "engine_idle_frac": max(0.0, 1 - busy / seconds),
+                "engine_idle_frac": max(0.0, 1 - busy / seconds), "engine_steps": steps / len(repeats),
+                "requests_per_step": sum(r["held"] for r in repeats) / steps, "seconds_per_step": busy / steps,
                 "frac_matmul_limit": tokens / seconds * 2 * params / (limits["matmul_fp32_gflops"] * 1e9)}
 
     multiturn, synchronous = side(runs["multiturn"]), side(runs["synchronous"])
