@@ -85,7 +85,8 @@ class TimedEngine(VLLMEngine):
         return dict(self.counted)
 
     def empty_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache: a request was still running")
 
 
 def latency(seed: int, sample: int, turn: int, alpha: float, low: float, cap: float) -> float:
