@@ -8,7 +8,9 @@ The turn-synchronous loop is what a naive implementation does: every turn, gener
 next turn in one call, then run every sample's tool call at once (a thread each, as orz does) and
 wait for the slowest before the next turn. Tool latencies are heavy-tailed: Pareto with shape
 `--alpha` and minimum `--latency-min-s`, capped at `--latency-cap-s`, drawn per (sample, turn)
-from one seed, so both sides wait for exactly the same calls. The model is a random Llama without
+from one seed, so both sides wait for exactly the same calls. One draw of a heavy tail decides much
+of the result (the slowest sample's calls): `--vary-latency` gives repeat r the draws of seed + r,
+both sides alike, so that the median is over draws as well as runs. The model is a random Llama without
 EOS (common.char_llama): every model turn is exactly `--turn-tokens` tokens on both sides, and
 only model tokens are counted. Both sides run the one engine (one OMP thread) in its Ray actor,
 never at the same time.
@@ -28,7 +30,7 @@ multiturn.tokens, multiturn.seconds, multiturn.tokens_per_s, multiturn.engine_id
 multiturn.requests_per_step, multiturn.seconds_per_step, synchronous.tokens, synchronous.seconds,
 synchronous.tokens_per_s, synchronous.engine_idle_frac, synchronous.engine_steps, synchronous.requests_per_step,
 synchronous.seconds_per_step,
-ratio_tokens_per_s, ratio_per_repeat, ratio_median, bound.turn_alone_s, bound.critical_path_s,
+ratio_tokens_per_s, ratio_per_repeat, ratio_median, bound.turn_alone_s, bound.critical_path_s_per_repeat,
 bound.ratio_per_repeat, bound.ratio_median, frac_of_bound, limits.matmul_fp32_gflops, threads.torch_threads, machine.cpu, machine.vector_flags.
 """
 from __future__ import annotations
@@ -167,10 +169,11 @@ def main(args: argparse.Namespace) -> None:
     limit_sizes = SMOKE_LIMITS if args.smoke else {}
     limits_before = machine_limits(**limit_sizes)
     rows = arithmetic_rows(args.prompts, seed=args.seed)
-    SlowTool.settings = {"seed": args.seed, "alpha": args.alpha, "low": args.latency_min_s, "cap": args.latency_cap_s,
-                         "turns": args.turns}
-    draws = [latency(args.seed, i, t, args.alpha, args.latency_min_s, args.latency_cap_s)
-             for i in range(args.prompts) for t in range(args.turns)]
+    SlowTool.settings = {"alpha": args.alpha, "low": args.latency_min_s, "cap": args.latency_cap_s, "turns": args.turns}
+    latency_seeds = [args.seed + r if args.vary_latency else args.seed for r in range(args.repeats)]
+    draws = {seed: [[latency(seed, i, t, args.alpha, args.latency_min_s, args.latency_cap_s) for t in range(args.turns)]
+                    for i in range(args.prompts)] for seed in latency_seeds}
+    every_draw = [d for seed in latency_seeds for sample in draws[seed] for d in sample]
 
     with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] + "<output>42</output>" for r in rows],
@@ -189,7 +192,8 @@ def main(args: argparse.Namespace) -> None:
                 max_new_tokens=args.turn_tokens)), repeats=3, warmup=0)
             # Interleaved, so that a change in the shared machine's load hits both sides alike.
             runs = {"multiturn": [], "synchronous": []}
-            for _ in range(args.repeats):
+            for seed in latency_seeds:
+                SlowTool.settings["seed"] = seed
                 runs["synchronous"].append(run_synchronous(fleet, tokenizer, prompts, args))
                 runs["multiturn"].append(run_multiturn(fleet, tokenizer, prompts, args))
         finally:
@@ -210,8 +214,8 @@ def main(args: argparse.Namespace) -> None:
     # The critical-path bound: no schedule ends before its slowest sample (its tool calls, one after
     # another, and its turns decoded alone) nor before the engine's work at full batch (what the
     # synchronous side's steps took), so no schedule beats sync seconds / max of the two.
-    path_s = max(sum(draws[i * args.turns:(i + 1) * args.turns]) for i in range(args.prompts)) + args.turns * turn_alone_s
-    bounds = [s["seconds"] / max(path_s, s["busy_s"]) for s in runs["synchronous"]]
+    paths_s = [max(map(sum, draws[seed])) + args.turns * turn_alone_s for seed in latency_seeds]
+    bounds = [s["seconds"] / max(path_s, s["busy_s"]) for s, path_s in zip(runs["synchronous"], paths_s)]
     emit({
         "bench": "multiturn",
         "settings": {
@@ -219,8 +223,9 @@ def main(args: argparse.Namespace) -> None:
             "repeats": args.repeats,
             "model": {"params": params, "hidden": args.hidden, "layers": args.layers, "dtype": "float32", "eos": None},
             "latency": {"dist": "pareto", "alpha": args.alpha, "min_s": args.latency_min_s, "cap_s": args.latency_cap_s,
-                        "mean_s": float(np.mean(draws)), "p50_s": float(np.median(draws)),
-                        "p99_s": float(np.percentile(draws, 99)), "max_s": max(draws)},
+                        "seeds": latency_seeds, "mean_s": float(np.mean(every_draw)),
+                        "p50_s": float(np.median(every_draw)), "p99_s": float(np.percentile(every_draw, 99)),
+                        "max_s": max(every_draw)},
             "vllm": {"engines": 1, "omp_threads": 1, "engine_args": engine_args},
         },
         "multiturn": multiturn,
@@ -228,7 +233,7 @@ def main(args: argparse.Namespace) -> None:
         "ratio_tokens_per_s": multiturn["tokens_per_s"] / synchronous["tokens_per_s"],
         # each repeat's ratio (its two sides ran back to back), and their median: robust to load that moves
         "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
-        "bound": {"turn_alone_s": turn_alone_s, "critical_path_s": path_s, "ratio_per_repeat": bounds,
+        "bound": {"turn_alone_s": turn_alone_s, "critical_path_s_per_repeat": paths_s, "ratio_per_repeat": bounds,
                   "ratio_median": statistics.median(bounds)},
         "frac_of_bound": statistics.median(ratios) / statistics.median(bounds),
         "limits": limits,
@@ -246,6 +251,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-min-s", type=float, default=0.1)
     p.add_argument("--latency-cap-s", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vary-latency", action="store_true",
+                   help="repeat r draws its tool latencies from seed + r (by default every repeat waits for seed's draws)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
