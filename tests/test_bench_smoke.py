@@ -24,6 +24,7 @@ BENCHES = sorted(path.stem.removeprefix("bench_") for path in (REPO / "bench").g
 LANES = [["e2e", "async"], [name for name in BENCHES if name not in ("e2e", "async")]]
 NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn"}
 NEEDS_BASE = {"e2e", "async"}
+SMOKE_ARGS = {"multiturn": ["--vary-latency", "--repeats", "2"]}  # beside --smoke: what a test below checks
 
 
 def documented_fields(name: str) -> list[str]:
@@ -54,6 +55,7 @@ def smoke_runs(ray_cluster, tmp_path_factory):
             command = [sys.executable, str(REPO / "bench" / f"bench_{name}.py"), "--smoke"]
             command += ["--ray-address", address] if name in NEEDS_RAY else []
             command += ["--base-root", str(base_root)] if name in NEEDS_BASE else []
+            command += SMOKE_ARGS.get(name, [])
             start = time.perf_counter()
             done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
             runs[name] = (done, time.perf_counter() - start)
@@ -95,3 +97,13 @@ def test_bench_rollout_smoke_generates_every_target_token(smoke_runs):
     assert record["variable"]["orz"]["tokens"] == record["variable"]["transformers"]["tokens"]
     assert record["variable"]["transformers"]["tokens"] < record["variable"]["transformers"]["computed_slots"]
 
+
+
+def test_bench_multiturn_vary_latency_gives_each_repeat_its_own_draws(smoke_runs):
+    """--vary-latency --repeats 2: repeat r waits for the tool latencies of seed + r, so the two
+    repeats' slowest samples (their critical paths, from those draws) differ."""
+    record = json.loads(next(line for line in smoke_runs["multiturn"][0].stdout.splitlines() if line.startswith("{")))
+    assert record["settings"]["latency"]["seeds"] == [0, 1]
+    first, second = record["bound"]["critical_path_s_per_repeat"]
+    assert first != second
+    assert len(record["ratio_per_repeat"]) == 2
