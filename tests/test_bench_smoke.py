@@ -35,6 +35,13 @@ def documented_fields(name: str) -> list[str]:
     return [field.strip() for field in found.group(1).split(",")]
 
 
+def printed_record(done: subprocess.CompletedProcess) -> dict:
+    """The one JSON line a benchmark printed."""
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout[-3000:]
+    return json.loads(lines[0])
+
+
 def has_field(record: dict, path: str) -> bool:
     for key in path.split("."):
         if not isinstance(record, dict) or key not in record:
@@ -77,9 +84,7 @@ def test_every_benchmark_is_in_a_lane():
 def test_bench_smoke_prints_its_json_line_with_the_documented_fields(smoke_runs, name):
     done, seconds = smoke_runs[name]
     assert done.returncode == 0, f"bench_{name}.py --smoke failed after {seconds:.0f} s:\n{done.stderr[-3000:]}"
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, done.stdout[-3000:]
-    record = json.loads(lines[0])
+    record = printed_record(done)
     fields = documented_fields(name)
     missing = [path for path in fields if not has_field(record, path)]
     assert not missing, f"bench_{name}.py's JSON line lacks {missing}"
@@ -92,17 +97,16 @@ def test_bench_rollout_smoke_generates_every_target_token(smoke_runs):
     """--smoke: 4 prompts x 2 samples x 8 tokens = 64 fixed-length tokens on each side. The variable
     workload's per-sample targets (per-request max_tokens in vLLM) give both sides the same tokens,
     and they differ within a transformers batch (padding: fewer real tokens than computed slots)."""
-    record = json.loads(next(line for line in smoke_runs["rollout"][0].stdout.splitlines() if line.startswith("{")))
+    record = printed_record(smoke_runs["rollout"][0])
     assert record["fixed"]["orz"]["tokens"] == record["fixed"]["transformers"]["tokens"] == 4 * 2 * 8
     assert record["variable"]["orz"]["tokens"] == record["variable"]["transformers"]["tokens"]
     assert record["variable"]["transformers"]["tokens"] < record["variable"]["transformers"]["computed_slots"]
 
 
-
 def test_bench_multiturn_vary_latency_gives_each_repeat_its_own_draws(smoke_runs):
     """--vary-latency --repeats 2: repeat r waits for the tool latencies of seed + r, so the two
     repeats' slowest samples (their critical paths, from those draws) differ."""
-    record = json.loads(next(line for line in smoke_runs["multiturn"][0].stdout.splitlines() if line.startswith("{")))
+    record = printed_record(smoke_runs["multiturn"][0])
     assert record["settings"]["latency"]["seeds"] == [0, 1]
     first, second = record["bound"]["critical_path_s_per_repeat"]
     assert first != second
