@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> None:
     latency_seeds = [args.seed + r if args.vary_latency else args.seed for r in range(args.repeats)]
     draws = {seed: [[latency(seed, i, t, args.alpha, args.latency_min_s, args.latency_cap_s) for t in range(args.turns)]
                     for i in range(args.prompts)] for seed in latency_seeds}
-    every_draw = [d for seed in latency_seeds for sample in draws[seed] for d in sample]
+    every_draw = [d for samples in draws.values() for sample in samples for d in sample]  # each seed once
 
     with tempfile.TemporaryDirectory() as model_dir, ray_session(num_cpus=2, address=args.ray_address):
         tokenizer = char_llama(model_dir, [r["prompt"] + r["solution"] + "<output>42</output>" for r in rows],
