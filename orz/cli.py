@@ -4,6 +4,7 @@
     orz eval --model runs/demo/grpo/hf --data aime24=aime2024.json      # = python -m orz.eval
     orz plan --cluster configs/clusters/h100_4x8.yaml --recipe playground/orz_7b_ppo.py model.path=Qwen2.5-7B
     orz convert hf2mcore --hf Qwen2.5-7B --out ckpt --tp 4              # = python -m orz.convert
+    orz rollback runs/x --to 200                                        # = python -m orz.run.resume
     orz demo trainer.iterations=30                                      # = python -m orz.demo
     orz slurm check --nodes 4 playground/orz_7b_ppo.py model.path=...   # = python -m orz.launch_slurm
 """
@@ -17,6 +18,7 @@ COMMANDS = {  # subcommand: (module, what it does)
     "eval": ("orz.eval", "evaluate a model on benchmark files (avg@k, pass@k, maj@k)"),
     "plan": ("orz.plan", "memory and time per iteration of a recipe on a cluster"),
     "convert": ("orz.convert", "HF <-> Megatron checkpoints, and their check"),
+    "rollback": ("orz.run.resume", "roll a run back to one of its checkpoints (later ones moved aside)"),
     "demo": ("orz.demo", "the CPU demo: pre-train a tiny model, then GRPO"),
     "slurm": ("orz.launch_slurm", "check a recipe against an allocation; the sbatch script's helpers"),
 }

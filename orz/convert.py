@@ -2,7 +2,7 @@
 `model.path` of a run and `orz eval --model` read hf2mcore's output too).
 
     orz convert hf2mcore --hf Qwen2.5-7B --out ckpt/mcore --tp 4 --pp 2
-    orz convert mcore2hf --mcore runs/x/checkpoints/iter_000300/actor --out hf [--like Qwen2.5-7B]
+    orz convert mcore2hf --mcore runs/x/checkpoints/iter_000300/actor --out hf   # tokenizer from runs/x/hf_files
     orz convert upgrade runs/x/checkpoints/iter_000300     # a checkpoint orz wrote before 2026-12-05
     orz convert verify --hf Qwen2.5-7B --tp 2 --pp 2       # one JSON line
 
@@ -101,12 +101,17 @@ def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
 
 def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
     """A complete HF directory from any Megatron directory orz wrote; `like` (an HF dir) supplies
-    the tokenizer and other files (default: those hf2mcore kept, where it wrote the directory)."""
+    the tokenizer and other files (default: those kept for it: hf2mcore's beside it, a trainer
+    checkpoint's in its run directory). Refused, before anything is written, where there are none."""
     meta = read_megatron_meta(mcore_dir)  # refuses any other format, naming it, before a process starts
     like = like or kept_hf_files(mcore_dir)
     if meta["value_head"]:
         raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
                                "causal-LM form; export the actor's")
+    if like is None:  # before anything is written: a directory without a tokenizer fails later, elsewhere
+        raise ModelConfigError(f"{mcore_dir}: no tokenizer files kept for this checkpoint (a trainer checkpoint "
+                               "written before 2026-12-07 references none); pass --like <the HF directory it was "
+                               "trained from>, whose tokenizer, generation config and chat template are copied")
     require_untrained_source(meta["hf_config"], like, str(mcore_dir))
     return Path(run_world(_mcore2hf_rank, 1, str(mcore_dir), str(out_dir), like, timeout=3600)[0])
 

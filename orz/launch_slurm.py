@@ -41,6 +41,7 @@ from typing import Callable, Mapping, Sequence
 
 from orz.config import (ConfigError, ExperimentConfig, apply_overrides, load_config, load_recipe,
                         stage_configs)
+from orz.run.resume import start_point
 
 NODE_RESOURCE = "slurm_node:"  # + Slurm node name: a custom Ray resource naming each node
 RESUMABLE_EXIT = 75  # EX_TEMPFAIL: the trainer saved a checkpoint and stopped early; requeue to go on
@@ -464,8 +465,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             signal_lead_s=args.signal_lead), overrides)
     except LaunchError as err:
         return _refuse([str(err)])
-    latest = Path(cfg.trainer.output_dir) / "checkpoints" / "latest"
-    resume = f"resumes from {latest.read_text().strip()}" if latest.is_file() else "starts from scratch"
+    start = start_point(cfg).checkpoint
+    resume = f"resumes from {start}" if start else "starts from scratch"
     print(f"orz.launch_slurm: job {alloc.job_id}, restart {alloc.restart_count}: the trainer {resume} in "
           f"{cfg.trainer.output_dir}; head {alloc.head} at {commands.address}\n{commands.describe()}",
           file=sys.stderr, flush=True)

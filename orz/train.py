@@ -66,7 +66,7 @@ def run(cfg: ExperimentConfig) -> dict:
     from orz.logs import output_to, quiet_driver
     from orz.models.checkpoint import HFCheckpoint
     from orz.ppo import checkpoints
-    from orz.run import placement, run_rules
+    from orz.run import placement, resume, run_rules
     from orz.ppo.trainer import console
     from orz.stopping import StopSignals
 
@@ -86,7 +86,8 @@ def run(cfg: ExperimentConfig) -> dict:
             cfg = hf_start(cfg)
             arch = HFCheckpoint(cfg.model.path).arch
             run_rules.check(cfg, arch)  # before Ray or any worker starts
-            resume_from = latest_checkpoint(cfg)
+            start = resume.start_point(cfg)
+            resume_from = start.checkpoint
             if resume_from is not None:
                 trained = {"actor": arch} | ({"critic": HFCheckpoint(cfg.model.critic_path or cfg.model.path).arch}
                                              if "critic" in placement.roles(cfg) else {})
@@ -99,6 +100,11 @@ def run(cfg: ExperimentConfig) -> dict:
                     raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
             data = run_rules.read_data(cfg)
             t = cfg.trainer
+            if start.says:
+                console.print(start.says)
+            if not t.resume and (aside := resume.set_aside(Path(t.output_dir), after=-1)) is not None:
+                console.print(f"orz: trainer.resume=false: the earlier run in {t.output_dir} (its checkpoints, "
+                              f"metrics and samples) moved to {aside}")
             log_dir = Path(t.output_dir) / "logs"
             if not t.verbose:
                 console.print(f"orz: output of Ray, vLLM, Megatron and warnings: {log_dir}/ (trainer.verbose=true shows it)")
@@ -116,7 +122,7 @@ def run(cfg: ExperimentConfig) -> dict:
             if signals:
                 signals.install()
             with contextlib.nullcontext() if t.verbose else quiet_driver(log_dir):
-                result = _train_with_restarts(cfg, data, stop, signals, progress)
+                result = _train_with_restarts(cfg, resume_from, data, stop, signals, progress)
         except KeyboardInterrupt:
             if signals:
                 signals.caught()
@@ -144,13 +150,15 @@ def _stopped(cfg: ExperimentConfig, signals, progress: dict) -> Stopped:
 
 
 
-def _train_with_restarts(cfg: ExperimentConfig, data, stop: threading.Event, signals, progress: dict) -> dict:
-    """RayPPOTrainer(...).fit(), rebuilt from the last checkpoint after a lost Megatron worker."""
+def _train_with_restarts(cfg: ExperimentConfig, resume_from: Path | None, data, stop: threading.Event, signals,
+                         progress: dict) -> dict:
+    """RayPPOTrainer(...).fit() from `resume_from`, rebuilt from the last checkpoint after a lost
+    Megatron worker."""
     from rich.markup import escape
 
     from orz.ppo.trainer import RayPPOTrainer, console
 
-    resume_from, restarts = latest_checkpoint(cfg), 0
+    restarts = 0
     while True:
         trainer = None
         try:
@@ -207,16 +215,6 @@ def hf_start(cfg: ExperimentConfig) -> ExperimentConfig:
         console.print(f"orz: model.path={cfg.model.path} is a Megatron checkpoint: converting it once into {converted}")
         mcore2hf(cfg.model.path, str(converted))
     return apply_overrides(cfg, [f"model.path={converted}"])
-
-
-def latest_checkpoint(cfg: ExperimentConfig) -> Path | None:
-    """The checkpoint to resume from: trainer.resume_from, else output_dir/checkpoints/latest's
-    when trainer.resume."""
-    from orz.ppo import checkpoints
-
-    if cfg.trainer.resume_from:
-        return Path(cfg.trainer.resume_from)
-    return checkpoints.latest(Path(cfg.trainer.output_dir) / "checkpoints") if cfg.trainer.resume else None
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def tiny_model(tmp_path_factory):
     return str(path)
 
 
+ARITH_CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
 def _arith_model(path, **shape):
     """A tiny random model (Llama unless `shape` says otherwise) whose character tokenizer covers
     the arithmetic task's text."""
@@ -55,6 +58,7 @@ def _arith_model(path, **shape):
     rows = arithmetic_rows(200, seed=0, digits=(1, 2))
     texts = [ThinkAnswerTemplate("Compute.").prompt(r["prompt"]) + r["solution"] for r in rows]
     tokenizer = char_tokenizer(texts)
+    tokenizer.chat_template = ARITH_CHAT  # what an export must carry (test_trainer's exports check it)
     tokenizer.save_pretrained(path)
     make_tiny_hf(path, **(dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_heads=4,
                                num_kv_heads=2, num_layers=2) | shape),

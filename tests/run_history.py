@@ -155,3 +155,29 @@ def wandb_records(out):
             elif kind == "history":
                 steps.append(record.history.step.num)
     return ids, names, config, steps
+
+
+def check_export_of_the_checkpoint(out, exported, model, iteration=2, like=None) -> None:
+    """`orz convert mcore2hf` on iteration `iteration`'s checkpointed actor (saved by ranks that
+    each held a TP shard, a stage or an EP rank's experts), with no `--like` unless `like` (a
+    wrapper's vision tower, which a trainer's checkpoint does not hold), writes what
+    trainer.export_hf wrote at that iteration, bit for bit and in the model's dtype; transformers
+    loads it as the checkpoint's class, and its tokenizer is the starting model's (`model`): the
+    same vocabulary and chat template, from the files the run kept (run/hf_files)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from orz.convert import main as convert
+
+    assert convert(["mcore2hf", "--mcore", str(Path(out) / f"checkpoints/iter_{iteration:06d}/actor"), "--out",
+                    str(exported), *(["--like", str(like)] if like else [])]) == 0
+    ours, theirs = load_file(Path(exported) / "model.safetensors"), load_file(Path(out) / "hf/model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) and ours[name].dtype == theirs[name].dtype for name in ours)
+    config = json.loads((Path(exported) / "config.json").read_text())
+    [architecture] = config["architectures"]
+    getattr(transformers, architecture).from_pretrained(exported)
+    tokenizer, start = (transformers.AutoTokenizer.from_pretrained(path) for path in (exported, model))
+    assert tokenizer.get_vocab() == start.get_vocab() and start.chat_template
+    assert tokenizer.chat_template == start.chat_template

@@ -29,8 +29,8 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
 class _Group:
     """Stands in for a worker group: `save` writes a shard, or fails like a full disk."""
 
-    def __init__(self, fail: bool):
-        self.fail = fail
+    def __init__(self, fail: bool, fail_in_background: bool = False):
+        self.fail, self.fail_in_background = fail, fail_in_background
 
     def save_async(self, root, asynchronous=False):
         if self.fail:
@@ -42,7 +42,9 @@ class _Group:
         return []  # no Ray refs to wait for
 
     def finish_saves(self):
-        """The background writer is done: the file is there."""
+        """The background writer is done: the file is there (or the disk filled up meanwhile)."""
+        if self.fail_in_background:
+            raise OSError(errno.ENOSPC, "No space left on device")
         self.writing.write_text("weights")
 
 
@@ -68,6 +70,21 @@ def test_a_checkpoint_written_in_the_background_is_latest_only_once_finished(tmp
     assert not (pending.tmp / "actor/model.safetensors").exists()  # the premise: still being written
     assert pending.finish() == root / "iter_000002"
     assert (root / "latest").read_text() == "iter_000002" and (root / "iter_000002/actor/model.safetensors").is_file()
+
+
+def test_a_background_write_that_fails_leaves_latest_on_the_previous_checkpoint(tmp_path, ray_cluster):
+    """One rank's background write fails (ENOSPC) after the save started: `finish` raises, naming
+    the intact checkpoint; `latest` still names it, and nothing lies under the new one's name or
+    beside it. Moving `latest` before the roles' saves have finished fails here."""
+    root = tmp_path / "checkpoints"
+    checkpoints.save(root, 1, {"actor": _Group(fail=False)}, {"iteration": 1}, [], keep=3).finish()
+    groups = {"actor": _Group(fail=False), "critic": _Group(fail=False, fail_in_background=True)}
+    pending = checkpoints.save(root, 2, groups, {"iteration": 2}, [], keep=3, asynchronous=True)
+    with pytest.raises(CheckpointError, match=r"iter_000002: checkpoint not written .*No space left.*"
+                                              r"\(iter_000001\) is intact"):
+        pending.finish()
+    assert (root / "latest").read_text() == "iter_000001"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", "latest"]
 
 
 def test_keep_every_keeps_each_kth_checkpoint_beside_the_last_ones(tmp_path, ray_cluster):

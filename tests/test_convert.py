@@ -144,6 +144,30 @@ def test_missing_tensor_is_named(tmp_path, llama):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_trainer_checkpoint_exports_with_the_files_its_run_kept_and_without_them_is_refused(tmp_path, llama,
+                                                                                           capsys):
+    """A trainer checkpoint's role (<run>/checkpoints/iter_N/actor) finds the tokenizer and other
+    files its run kept (run/hf_files, named by trainer_state.json); one written before there were
+    such files is refused before anything is written, asking for --like."""
+    from orz.models.checkpoint import keep_hf_files, kept_hf_files
+
+    run = tmp_path / "run"
+    actor = run / "checkpoints/iter_000003/actor"
+    hf2mcore(str(llama), str(actor))
+    shutil.rmtree(actor / "hf_files")  # a trainer's role holds none of its own
+    (actor.parent / "trainer_state.json").write_text(json.dumps({"iteration": 3}))  # as written before 2026-12-07
+    assert main(["mcore2hf", "--mcore", str(actor), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{actor}: no tokenizer files kept for this checkpoint" in err and "pass --like" in err
+    assert not (tmp_path / "hf").exists()
+    keep_hf_files(llama, run)  # what the trainer does at its start, referenced by each checkpoint since
+    (actor.parent / "trainer_state.json").write_text(json.dumps({"iteration": 3, "hf_files": "../../hf_files"}))
+    assert kept_hf_files(actor) == str(actor.parent / "../../hf_files")
+    assert main(["mcore2hf", "--mcore", str(actor), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf/tokenizer_config.json").read_text() == "{}"
+    assert _all_tensors(tmp_path / "hf").keys() == _all_tensors(llama).keys()
+
+
 def test_not_a_directory(tmp_path):
     with pytest.raises(ModelConfigError, match="not a directory"):
         read_arch(tmp_path / "nope")

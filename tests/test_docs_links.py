@@ -1,16 +1,20 @@
-"""Every relative Markdown link in README.md and docs/*.md points at a file that exists.
+"""Every relative Markdown link in README.md and docs/*.md points at a file that exists, and every
+test they cite by name (`tests/test_x.py::test_y`) exists.
 
     python -m pytest -q tests/test_docs_links.py
 
 Links inside fenced code blocks are not links. http(s) and mailto links are not checked; for
-`path#anchor` only the file part is.
+`path#anchor` only the file part is. A citation names a test function (or class) defined in that
+file, at its top level or in a class; a parametrised test is cited without its `[...]`.
 """
+import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 EXTERNAL = ("http://", "https://", "mailto:")
+CITATION = re.compile(r"\b((?:tests/)?(?:gpu/)?test_\w+)(?:\.py)?::(\w+)")
 
 
 def doc_files():
@@ -60,3 +64,38 @@ def test_a_broken_link_is_found(tmp_path):
     found = [t for _, t in relative_links(page.read_text())]
     assert found == ["there.md#x", "missing.md", "#top"]
     assert [t for t in found if t.split("#")[0] and not (tmp_path / t.split("#")[0]).exists()] == ["missing.md"]
+
+
+def defined_tests(path: Path) -> set[str]:
+    """The names of the test functions and classes a test file defines (a class's methods too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+    return names
+
+
+def missing_citations(text: str, tests_dir: Path) -> list[str]:
+    """`file::name` citations whose file or test does not exist."""
+    missing = []
+    for module, name in CITATION.findall(text):
+        path = tests_dir / f"{module.removeprefix('tests/')}.py"
+        if not path.is_file() or name not in defined_tests(path):
+            missing.append(f"{module}::{name}")
+    return missing
+
+
+def test_every_cited_test_exists():
+    missing = [f"{path.relative_to(ROOT)}: {m}" for path in doc_files()
+               for m in missing_citations(path.read_text(encoding="utf-8"), ROOT / "tests")]
+    assert not missing, "docs cite tests that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_renamed_test_is_found(tmp_path):
+    (tmp_path / "test_a.py").write_text("def test_one():\n    pass\n\nclass TestB:\n    def test_two(self):\n        pass\n")
+    text = ("`tests/test_a.py::test_one`, test_a::TestB, `tests/test_a.py::test_two`; renamed: "
+            "`tests/test_a.py::test_uno`; gone: `tests/test_gone.py::test_one`")
+    assert missing_citations(text, tmp_path) == ["tests/test_a::test_uno", "tests/test_gone::test_one"]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from orz.config import load_config
@@ -22,7 +23,8 @@ from orz.models.checkpoint import read_megatron_meta
 from orz.train import run as train
 from adam_step import beyond_adam_steps
 from jsonl_files import write_jsonl
-from run_history import check_resumed, deterministic as _deterministic, history as _history, joined, kill_run
+from run_history import check_export_of_the_checkpoint, check_resumed, deterministic as _deterministic, \
+    history as _history, joined, kill_run
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +130,10 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes_in_bf16(ray_clus
     exported, initial = load_file(whole / "hf/model.safetensors"), load_file(f"{cfg.model.path}/model.safetensors")
     steps = cfg.trainer.iterations * cfg.actor.steps_per_iteration
     assert not beyond_adam_steps(exported, initial, steps, cfg.actor.lr)
+    # Exported in the model's dtype, bf16; `orz convert mcore2hf` of the last checkpoint, with no
+    # --like, writes the same bits and the starting model's tokenizer.
+    assert {tensor.dtype for tensor in exported.values()} == {torch.bfloat16}
+    check_export_of_the_checkpoint(whole, tmp_path / "exported", cfg.model.path)
     # The token budget cuts each DP shard into passes of at most 96 padded tokens; the critic splits by rows.
     assert all(row["actor/pass_tokens_max"] <= 96 and row["actor/micro_batches"] > 1 for row in history)
     assert all(row["critic/micro_batches"] == 2 for row in history)  # 16 samples, 2 steps, 4 rows a pass

@@ -549,6 +549,12 @@ def test_async_save_is_refused_on_cpu_naming_the_key():
     run_rules.check(load_config(None, ["trainer.async_save=true"]), on_gpu=True)  # a GPU run takes it
 
 
+def test_an_engine_over_several_devices_is_refused_on_cpu_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout.engine_tp=2: .* untested on CPU .* on CPU set rollout.engine_tp=1"):
+        run_rules.check(load_config(None, ["rollout.engine_tp=2"]), on_gpu=False)
+    run_rules.check(load_config(None, ["rollout.engine_tp=2"]), on_gpu=True)
+
+
 @pytest.mark.parametrize("family, on_gpu, overrides, message", [
     ("dense", False, ["actor.cp=2"], r"^actor.cp=2: context parallelism passes keys and values round a ring inside "
                                      r"Transformer Engine's attention, which runs on GPU only; on CPU set actor.cp=1$"),

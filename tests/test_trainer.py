@@ -24,8 +24,8 @@ from orz.ppo.trainer import RayPPOTrainer
 from orz.ppo.workers import WorkerGroup
 from orz.stopping import Stopped, StopSignals
 from orz.train import main, run as train
-from run_history import check_resumed, history as _history, joined, kill_run, processes_of_run, prompts_by_iteration, \
-    ray_sessions, resume_problems, title
+from run_history import check_export_of_the_checkpoint, check_resumed, deterministic, history as _history, joined, kill_run, processes_of_run, \
+    prompts_by_iteration, ray_sessions, resume_problems, title
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     starting", as before 2026-12-05)."""
     whole = tmp_path / "whole"
     capsys.readouterr()
-    train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1"]))
+    # keeps iteration 1's checkpoint, from which another run starts (_check_a_start_from_another_run)
+    train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1", "trainer.keep_checkpoints=3"]))
     whole_console = capsys.readouterr().out
     reference = _check_run(whole, arith_model, 3, staleness=1)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal
@@ -134,6 +135,43 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     # The checker rejects what a resume turned into a fresh start writes: the uninterrupted run is one.
     problems = resume_problems(whole, before, whole_console, 2)
     assert len(problems) == 2 and "the console says []" in problems[0] and "byte for byte" in problems[1], problems
+    monkeypatch.setattr(StopSignals, "caught", caught)
+    _check_a_start_from_another_run(whole, tmp_path / "branch", overrides[-1], tiny_run, capsys)
+
+
+def _check_a_start_from_another_run(whole, branch, on_the_cluster, tiny_run, capsys):
+    """A run started from another run's checkpoint (trainer.resume_from = whole's iteration 1),
+    SIGKILLed after its own first save and started again with the same command (a requeue): it
+    resumes from its own latest, not from resume_from again; the rows written before the kill stay
+    byte for byte; and it ends with the uninterrupted run's metrics exactly."""
+    origin = whole / "checkpoints/iter_000001"
+    overrides = [*tiny_run(branch, "grpo"), "trainer.max_staleness=1", f"trainer.resume_from={origin}", on_the_cluster]
+    console, latest = branch.parent / "branch_console.txt", branch / "checkpoints/latest"
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides], stdout=console.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    while not (latest.is_file() and latest.read_text() >= "iter_000002"):
+        assert proc.poll() is None and time.time() < deadline, console.read_text()
+        time.sleep(0.1)
+    kill_run(proc)  # SIGKILL, in iteration 3
+    first = console.read_text()
+    assert f"orz: starting from trainer.resume_from={origin}" in first
+    assert f"orz: resumed from {origin} at iteration 1" in first
+    assert latest.read_text() == "iter_000002"
+    before = (branch / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    train(load_config(None, overrides))  # the same command again
+    said = capsys.readouterr().out
+    own = branch / "checkpoints/iter_000002"
+    assert (f"orz: resuming from the run's own latest checkpoint, {own}; trainer.resume_from={origin} was where "
+            f"it first started") in said
+    assert [line for line in said.splitlines() if line.startswith("orz: resumed")] == \
+        [f"orz: resumed from {own} at iteration 2"]
+    kept = b"".join(line + b"\n" for line in before.splitlines() if json.loads(line)["step"] <= 2)
+    assert kept and (branch / "metrics.jsonl").read_bytes().startswith(kept)
+    resumed, reference = _history(branch), {row["step"]: row for row in _history(whole)}
+    assert [row["step"] for row in resumed] == [2, 3]
+    assert all(deterministic(row) == deterministic(reference[row["step"]]) for row in resumed)
 
 
 def _check_one_tracker_run(out, history):
@@ -356,7 +394,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
         assert f"model.path={start} is a Megatron checkpoint: converting it once into {out / 'model_hf'}" in run.stdout
         assert sorted(p.name for p in (out / "model_hf").iterdir()) == sorted(p.name for p in Path(model).iterdir())
     else:  # a wrapper's vision tower comes from its HF directory (a trainer's checkpoint holds the language model)
-        _check_export_of_the_checkpoint(out, tmp_path / "exported", like=model if family == "qwen3_5" else None)
+        check_export_of_the_checkpoint(out, tmp_path / "exported", model, like=model if family == "qwen3_5" else None)
     if family == "qwen3_moe":
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
         assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
@@ -367,24 +405,6 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
     if family == "qwen3_5":
         _check_resume_elsewhere(out, overrides, env, history, "actor.tp=2", "tp", 2, rel=0)
         _check_resume_elsewhere(out, overrides, env, history, "actor.tp=1", "tp", 2)
-
-
-def _check_export_of_the_checkpoint(out, exported, like=None):
-    """`orz convert mcore2hf` on the last checkpoint's actor (saved by ranks that each held a TP
-    shard, a stage or an EP rank's experts) writes what trainer.export_hf wrote at the same
-    iteration, bit for bit and in the model's dtype (a wrapper's vision tower included, taken
-    `like` its HF directory), and transformers loads it as the checkpoint's class."""
-    import transformers
-
-    from orz.convert import main as convert
-
-    assert convert(["mcore2hf", "--mcore", str(out / "checkpoints/iter_000002/actor"), "--out", str(exported),
-                    *(["--like", str(like)] if like else [])]) == 0
-    ours, theirs = load_file(exported / "model.safetensors"), load_file(out / "hf/model.safetensors")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) and ours[name].dtype == theirs[name].dtype for name in ours)
-    [architecture] = json.loads((exported / "config.json").read_text())["architectures"]
-    getattr(transformers, architecture).from_pretrained(exported)
 
 
 def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, rel=1e-5):

@@ -202,9 +202,27 @@ HF_FILES = "hf_files"  # hf2mcore's copy of the HF directory's tokenizer and oth
 
 
 def kept_hf_files(mcore_dir: str | Path) -> str | None:
-    """Where hf2mcore kept the HF directory's files beside its checkpoint; None (a trainer's holds none)."""
-    kept = Path(mcore_dir) / HF_FILES
-    return str(kept) if kept.is_dir() else None
+    """Where the HF directory's files (tokenizer, generation config, chat template) were kept for a
+    Megatron directory: hf2mcore's beside it, or, for a trainer checkpoint's role
+    (<run>/checkpoints/iter_N/actor), the run's copy that its trainer_state.json names (keep_hf_files).
+    None where neither exists (a trainer checkpoint written before 2026-12-07)."""
+    mcore_dir = Path(mcore_dir)
+    places = [mcore_dir / HF_FILES]
+    state = mcore_dir.parent / "trainer_state.json"
+    if state.is_file() and (kept := json.loads(state.read_text()).get(HF_FILES)):
+        places.append(mcore_dir.parent / kept)
+    return next((str(place) for place in places if place.is_dir()), None)
+
+
+def keep_hf_files(model_dir: str | Path, run_dir: str | Path) -> Path:
+    """The model's files besides its config and weights, copied once into run_dir/hf_files, which
+    each checkpoint references (`"hf_files": "../../hf_files"` in its trainer_state.json): an
+    export of any checkpoint is then a whole HF directory, tokenizer included."""
+    kept = Path(run_dir) / HF_FILES
+    if not kept.is_dir():
+        with atomic_dir(kept) as tmp:
+            copy_hf_files(model_dir, tmp)
+    return kept
 
 
 class NeedsRecut(ModelConfigError):

@@ -25,6 +25,7 @@ import ray
 import torch
 
 from orz.models.checkpoint import describe, fresh_beside, read_megatron_meta, recut_layout, replace_with
+from orz.run.resume import iteration_of, latest
 
 STATE, BATCHES_AHEAD = "trainer_state.json", "pending_batches.pt"
 
@@ -33,19 +34,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (disk full, unwritable directory); nothing was lost."""
 
 
-def latest(root: Path) -> Path | None:
-    """The checkpoint root/latest names; None when there is none."""
-    pointer = root / "latest"
-    return root / pointer.read_text().strip() if pointer.is_file() else None
-
-
 def saved_state(ckpt: Path) -> dict:
     """The trainer's state a checkpoint holds (its `config` is the run's, as it was saved)."""
     return json.loads((ckpt / STATE).read_text())
-
-
-def iteration_of(ckpt: Path) -> int:
-    return int(ckpt.name.removeprefix("iter_"))
 
 
 @dataclass

@@ -39,6 +39,7 @@ from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
+from orz.models.checkpoint import HF_FILES, keep_hf_files
 from orz.ppo import checkpoints
 from orz.run import placement, run_rules
 from orz.ppo.workers import ActorSettings, RoleSpec, WorkerGroup
@@ -105,6 +106,7 @@ class RayPPOTrainer:
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.out / "config.yaml")
+        keep_hf_files(cfg.model.path, self.out)  # what an export of any checkpoint needs besides the weights
         self.iteration, self.version, self.restarts = 0, 0, restarts
         self.pipeline = BatchesAhead(cfg.trainer.max_staleness)  # the batches generated ahead (docs/async.md)
         self.last_checkpoint = resume_from  # the latest complete one
@@ -498,7 +500,7 @@ class RayPPOTrainer:
         state = {
             "iteration": self.iteration, "version": self.version, "loader": self.builder.loader.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(), "entropy_ctl": self.entropy_ctl.state_dict() if self.entropy_ctl else None,
-            "config": to_dict(self.run_cfg),
+            "config": to_dict(self.run_cfg), HF_FILES: f"../../{HF_FILES}",  # keep_hf_files, from iter_N
         }
         t = self.run_cfg.trainer
         self.finish_checkpoint()

