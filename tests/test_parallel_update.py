@@ -415,6 +415,21 @@ def _threads(rank, world, role, model):
     return at_start, first
 
 
+def test_each_phase_reports_its_own_peak_memory():
+    """`perf/peak_memory_gib/<role>_<phase>`: a phase that allocates less than the one before it
+    reports less, since each phase's peak is reset at its start (on CPU the resident set's
+    high-water mark, through /proc/self/clear_refs)."""
+    worker = object.__new__(MegatronWorker)  # the bookkeeping alone; no model
+    worker._peaks = {}
+    with worker._phase_memory("update"):
+        torch.ones(2**27).add_(1)  # 512 MiB, returned to the system when freed
+    with worker._phase_memory("forward"):
+        torch.ones(2**22).add_(1)  # 16 MiB
+    peaks = worker.peak_memory_gib()
+    assert peaks["update"] - peaks["forward"] > 0.4, peaks
+    assert worker.peak_memory_gib() == {}  # read once
+
+
 def test_a_worker_trains_with_its_roles_threads_and_takes_what_it_is_given(model):
     assert run_world(_threads, 1, replace(LAYOUTS["dp1"][1], threads=2), model) == [(2, 1.0)]
 

@@ -317,8 +317,8 @@ def test_an_expert_layout_that_does_not_fit_is_refused_naming_the_role_key(famil
 
 
 def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layout_before_start(tmp_path):
-    """orz re-shards whole experts at any TP/PP/EP/DP, not experts split over ETP ranks (GPU only,
-    untested): resuming such a MoE at another layout is refused by `main` before Ray or any worker
+    """Megatron's format re-shards whole experts at any TP/PP/EP/DP; experts split over ETP ranks
+    (GPU only) are untested there: resuming such a MoE at another layout is refused by `main` before Ray or any worker
     starts, naming the keys and the way out."""
     from safetensors.torch import save_file
 
@@ -339,8 +339,8 @@ def test_a_moe_checkpoint_with_experts_split_over_etp_is_refused_at_another_layo
     (ckpt / "actor" / "orz_checkpoint.json").write_text(json.dumps({"hf_config": MOE_ARCH}))
     (out / "checkpoints" / "latest").write_text(ckpt.name)
     resumed = load_config(None, ["actor.etp=1", "actor.ep=2"], base=saved)
-    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=2 (saved 1), actor.etp=1 (saved 2): orz "
-                                                    "re-shards whole experts only (actor.etp=1 saved and resumed)")):
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: actor.ep=2 (saved 1), actor.etp=1 (saved 2): Megatron's "
+                                                    "re-sharding of experts split over ETP ranks is untested")):
         main(resumed)
     moe = arch_from_dict(MOE_ARCH)
     assert run_rules.resume_problems(saved, to_dict(saved), moe) == []  # the saved sizes resume

@@ -245,6 +245,24 @@ def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_
     assert list(out.glob("checkpoints/iter_*/critic/orz_checkpoint.json"))
 
 
+def test_a_run_stopped_while_starting_says_so_and_exits_143(ray_cluster, tiny_run, tmp_path):
+    """SIGTERM once the handler is in place and before any iteration (its roles starting): exit
+    143 and one `orz:` line that says it stopped while starting and that nothing was written."""
+    out, console = tmp_path / "run", tmp_path / "console.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo"), joined(ray_cluster)],
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "logs").exists():  # made once the handler is in place
+        assert proc.poll() is None and time.time() < deadline, console.read_text()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, console.read_text()
+    assert not (out / "metrics.jsonl").exists()  # the premise: no iteration had begun
+    stopped = [line for line in console.read_text().splitlines() if line.startswith("orz: stopped")]
+    assert stopped == ["orz: stopped by SIGTERM while starting; no checkpoint was written (the same command "
+                       "starts over)"]
+
+
 def test_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path):
     """`python -m orz.train` stopped mid-run by Ctrl-C's SIGINT shuts its roles and its local Ray
     cluster down: no process of the run (Ray's agents and workers included) outlives it; it exits

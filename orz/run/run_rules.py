@@ -325,9 +325,9 @@ def resume_problems(cfg: ExperimentConfig, saved: dict, arch) -> list[str]:
         changed = [f"{name}.{key}={getattr(role, key)} (saved {saved[name].get(key, 1)})"
                    for key in ("tp", "pp", "ep", "etp") if getattr(role, key) != saved[name].get(key, 1)]
         if changed and (role.etp, saved[name].get("etp", 1)) != (1, 1):
-            problems.append(f"{', '.join(changed)}: orz re-shards whole experts only ({name}.etp=1 saved and "
-                            f"resumed); Megatron's re-sharding of experts split over ETP ranks is untested (GPU "
-                            f"only); resume at the saved sizes, or "
+            problems.append(f"{', '.join(changed)}: Megatron's re-sharding of experts split over ETP ranks is "
+                            f"untested (ETP > 1 trains on GPU only), so it is refused; a MoE resumes at another "
+                            f"layout with {name}.etp=1 saved and resumed. Resume at the saved sizes, or "
                             f"start a new run from the HF weights (trainer.export_hf writes them at a run's end; "
                             f"`orz convert mcore2hf` makes them from a checkpoint)")
     return problems
