@@ -436,18 +436,20 @@ MARGIN_EPS = 1e-3  # router logits whose k-th and (k+1)-th are closer may swap b
 
 
 def _clear_routes(model, ids: list[int], top_k: int, relative: float = 0.0) -> torch.Tensor:
-    """(T,) whether every position up to t has, in every sparse layer, a top-k margin l_(k) − l_(k+1)
-    of its router logits (transformers') above MARGIN_EPS + relative·max|l| (relative: what an
-    engine's rounding may move a router logit by, as a share of the largest): only then is token
-    t+1's log-prob free of near-tie routes, its own or, through attention, an earlier position's.
-    (Softmax is monotone: the selection flips only where the logits cross.)"""
+    """(T,) whether token t+1's log-prob is free of near-tie routes: at t, every sparse layer's
+    top-k margin l_(k) − l_(k+1) of its router logits (transformers') exceeds MARGIN_EPS +
+    relative·max|l| (relative: what an engine's rounding may move a router logit by, as a share of
+    the largest); at every earlier position, every sparse layer's but the last does (a route that
+    flips there reaches t through a later layer's attention; one in the last layer stays where it
+    is). (Softmax is monotone: the selection flips only where the logits cross.)"""
     with torch.no_grad():
         logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # per layer (T, E)
     logits = torch.stack([g.reshape(len(ids), -1) for g in logits])  # (L, T, E)
     ranked = logits.sort(-1, descending=True).values
     margin = ranked[..., top_k - 1] - ranked[..., top_k]  # (L, T)
-    clear = (margin > MARGIN_EPS + relative * logits.abs().amax(-1)).all(0)  # (T,)
-    return clear.int().cumprod(0).bool()
+    clear = margin > MARGIN_EPS + relative * logits.abs().amax(-1)  # (L, T)
+    reaching_later = clear[:-1].all(0).int().cumprod(0).bool()  # (T,) every earlier layer clear up to t
+    return clear.all(0) & reaching_later
 
 
 def test_moe_engine_takes_the_ep2_actors_experts_and_agrees_on_logprobs(ray_cluster, arith_qwen3_moe, tmp_path):
@@ -491,9 +493,12 @@ def test_hybrid_engine_in_bf16_takes_the_actors_weights_and_agrees_with_it(famil
     fp32), and its outputs change. Its greedy tokens are the fp32 model's argmax wherever that
     argmax leads by more than 2·ε·max|z| (what bf16 rounding can move two logits by), and its
     sampled log-probs lie within 2·ε·max|z|/T of the model's (the model is transformers' forward,
-    which the actor's equals: test_models_hybrid). In the MoE models only on the tokens whose routes,
-    up to them, are clear of near-ties by the same bf16 margin (a route that bf16 flips moves a
-    token by more than any rounding bound), as the fp32 Qwen3-MoE check does."""
+    which the actor's equals: test_models_hybrid). In the MoE hybrid only on the tokens whose routes
+    are clear of near-ties by the same bf16 margin (a route that bf16 flips moves a token by more
+    than any rounding bound; _clear_routes), as the fp32 Qwen3-MoE check does. Qwen3-Next's weights
+    are checked, not its agreement: on this tiny model its first layer's routes leave a near-tie
+    within the first few positions of almost every sequence (7% of positions clear), so the check
+    would compare no token."""
     from transformers import AutoModelForCausalLM
 
     from orz.rollout.weight_sync import as_engines_hold
@@ -513,6 +518,8 @@ def test_hybrid_engine_in_bf16_takes_the_actors_weights_and_agrees_with_it(famil
         sampled = generate(fleet, PROMPTS, SamplingConfig(temperature=temperature, max_new_tokens=10, n=2, seed=3))
     finally:
         fleet.shutdown()
+    if family == "qwen3_next":  # its weights are checked; its agreement would be vacuous (docstring)
+        return
     model = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32)
     top_k = model.config.to_dict().get("num_experts_per_tok")
 
