@@ -480,7 +480,8 @@ class _Timed:
     """Three turns, an observation after each; each step of a "slow" row takes 3 s, of a "hang"
     row 6 s (past env_timeout_s=4); the first step of a "stop" row stops the engine (SIGSTOP)."""
 
-    log: list = []  # (row prompt, turn, time)
+    log: list = []  # (row prompt, turn, time), when a step ends
+    began: list = []  # (row prompt, turn), when a step begins
     stopped, pid = False, 0  # pid: the engine's, read before (a call would queue behind serve)
 
     def reset(self, row):
@@ -490,6 +491,7 @@ class _Timed:
         import time
 
         self.turns += 1
+        _Timed.began.append((self.prompt, self.turns))
         if self.prompt == "slow":
             time.sleep(3.0)
         if self.prompt == "hang":
@@ -589,8 +591,53 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
             for c in group:
                 assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask)
                 assert [i for turn in c.turns for i in turn.ids] == c.response_ids
+        _check_an_environment_times_out_while_an_update_holds_the_turns(fleet, rollout, tokenizer, sampling, tool_model)
     finally:
         fleet.shutdown()
+
+
+def _check_an_environment_times_out_while_an_update_holds_the_turns(fleet, rollout, tokenizer, sampling, model):
+    """Partial rollout, a real interrupt: while the engines wait for new weights (the update), a
+    sample whose environment is past env_timeout_s (4 s of its 6) still ends then, scored as a
+    timeout, without waiting for the sync; the samples whose turns the interrupt held go on with
+    the new weights once they are in."""
+    import threading
+    import time
+
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.rollout.weight_sync import TensorSource
+
+    prompts = [(tokenizer.encode(f"{i}+{i}="), {"prompt": name}, "timed") for i, name in enumerate(["slow", "hang"])]
+    ended, _Timed.began[:] = {}, []
+
+    def stream():
+        for group in rollout.stream(prompts, sampling, interruptible=True):
+            ended[group[0].index] = (time.monotonic(), group)
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + 60
+    while len(_Timed.began) < 2 * sampling.n:  # every sample's first environment step in flight
+        assert time.monotonic() < deadline, _Timed.began
+        time.sleep(0.01)
+    start = time.monotonic()
+    version = fleet.weight_version + 1
+    fleet.interrupt()
+    interrupted = time.monotonic()
+    deadline = interrupted + 30
+    while 1 not in ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hang_ended, hang = ended[1]
+    assert 0 not in ended  # the premise: the slow samples' next turns wait for the new weights
+    assert hang_ended - start < 4.0 + 1.5  # its timeout, not its answer (6 s) nor a sync
+    assert all(c.env_error.startswith("timeout") and c.model_turns == 1 for c in hang)
+    ckpt = HFCheckpoint(model)
+    synced = time.monotonic()
+    fleet.sync(TensorSource({k: ckpt.get(k) for k in ckpt.keys()}), version=version)
+    streaming.join(timeout=60)
+    slow_ended, slow = ended[0]
+    assert slow_ended > synced and all(c.model_turns == 3 and not c.env_error for c in slow)
+    assert all(version in c.token_versions for c in slow)  # their later turns came from the new weights
 
 
 @pytest.mark.slow

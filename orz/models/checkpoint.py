@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from orz.models.arch import ModelConfigError, read_arch, wrapper_of
 
 INDEX = "model.safetensors.index.json"
-MEGATRON_META = "orz_megatron.json"
 # Files of an HF directory that are not weights: carried over on export (tokenizer etc.).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _REWRITTEN = ("config.json", INDEX)
