@@ -24,8 +24,8 @@ from orz.ppo.trainer import RayPPOTrainer
 from orz.ppo.workers import WorkerGroup
 from orz.stopping import Stopped, StopSignals
 from orz.train import main, run as train
-from run_history import check_export_of_the_checkpoint, check_resumed, deterministic, history as _history, joined, kill_run, processes_of_run, \
-    prompts_by_iteration, ray_sessions, resume_problems, title
+from run_history import check_export_of_the_checkpoint, check_resumed, deterministic, history as _history, joined, \
+    kill_run, processes_of_run, prompts_by_iteration, ray_sessions, resume_problems, title
 
 pytestmark = pytest.mark.slow
 

@@ -68,8 +68,8 @@ def start_point(cfg: ExperimentConfig) -> StartPoint:
 def set_aside(run_dir: Path, after: int) -> Path | None:
     """Moves the run's checkpoints of iterations > `after`, its metrics rows of steps > `after` and
     its sample dumps of those iterations into run_dir/set_aside/after_<after>_<time>/ (after=-1:
-    the whole earlier run, into earlier_run_<time>/); returns that
-    directory, or None when there was nothing to move."""
+    the whole earlier run, into earlier_run_<time>/); returns that directory, or None when there
+    was nothing to move."""
     run_dir = Path(run_dir)
     later = [run_dir / CHECKPOINTS / f"iter_{i:06d}" for i in saved_iterations(run_dir) if i > after]
     dumps = [p for p in (run_dir / SAMPLES).glob("iter_*") if _dump_iteration(p) > after]
