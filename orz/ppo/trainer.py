@@ -61,7 +61,6 @@ from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.pipeline import BatchesAhead, staleness_metrics
 from orz.ppo.trackers import open_trackers
-from orz.rollout.agent_loop import DaemonThreads
 from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.envs import envs_used
@@ -176,18 +175,17 @@ class RayPPOTrainer:
                       f"(rollout.engine_dtype={r.engine_dtype})")
 
         def start_fleet() -> EngineFleet:
-            return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles)
+            return EngineFleet(cfg.model.path, fleet_cfg, seed=cfg.trainer.seed, shared=self.bundles, wait=False)
 
-        # Daemon threads: a start that SIGTERM or Ctrl-C interrupts leaves them in Ray calls that never
-        # return once the run has shut Ray down; a ThreadPoolExecutor's would hold the process at exit.
-        starts = DaemonThreads(len(roles) + 1, "orz-start")
-        try:
-            fleet = None if cfg.trainer.colocate else starts.submit(start_fleet)
-            groups = {name: starts.submit(WorkerGroup, spec, self.bundles) for name, spec in self._role_specs().items()}
-            groups = {name: group.result() for name, group in groups.items()}
-            self.fleet = start_fleet() if fleet is None else fleet.result()
-        finally:
-            starts.close()
+        # Everything is launched first and waited for here, in the main thread: no other thread is left
+        # in a Ray call when a SIGTERM or Ctrl-C shuts Ray down (a Ray call after that ends the process).
+        fleet = None if cfg.trainer.colocate else start_fleet()
+        groups = {name: WorkerGroup(spec, self.bundles, wait=False) for name, spec in self._role_specs().items()}
+        for group in groups.values():
+            group.wait_started()
+        fleet = fleet or start_fleet()  # colocated: after the roles
+        fleet.wait_started()
+        self.fleet = fleet
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
         self.weight_source = GroupSource(self.actor)

@@ -146,7 +146,9 @@ class MegatronWorker(FaultSite):
         self._world_store = host_store(ip)
         return ip, self._world_store.port
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, world: tuple[str, int]) -> None:
+        """Joins the role's world at rank 0's (address, port) and loads the model."""
+        master_addr, master_port = world
         # On GPU, Ray gives each worker its own device (CUDA_VISIBLE_DEVICES): local rank 0.
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -603,8 +605,9 @@ class WorkerGroup:
     """A role's workers: placed with a Ray placement group, joined into one torch world. The
     trainer calls the role through the typed methods below, never by method name."""
 
-    def __init__(self, spec: RoleSpec, shared: Bundles | None = None):
-        """shared: colocated placement, worker r on bundle r; None: a placement group of its own."""
+    def __init__(self, spec: RoleSpec, shared: Bundles | None = None, wait: bool = True):
+        """shared: colocated placement, worker r on bundle r; None: a placement group of its own.
+        wait=False returns once the workers are launched; `wait_started()` waits for their models."""
         cfg = spec.cfg
         self.spec = spec
         self.world_size = cfg.tp * cfg.pp * cfg.cp * cfg.dp
@@ -615,8 +618,13 @@ class WorkerGroup:
             .remote(spec, r, self.world_size)
             for r in range(self.world_size)
         ]
-        addr, port = ray.get(self.workers[0].host_world.remote())
-        ray.get([w.setup.remote(addr, port) for w in self.workers])
+        world = self.workers[0].host_world.remote()  # (address, port): Ray resolves it for each setup
+        self._started = [w.setup.remote(world) for w in self.workers]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        ray.get(self._started)
 
     # ---- the role's calls: `*_async` return at once (a Pending*, or refs), the others wait ----
     def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:

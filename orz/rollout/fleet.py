@@ -92,8 +92,10 @@ def _actor_lost(ref) -> bool:
 
 
 class EngineFleet:
-    def __init__(self, model_dir: str, cfg: FleetConfig | None = None, seed: int = 0, shared: Bundles | None = None):
-        """shared: colocated placement, engine i on bundle i; None: a placement group of its own."""
+    def __init__(self, model_dir: str, cfg: FleetConfig | None = None, seed: int = 0, shared: Bundles | None = None,
+                 wait: bool = True):
+        """shared: colocated placement, engine i on bundle i; None: a placement group of its own.
+        wait=False returns once the engines are launched; `wait_started()` waits until they are up."""
         self.model_dir, self.cfg, self.seed = model_dir, cfg or FleetConfig(), seed
         self.weight_version = 0
         self.source: WeightSource | None = None
@@ -112,7 +114,11 @@ class EngineFleet:
         self.bundles = shared or Bundles.create(self.cfg.num_engines, self.cfg.cpus_per_engine, tp, float(tp == 1))
         self._own_bundles = shared is None
         self.engines = [self._start(i) for i in range(self.cfg.num_engines)]
-        ray.get([e.pid.remote() for e in self.engines])  # wait until every engine is up
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        ray.get([e.pid.remote() for e in self.engines])
 
     def _start(self, i: int):
         on_gpu = torch.cuda.is_available()
