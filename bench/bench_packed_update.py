@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import SMOKE_LIMITS, best_limits, emit, machine, machine_limits, parse_args, set_threads  # noqa: E402
 
-from orz.config import AlgorithmConfig, RoleConfig  # noqa: E402
+from orz.config import AlgorithmConfig, ExperimentConfig, RoleConfig  # noqa: E402
 from orz.models.local_world import run_world  # noqa: E402
 
 
@@ -54,14 +54,17 @@ def _updates(rank, world, model, batch, budget, repeats):
     steps interleaved (a warm-up step each first), so that the machine's drift falls on both alike."""
     import time
 
-    from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec
+    from orz.ppo.workers import ActorSettings, MegatronWorker
+    from orz.run.role_spec import RoleSpec, model_spec
 
     settings = ActorSettings(AlgorithmConfig(advantage="grpo"), 1.0, 0.0, 0.0)
     workers, seconds, padding = {}, {"padded": [], "packed": []}, {}
     for side, pack in (("padded", False), ("packed", True)):
         role = RoleConfig(lr=1e-6, micro_batch_tokens=budget, pack=pack)
-        workers[side] = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=repeats + 1), 0, 1)
-        workers[side].setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        spec = RoleSpec(name="actor", model_path=model, model=model_spec(ExperimentConfig(), "actor", role), cfg=role,
+                        total_steps=repeats + 1)
+        workers[side] = MegatronWorker(spec, 0, 1)
+        workers[side].setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     for repeat in range(repeats + 1):
         for side, worker in workers.items():
             start = time.perf_counter()

@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,6 +43,7 @@ from orz.models.checkpoint import (
 )
 from orz.models.convert import Layout, param_rules
 from orz.models.local_world import run_world
+from orz.models.spec import ModelSpec, Sizes
 
 ROLES_WITH_CHECKPOINTS = ("actor", "critic")
 
@@ -58,10 +58,11 @@ def _hf2mcore_rank(rank, world, hf_dir, out, tp, pp, ep, etp, vocab_divisible_by
     from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
-    init_model_parallel(tp, pp, ep=ep, etp=etp)
+    sizes = Sizes(tp=tp, pp=pp, ep=ep, etp=etp)
+    init_model_parallel(sizes)
     ckpt = HFCheckpoint(hf_dir)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(ckpt.config.get("torch_dtype"), torch.float32)
-    model = MegatronModel(ckpt.arch, dtype=dtype, make_vocab_size_divisible_by=vocab_divisible_by)
+    dtype = ckpt.config.get("torch_dtype") if ckpt.config.get("torch_dtype") in ("bfloat16", "float16") else "float32"
+    model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, dtype=dtype, vocab_divisible_by=vocab_divisible_by))
     model.load_hf(ckpt)
     dist_checkpoint.save(model, out, {}, ckpt.config)
 
@@ -92,8 +93,8 @@ def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
     meta = read_megatron_meta(mcore_dir)
     init_model_parallel()
     # The saved vocabulary padding (a multiple of itself at TP 1), so that every shape matches.
-    model = MegatronModel(arch_from_dict(meta["hf_config"], Path(mcore_dir)), dtype=getattr(torch, meta["dtype"]),
-                         make_vocab_size_divisible_by=meta["padded_vocab"])
+    model = MegatronModel(arch_from_dict(meta["hf_config"], Path(mcore_dir)),
+                          ModelSpec(dtype=meta["dtype"], vocab_divisible_by=meta["padded_vocab"]))
     dist_checkpoint.load(model, mcore_dir, with_optimizer=False)
     tensors = with_untrained(model.hf_tensors(), meta["hf_config"], like)
     return str(save_hf(out_dir, tensors, meta["hf_config"], extra_files_from=like))
@@ -121,7 +122,7 @@ def _upgrade_rank(rank, world, spec, old_dir, new_dir):
     from orz.ppo.workers import MegatronWorker
 
     worker = MegatronWorker(spec, rank, world)
-    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     worker.scheduler.num_steps = legacy_checkpoint.load(worker, old_dir)
     worker.save(new_dir)
 
@@ -131,7 +132,7 @@ def upgrade(iteration_dir: str) -> list[Path]:
     once: read in a local world at its saved layout, built as its run's config (trainer_state.json
     beside it) says. Returns the role directories it converted."""
     from orz.ppo import legacy_checkpoint
-    from orz.ppo.workers import RoleSpec
+    from orz.run.role_spec import role_spec
 
     iteration_dir = Path(iteration_dir)
     state_file = iteration_dir / "trainer_state.json"
@@ -144,14 +145,9 @@ def upgrade(iteration_dir: str) -> list[Path]:
         role_dir = iteration_dir / name
         if not is_earlier_format(role_dir):
             continue
-        sizes = legacy_checkpoint.saved_layout(role_dir)
-        model = cfg.model.critic_path or cfg.model.path if name == "critic" else cfg.model.path
-        spec = RoleSpec(name=name, model_path=model, cfg=replace(getattr(cfg, name), **sizes),
-                        value_head=name == "critic", dtype=cfg.model.dtype, vocab_divisible_by=cfg.model.vocab_divisible_by,
-                        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, seed=cfg.trainer.seed)
+        spec = role_spec(cfg, name, sizes=Sizes(**legacy_checkpoint.saved_layout(role_dir)))
         with atomic_dir(role_dir) as tmp:
-            run_world(_upgrade_rank, sizes["tp"] * sizes["pp"] * sizes["dp"], spec, str(role_dir), str(tmp),
-                      timeout=3600)
+            run_world(_upgrade_rank, spec.model.sizes.workers, spec, str(role_dir), str(tmp), timeout=3600)
         done.append(role_dir)
     if done and not (iteration_dir / "pending_batches.pt").is_file():  # the earliest kept no batches ahead
         torch.save([], iteration_dir / "pending_batches.pt")
@@ -165,9 +161,10 @@ def _verify_rank(rank, world, hf_dir, tp, pp, ep, etp, tokens):
     from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
 
-    init_model_parallel(tp, pp, ep=ep, etp=etp)
+    sizes = Sizes(tp=tp, pp=pp, ep=ep, etp=etp)
+    init_model_parallel(sizes)
     ckpt = HFCheckpoint(hf_dir)
-    model = MegatronModel(ckpt.arch)
+    model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes))
     model.load_hf(ckpt)
     return model.full_logits(tokens)
 

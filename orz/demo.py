@@ -122,14 +122,15 @@ def _pretrain_rank(rank, world, spec: BaseModelSpec, model_dir: str, log_path: s
     """Supervised pre-training on (prompt, worked solution + EOS); loss on the solution only."""
     from orz.data.tokenizers import load_tokenizer
     from orz.models.checkpoint import HFCheckpoint, save_hf
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec
 
-    init_model_parallel(1, 1, seed=spec.seed)
+    init_model_parallel(seed=spec.seed)
     torch.manual_seed(spec.seed)
     tokenizer = load_tokenizer(model_dir)
     ckpt = HFCheckpoint(model_dir)
-    model = MegatronModel(ckpt.arch, optim=OptimConfig(lr=spec.lr, weight_decay=0.01, clip_grad=1.0))
+    model = MegatronModel(ckpt.arch, ModelSpec(optim=OptimSpec(lr=spec.lr, weight_decay=0.01, clip_grad=1.0)))
     model.load_hf(ckpt)
     pairs = _corpus(spec)
     rng = random.Random(spec.seed)

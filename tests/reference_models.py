@@ -27,13 +27,15 @@ def logits_and_exports(rank, world, tokens, paths: dict[str, str], layouts: list
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, Sizes
 
     result = {}
     for tp, pp, ep in layouts:
-        init_model_parallel(tp, pp, ep=ep)
+        sizes = Sizes(tp=tp, pp=pp, ep=ep)
+        init_model_parallel(sizes)
         for name, path in paths.items():
             ckpt = HFCheckpoint(path)
-            engine = MegatronModel(ckpt.arch)
+            engine = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes))
             engine.load_hf(ckpt)
             result[tp, pp, ep, name] = {"logits": engine.full_logits(tokens), "exported": dict(engine.hf_tensors())}
     return result

@@ -12,8 +12,9 @@ def _cut_and_gather(rank, world, ids, upstream):
 
     from orz.models import context_parallel
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import Sizes
 
-    init_model_parallel(cp=2)
+    init_model_parallel(Sizes(cp=2))
     assert ps.get_context_parallel_world_size() == 2 and ps.get_data_parallel_world_size() == 1
     local_ids, positions, padding = context_parallel.split(ModelInputs(ids))
     local = local_ids.double().requires_grad_(True)

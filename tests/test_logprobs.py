@@ -74,8 +74,9 @@ def _tp2(rank, world, hidden, weight, tokens, upstream, chunk):
     from megatron.core import parallel_state as ps
 
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import Sizes
 
-    init_model_parallel(tp=2)
+    init_model_parallel(Sizes(tp=2))
     padded = torch.cat([weight, torch.zeros(PADDED - V, H)])
     shard = padded.chunk(2)[rank].clone()
     return _chunked(hidden, shard, tokens, upstream, vocab_size=V, group=ps.get_tensor_model_parallel_group(),

@@ -23,15 +23,17 @@ def _train_step(rank, world, skip, path, ckpt_dir):
     megatron_patches.apply(skip=skip)
     from orz.models import dist_checkpoint
     from orz.models.checkpoint import RESHARDABLE, HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec, Sizes
 
-    init_model_parallel(tp=1, pp=world)
+    init_model_parallel(Sizes(pp=world))
     ckpt = HFCheckpoint(path)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
     ok = []
     for step in range(2):
-        engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-3, use_distributed_optimizer=True))
+        engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(pp=world),
+                                                    optim=OptimSpec(lr=1e-3, use_distributed_optimizer=True)))
         engine.load_hf(ckpt)
         if step:
             dist_checkpoint.load(engine, ckpt_dir)
@@ -48,12 +50,13 @@ def _alltoall_step(rank, world, skip, path):
     that the patched dispatcher works at EP 2 is test_models_moe's."""
     megatron_patches.apply(skip=skip)
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec
 
     init_model_parallel()
     ckpt = HFCheckpoint(path)
-    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-3), moe_dispatcher="alltoall")
+    engine = MegatronModel(ckpt.arch, ModelSpec(optim=OptimSpec(lr=1e-3), moe_dispatcher="alltoall"))
     engine.load_hf(ckpt)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
     return engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(
@@ -79,12 +82,13 @@ def _hybrid_step(rank, world, skip, path):
 
     megatron_patches.apply(skip=skip)
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec
 
     init_model_parallel()
     ckpt = HFCheckpoint(path)
-    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-3))
+    engine = MegatronModel(ckpt.arch, ModelSpec(optim=OptimSpec(lr=1e-3)))
     engine.load_hf(ckpt)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (2, 8))
     ok = engine.train_step([ModelInputs(tokens)], lambda hidden, b: (engine.next_token_logprobs(

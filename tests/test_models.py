@@ -40,16 +40,18 @@ def _forward_and_export(rank, world, tp, pp, tokens, checkpoints):
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, Sizes
 
-    init_model_parallel(tp, pp)
+    sizes = Sizes(tp=tp, pp=pp)
+    init_model_parallel(sizes)
     result = {}
     for name, (path, *_) in checkpoints.items():
         ckpt = HFCheckpoint(path)
-        engine = MegatronModel(ckpt.arch)
+        engine = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes))
         engine.load_hf(ckpt)
         logits = engine.full_logits(tokens)
         exported = dict(engine.hf_tensors())
-        critic = MegatronModel(ckpt.arch, value_head=True)
+        critic = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, value_head=True))
         critic.load_hf(ckpt)
         values = critic.run([ModelInputs(tokens)], collect=lambda o, b: o)
         result[name] = {"logits": logits, "exported": exported, "values": values[0] if values else None,
@@ -84,15 +86,16 @@ def test_logits_match_transformers_and_export_is_exact(tp, pp, checkpoints):
 
 def _train_one_step(rank, world, tp, tokens, path):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec, Sizes
 
-    init_model_parallel(tp, 1)
+    init_model_parallel(Sizes(tp=tp))
     ckpt = HFCheckpoint(path)
     # Adam's first step is lr·g/(|g|+eps): with eps=1e-8 an element whose gradient is ~1e-10
     # turns fp32 summation-order noise (TP reduces in another order) into a visible update;
     # eps=1e-6 keeps the comparison about the parallel math, not about that amplification.
-    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6))
+    engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(tp=tp), optim=OptimSpec(lr=1e-3, clip_grad=1.0, adam_eps=1e-6)))
     engine.load_hf(ckpt)
     initial_optimizer = copy.deepcopy(engine.optimizer.state_dict())
     total_tokens = tokens[:, 1:].numel()

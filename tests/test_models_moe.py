@@ -56,11 +56,12 @@ def _train_steps(rank, world, tokens, path):
     from the same weights, then one step of the load-balancing loss alone (both ranks on all
     of `tokens`) at EP=2."""
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, ModelInputs, OptimConfig
+    from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec, Sizes
 
     ckpt = HFCheckpoint(path)
-    optim = OptimConfig(lr=1e-3, clip_grad=100.0, adam_eps=1e-6)  # eps: see test_models' train step
+    optim = OptimSpec(lr=1e-3, clip_grad=100.0, adam_eps=1e-6)  # eps: see test_models' train step
     total_tokens = tokens[:, 1:].numel()
 
     def nll(hidden, batch):
@@ -79,8 +80,9 @@ def _train_steps(rank, world, tokens, path):
              (2, False, AUX_COEF, "allgather"), (2, True, AUX_COEF, "allgather"), (2, False, 0.0, "alltoall"),
              (2, True, AUX_COEF, "alltoall")]
     for ep, packed, aux, dispatcher in steps:
-        init_model_parallel(1, 1, ep=ep)
-        engine = MegatronModel(ckpt.arch, optim=optim, moe_aux_loss_coef=aux, moe_dispatcher=dispatcher)
+        init_model_parallel(Sizes(ep=ep))
+        engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(ep=ep), optim=optim, moe_aux_loss_coef=aux,
+                                                    moe_dispatcher=dispatcher))
         engine.load_hf(ckpt)
         inputs = [ModelInputs(t, padding=torch.zeros(t.shape, dtype=torch.bool),
                               lengths=torch.full((len(t),), t.shape[1]) if packed else None) for t in mine]
@@ -92,7 +94,7 @@ def _train_steps(rank, world, tokens, path):
                                                    if hasattr(m, "token_dispatcher")},
                                    "passes": [(tuple(p.input_ids.shape), p.lengths.tolist() if p.lengths is not None
                                                else None) for p, _ in engine._even_shapes(inputs)]}
-    engine = MegatronModel(ckpt.arch, optim=optim, moe_aux_loss_coef=AUX_COEF)
+    engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(ep=ep), optim=optim, moe_aux_loss_coef=AUX_COEF))
     engine.load_hf(ckpt)
     out = engine.train_step([ModelInputs(t) for t in _aux_micro_batches(tokens)],
                             lambda logits, batch: (0.0 * logits.sum(), {}))

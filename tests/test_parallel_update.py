@@ -22,9 +22,10 @@ from orz.config import AlgorithmConfig, RoleConfig
 from orz.models.checkpoint import recut_layout
 from orz.models.local_world import run_world
 from orz.models.tiny import make_tiny_hf
-from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec, combine_metrics, rows_in_place
+from orz.ppo.workers import ActorSettings, MegatronWorker, combine_metrics, rows_in_place
 from orz.ppo.experience import MiniBatch, experience_from_rollouts
 from adam_step import beyond_adam_steps
+from worker_specs import worker_spec
 
 ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
 
@@ -57,9 +58,9 @@ def _minibatches() -> list[MiniBatch]:
 
 
 def _worker(rank, world, role, dtype, model):
-    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, dtype=dtype, total_steps=2, seed=3),
+    w = MegatronWorker(worker_spec(model, role, dtype=dtype, total_steps=2, seed=3),
                        rank, world)
-    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     return w
 
 
@@ -222,8 +223,8 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
 
 
 def _load(rank, world, role, model, ckpt):
-    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=2), rank, world)
-    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    w = MegatronWorker(worker_spec(model, role, total_steps=2), rank, world)
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     w.load(ckpt)
 
 
@@ -329,8 +330,8 @@ def test_the_resharded_resume_check_fails_when_the_moments_are_lost(model, refer
 
 
 def _logprobs(rank, world, role, model, experience):
-    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=1), rank, world)
-    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    w = MegatronWorker(worker_spec(model, role, total_steps=1), rank, world)
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     parts = [None] * world
     dist.all_gather_object(parts, w.logprobs(experience, temperature=0.7))
     return rows_in_place(parts) if rank == 0 else None
@@ -359,8 +360,8 @@ def _update_with_and_without_old(rank, world, role, model):
     """Two optimizer steps from the same weights: once with π_old from a separate pass, once
     with none given (the actor reads it in its update); metrics and weights of both."""
     def worker():
-        w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=2, seed=3), rank, world)
-        w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        w = MegatronWorker(worker_spec(model, role, total_steps=2, seed=3), rank, world)
+        w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
         return w
 
     def train(w, minibatches):
@@ -529,9 +530,9 @@ def _multi_turn_update(rank, world, role, model, from_whole_logits):
     exp = experience_from_rollouts(prompts, responses, [[-4.0] * len(r) for r in responses], pad_id=0, loss_masks=masks)
     exp = replace(exp, old_logprobs=torch.full(exp.response_mask.shape, OLD_LOGPROB) * exp.response_mask,
                   advantages=advantages.expand_as(exp.response_mask) * exp.response_mask)
-    w = MegatronWorker(RoleSpec(name="actor", model_path=model, cfg=role, total_steps=1, logprob_chunk_tokens=3),
+    w = MegatronWorker(worker_spec(model, role, total_steps=1, logprob_chunk_tokens=3),
                        rank, world)
-    w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     positions = []
     chunked = lp.token_logprobs
 

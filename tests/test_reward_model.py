@@ -7,8 +7,9 @@ import torch
 
 from orz.config import RoleConfig
 from orz.models.local_world import run_world
-from orz.ppo.workers import MegatronWorker, RoleSpec
+from orz.ppo.workers import MegatronWorker
 from orz.ppo.experience import experience_from_rollouts
+from worker_specs import worker_spec
 
 
 def make_reward_model(path, family="llama", num_labels=1, seed=0):
@@ -47,12 +48,11 @@ def _rollouts():
 def _scores(rank, world, path, tp, pp=1):
     prompts, responses = _rollouts()
     exp = experience_from_rollouts(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
-    spec = RoleSpec(name="reward_model", model_path=path, cfg=RoleConfig(tp=tp, pp=pp, micro_batch_size=4), value_head=True,
-                    train=False)
+    spec = worker_spec(path, RoleConfig(tp=tp, pp=pp, micro_batch_size=4), name="reward_model")
     import os
 
     worker = MegatronWorker(spec, rank, world)
-    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     out = worker.scores(exp)
     return None if out is None else (out[1], exp.response_mask)
 

@@ -223,10 +223,11 @@ def test_held_digest_check_catches_a_corrupted_tensor(fleet, weights):
 def _megatron_logprobs(rank, world, tp, path, sequences, prompt_lens, temperature, ep=1):
     from orz.models.megatron_model import MegatronModel, ModelInputs
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, Sizes
 
-    init_model_parallel(tp=tp, ep=ep)
+    init_model_parallel(Sizes(tp=tp, ep=ep))
     ckpt = HFCheckpoint(path)
-    engine = MegatronModel(ckpt.arch)
+    engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(tp=tp, ep=ep)))
     engine.load_hf(ckpt)
     engine.model.eval()
     width = max(len(s) for s in sequences)
@@ -379,9 +380,10 @@ def _actor_hf_tensors(rank, world, tp, path, ep=1):
     and EP)."""
     from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, Sizes
 
-    init_model_parallel(tp=tp, ep=ep)
-    engine = MegatronModel(HFCheckpoint(path).arch)
+    init_model_parallel(Sizes(tp=tp, ep=ep))
+    engine = MegatronModel(HFCheckpoint(path).arch, ModelSpec(sizes=Sizes(tp=tp, ep=ep)))
     engine.load_hf(HFCheckpoint(path))
     return dict(engine.hf_tensors())
 

@@ -14,6 +14,7 @@ import torch
 
 from orz.models.local_world import run_world
 from orz.ppo.core_algos import routing_agreement_counts
+from worker_specs import worker_spec
 
 
 def test_routing_agreement_by_hand():
@@ -83,13 +84,13 @@ def _replay_world(rank, world, path):
 
     from orz.config import AlgorithmConfig, RoleConfig
     from orz.models.inputs import ModelInputs
-    from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec
+    from orz.ppo.workers import ActorSettings, MegatronWorker
     from orz.ppo.experience import MicroBatch, MiniBatch
 
     role = RoleConfig(dp=2, ep=2, lr=LR, clip_grad=0.0, micro_batch_size=3)
-    worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
+    worker = MegatronWorker(worker_spec(path, role, total_steps=4, routing_replay=True),
                             rank, world)
-    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     engine, arch = worker.model, worker.model.arch
     used = []  # (S·B, E) routing maps the routers handed to the experts, in call order
     for module in engine.module.modules():
@@ -237,13 +238,13 @@ def _pipelined(rank, world, path, rollout):
 
     from orz.config import AlgorithmConfig, RoleConfig
     from orz.models.inputs import ModelInputs
-    from orz.ppo.workers import ActorSettings, MegatronWorker, RoleSpec
+    from orz.ppo.workers import ActorSettings, MegatronWorker
     from orz.ppo.experience import MiniBatch
 
     role = RoleConfig(pp=2, lr=LR, clip_grad=0.0, micro_batch_size=3)
-    worker = MegatronWorker(RoleSpec(name="actor", model_path=path, cfg=role, total_steps=4, routing_replay=True),
+    worker = MegatronWorker(worker_spec(path, role, total_steps=4, routing_replay=True),
                             rank, world)
-    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     worker.model.model.eval()
     with torch.no_grad():
         worker.model.run([ModelInputs(rollout.sequences)], collect=lambda logits, b: None)

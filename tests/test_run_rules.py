@@ -21,6 +21,7 @@ import yaml
 
 from orz.config import ConfigError, ExperimentConfig, RoleConfig, load_config
 from orz.run import run_rules
+from orz.run.role_spec import role_spec
 from orz.train import run as train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,7 +391,7 @@ def test_run_rules_roles_whitening_and_schedule_length():
     assert run_rules.algorithm(load_config(None, ["trainer.max_staleness=1"])).is_correction
     staged = load_config(None, ["stages=[{iterations: 3, overrides: {}}, "
                                 "{iterations: 2, overrides: {actor.steps_per_iteration: 4}}]"])
-    assert run_rules.optimizer_steps(staged, "actor") == 3 * 1 + 2 * 4
+    assert role_spec(staged, "actor").total_steps == 3 * 1 + 2 * 4  # the LR schedule's length
 
 
 def test_a_role_with_no_thread_is_refused():

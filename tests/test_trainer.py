@@ -219,8 +219,8 @@ def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_
     actor_pids = []
     build = WorkerGroup.__init__
 
-    def build_and_record(group, spec, *placement):
-        build(group, spec, *placement)
+    def build_and_record(group, spec, *placement, **how):
+        build(group, spec, *placement, **how)
         if spec.name == "actor":
             actor_pids.append(ray.get([w.__ray_call__.remote(lambda worker: os.getpid()) for w in group.workers]))
 

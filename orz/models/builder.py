@@ -1,7 +1,7 @@
 """Megatron-core models from a ModelArch: the actor (a GPTModel) and a value model (same trunk,
 scalar value head), following Megatron's config + layer spec -> module pattern.
 
-    cfg = transformer_config(arch, tp=2, pp=1)
+    cfg = transformer_config(arch, ModelSpec(sizes=Sizes(tp=2)))
     actor = build_actor(arch, cfg)            # on each rank, after init_model_parallel
     value_model = build_value_model(arch, cfg)
 """
@@ -24,6 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from orz.models.arch import ModelArch
 from orz.models.attention import SDPAttention
 from orz.models.norms import PlainRMSNorm, RMSNorm
+from orz.models.spec import ModelSpec
 
 
 def use_transformer_engine() -> bool:
@@ -31,27 +32,16 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def transformer_config(
-    arch: ModelArch,
-    tp: int = 1,
-    pp: int = 1,
-    dtype: torch.dtype | None = None,
-    recompute: bool = False,
-    ep: int = 1,
-    etp: int = 1,
-    moe_aux_loss_coef: float = 0.0,
-    cp: int = 1,
-    moe_dispatcher: str = "allgather",
-    deterministic: bool = False,
-) -> TransformerConfig:
-    """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning).
-
-    dtype defaults to bfloat16 on GPU and float32 on CPU. deterministic: Megatron's deterministic
-    mode, GPU kernels that do not depend on the batch (untested here); on CPU a hybrid's is always on.
-    """
-    arch.check_parallel(tp, pp, ep, etp)
+def transformer_config(arch: ModelArch, spec: ModelSpec = ModelSpec()) -> TransformerConfig:
+    """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning), split and
+    computed as `spec` says. Its dtype "auto" is bfloat16 on GPU and float32 on CPU; its
+    deterministic mode (GPU kernels that do not depend on the batch) is untested here, and on CPU a
+    hybrid's is always on. A frozen spec's MoE has no load-balancing loss."""
+    s = spec.sizes
+    arch.check_parallel(s.tp, s.pp, s.ep, s.etp)
     on_gpu = torch.cuda.is_available()
-    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    dtype = model_dtype(spec)
+    aux_loss_coef = spec.moe_aux_loss_coef if spec.trained else 0.0
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -68,9 +58,9 @@ def transformer_config(
         qk_layernorm=arch.qk_norm,  # per-head RMSNorm of q and k (Qwen3); its eps is layernorm_epsilon
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
+        tensor_model_parallel_size=s.tp,
+        pipeline_model_parallel_size=s.pp,
+        context_parallel_size=s.cp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -82,15 +72,22 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         batch_p2p_sync=on_gpu,  # the sync calls torch.cuda.synchronize
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        deterministic_mode=deterministic or (arch.linear_attention is not None and not on_gpu),
-        **(_moe_config(arch, moe_aux_loss_coef, moe_dispatcher) if arch.moe else {}),
+        recompute_granularity="full" if spec.recompute else None,
+        recompute_method="uniform" if spec.recompute else None,
+        recompute_num_layers=1 if spec.recompute else None,
+        expert_model_parallel_size=s.ep,
+        expert_tensor_parallel_size=s.etp,
+        deterministic_mode=spec.deterministic or (arch.linear_attention is not None and not on_gpu),
+        **(_moe_config(arch, aux_loss_coef, spec.moe_dispatcher) if arch.moe else {}),
         **(_hybrid_config(arch) if arch.linear_attention else {}),
     )
+
+
+def model_dtype(spec: ModelSpec) -> torch.dtype:
+    """spec.dtype as a torch dtype: "auto" is bfloat16 on GPU and float32 on CPU."""
+    if spec.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, spec.dtype)
 
 
 def _hybrid_config(arch: ModelArch) -> dict:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from orz.models.arch import ModelConfigError, read_arch, wrapper_of
+from orz.models.spec import Sizes
 
 INDEX = "model.safetensors.index.json"
 # Files of an HF directory that are not weights: carried over on export (tokenizer etc.).
@@ -258,10 +259,9 @@ def model_parallel(sizes: dict) -> tuple[int, int, int, int]:
     return sizes["tp"], sizes["pp"], sizes.get("ep", 1), sizes.get("etp", 1)
 
 
-def describe(sizes: dict) -> str:
-    experts = f" EP{sizes.get('ep', 1)} ETP{sizes.get('etp', 1)}" if sizes.get("ep", 1) * sizes.get("etp", 1) > 1 else ""
-    context = f" CP{sizes['cp']}" if sizes.get("cp", 1) > 1 else ""
-    return f"TP{sizes['tp']} PP{sizes['pp']}{context} DP{sizes['dp']}{experts}"
+def describe(layout: dict) -> str:
+    """A checkpoint's recorded layout as Sizes.label() writes it."""
+    return Sizes(**{key: layout.get(key, 1) for key in ("tp", "pp", "cp", "dp", "ep", "etp")}).label()
 
 
 def recut_dir(directory: str | Path) -> Path:

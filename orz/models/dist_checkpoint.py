@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_content_metadata
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -49,11 +48,9 @@ _SHARDING_KEY = "distrib_optim_sharding_type"  # where Megatron-LM records the c
 
 
 def layout_sizes(megatron_model) -> dict[str, int]:
-    """The sizes a checkpoint records; tp, pp, ep and etp decide what loads where, dp does not (nor
-    cp: its ranks hold copies of the weights, as DP replicas do)."""
-    layout = megatron_model.layout
-    return {"tp": layout.tp, "pp": layout.pp, "dp": ps.get_data_parallel_world_size(), "ep": layout.ep,
-            "etp": layout.etp, "cp": ps.get_context_parallel_world_size()}
+    """The sizes a checkpoint records, the model's groups'; tp, pp, ep and etp decide what loads
+    where, dp does not (nor cp: its ranks hold copies of the weights, as DP replicas do)."""
+    return megatron_model.sizes.as_dict()
 
 
 def chain(optimizer) -> list:

@@ -10,7 +10,7 @@ micro-batches and DP ranks). Megatron then neither divides by the number of micr
 averages over DP (it sums), so accumulated gradients are exactly those of the whole mini-batch.
 """
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Iterator
 
@@ -40,22 +40,11 @@ from orz.models.convert import (
 )
 from orz.models.inputs import ModelInputs
 from orz.models.routing import MoeRoutes
+from orz.models.spec import ModelSpec, Sizes
 
 _PADDING = object()  # the result of a micro-batch that only pads (see MegatronModel._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # max global grad norm
-    use_distributed_optimizer: bool = False  # ZeRO-1: fp32 masters and Adam moments sharded over DP
 
 
 def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int) -> Layout:
@@ -77,43 +66,35 @@ def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int) -> Layout:
 class MegatronModel:
     """One rank's stage of a model (an LM head, or a value head), wrapped in Megatron DDP, with its optimizer."""
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        value_head: bool = False,
-        optim: OptimConfig | None = None,
-        dtype: torch.dtype | None = None,
-        recompute: bool = False,
-        make_vocab_size_divisible_by: int = 1,
-        deterministic: bool = False,
-        moe_aux_loss_coef: float = 0.0,
-        routing_replay: bool = False,
-        moe_dispatcher: str = "allgather",
-    ):
-        """routing_replay: the MoE routers take the routes of `ModelInputs.routes` when given, and
-        `chosen_routes` holds what they chose (or would have) in the last `run` (orz/models/routing.py)."""
-        tp = ps.get_tensor_model_parallel_world_size()
-        pp = ps.get_pipeline_model_parallel_world_size()
-        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-        cp = ps.get_context_parallel_world_size()
+    def __init__(self, arch: ModelArch, spec: ModelSpec = ModelSpec()):
+        """Built as `spec` says, in the parallel groups set up at `spec.sizes` (init_model_parallel).
+        With spec.routing_replay the MoE routers take the routes of `ModelInputs.routes` when given,
+        and `chosen_routes` holds what they chose (or would have) in the last `run` (orz/models/routing.py)."""
+        # The groups' sizes (the world decides DP), what checkpoints record.
+        self.sizes = world = Sizes(
+            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size())
+        if replace(world, dp=spec.sizes.dp) != spec.sizes:
+            raise ValueError(f"the model spec's sizes {spec.sizes.label()} are not the parallel groups' {world.label()}")
+        tp, pp, cp = world.tp, world.pp, world.cp
         if cp > 1 and not use_transformer_engine():
             raise ModelConfigError(f"context parallelism (CP {cp}) runs in Transformer Engine's attention (GPU only)")
-        self.arch = arch
-        self.config = transformer_config(arch, tp, pp, dtype, recompute, ep, etp, moe_aux_loss_coef, cp,
-                                         moe_dispatcher, deterministic)
+        self.arch, self.spec = arch, spec
+        self.config = transformer_config(arch, spec)
         self.config.calculate_per_token_loss = True
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
         # stages exchange each activation's shape before sending it (cheap: 3 integers).
         self.config.variable_seq_lengths = pp > 1
-        build = build_value_model if value_head else build_actor
-        module = build(arch, self.config, make_vocab_size_divisible_by)
-        self.padded_vocab = arch.padded_vocab_size(tp, make_vocab_size_divisible_by)
-        self.layout = rank_layout(arch, value_head, self.padded_vocab)
+        build = build_value_model if spec.value_head else build_actor
+        module = build(arch, self.config, spec.vocab_divisible_by)
+        self.padded_vocab = arch.padded_vocab_size(tp, spec.vocab_divisible_by)
+        self.layout = rank_layout(arch, spec.value_head, self.padded_vocab)
         self.module = module
-        self.routes = MoeRoutes(module, arch) if routing_replay else None
+        self.routes = MoeRoutes(module, arch) if spec.routing_replay else None
         self.chosen_routes: list[torch.Tensor] = []  # (B, S, L, K) per real micro-batch of the last run
         self.optimizer = None
-        if optim is not None:
+        if (optim := spec.optim) is not None:
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,

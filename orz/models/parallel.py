@@ -1,6 +1,6 @@
 """One role's torch.distributed world and Megatron's TP/PP/DP groups inside it.
 
-    init_model_parallel(tp=2, pp=1, seed=1)   # every rank of the world calls it once
+    init_model_parallel(Sizes(tp=2), seed=1)   # every rank of the world calls it once
 
 A world meets at rank 0's TCPStore. `host_store` listens at once on a port the OS picks and
 keeps it; the others `join_store` it. (Picking a free port and listening on it later is a race:
@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from orz.models.spec import Sizes
 
 
 def default_backend() -> str:
@@ -32,12 +34,12 @@ def join_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0,
-                        ep: int = 1, etp: int = 1, store: dist.Store | None = None, cp: int = 1) -> None:
+def init_model_parallel(sizes: Sizes = Sizes(), seed: int = 1, timeout_s: float = 600.0,
+                        store: dist.Store | None = None) -> None:
     """Joins the default group unless it exists (at `store` as RANK of WORLD_SIZE, or from the
-    usual MASTER_ADDR/MASTER_PORT variables) and builds Megatron's parallel groups;
-    DP = world / (TP * PP * CP). The experts' groups (EP × ETP, then expert DP) are carved out of
-    the same TP × CP × DP ranks of each stage."""
+    usual MASTER_ADDR/MASTER_PORT variables) and builds Megatron's parallel groups at `sizes`;
+    the world decides DP = world / (TP * PP * CP). The experts' groups (EP × ETP, then expert DP)
+    are carved out of the same TP × CP × DP ranks of each stage."""
     import megatron_patches
 
     megatron_patches.apply()
@@ -53,6 +55,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: floa
             dist.init_process_group(default_backend(), store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     world = dist.get_world_size()
+    tp, pp, cp, ep, etp = sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp
     if world % (tp * pp * cp) or (world // pp) % (ep * etp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}, "
                          f"or ep*etp = {ep}*{etp} does not divide tp*cp*dp = {world // pp}")

@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 
 from orz.config import ConfigError
 from orz.models.arch import ModelArch
-from orz.run.placement import Sizes
+from orz.models.spec import Sizes
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -85,11 +85,6 @@ class ModelParallel(Sizes):
     def cp_tokens(self) -> int:
         """A micro-batch's tokens on each CP rank: ⌈T / cp⌉."""
         return -(-self.micro_batch_tokens // self.cp)
-
-    def label(self) -> str:
-        experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else "") if self.ep * self.etp > 1 else ""
-        context = f" CP{self.cp}" if self.cp > 1 else ""
-        return f"TP{self.tp} PP{self.pp}{context} DP{self.dp}{experts}"
 
 
 @dataclass(frozen=True)

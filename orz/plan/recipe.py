@@ -12,6 +12,7 @@ from orz.plan.estimate import Plan, plan
 from orz.plan.inputs import (Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel, Workload,
                              _require_positive)
 from orz.run.placement import roles
+from orz.run.role_spec import role_spec
 
 
 def resolve_model(name: str) -> tuple[str, ModelArch]:
@@ -72,28 +73,27 @@ def load_cluster(path: str | Path | None, **changes) -> ClusterFile:
 
 
 def placement_of(cfg: ExperimentConfig) -> Placement:
-    """The recipe's roles, decided by the trainer's own rule (orz.run.placement.roles), and their
-    sizes. A role split by rows (micro_batch_size) holds that many of the longest samples."""
+    """The recipe's roles, decided by the trainer's own rule (orz.run.placement.roles), each sized
+    and built as the trainer builds it (orz.run.role_spec). A role split by rows (micro_batch_size)
+    holds that many of the longest samples."""
     started = roles(cfg)
     longest = cfg.data.prompt_max_tokens + cfg.rollout.max_new_tokens
-    chunk = cfg.model.logprob_chunk_tokens or 0
 
-    def sizes(role) -> dict:
-        """The role's placement and what its passes hold (a micro-batch: its token budget, or
-        micro_batch_size rows of the longest sample)."""
-        return dict(tp=role.tp, pp=role.pp, dp=role.dp, ep=role.ep, etp=role.etp, cp=role.cp,
-                    micro_batch_tokens=role.micro_batch_tokens or role.micro_batch_size * longest,
-                    moe_dispatcher=cfg.model.moe_dispatcher)
+    def parallel(name: str) -> ModelParallel | None:
+        """The role's sizes and what its passes hold (a micro-batch: its token budget, or
+        micro_batch_size rows of the longest sample); None where the run has no such role."""
+        if name not in started:
+            return None
+        spec, role = role_spec(cfg, name).model, started[name]
+        held = dict(**spec.sizes.as_dict(), micro_batch_tokens=role.micro_batch_tokens or role.micro_batch_size * longest,
+                    moe_dispatcher=spec.moe_dispatcher, logprob_chunk_tokens=spec.logprob_chunk_tokens)
+        if not spec.trained:
+            return ModelParallel(**held)
+        return TrainParallel(**held, recompute=spec.recompute, use_distributed_optimizer=spec.optim.use_distributed_optimizer)
 
-    def trained(role) -> TrainParallel:
-        return TrainParallel(**sizes(role), logprob_chunk_tokens=chunk, recompute=cfg.model.recompute,
-                             use_distributed_optimizer=role.use_distributed_optimizer)
-
-    r, ref, rm = cfg.rollout, started.get("ref"), started.get("reward_model")
+    r, rm = cfg.rollout, started.get("reward_model")
     return Placement(
-        actor=trained(started["actor"]), critic=trained(started["critic"]) if "critic" in started else None,
-        ref=ModelParallel(**sizes(ref), logprob_chunk_tokens=chunk) if ref else None,
-        reward_model=ModelParallel(**sizes(rm)) if rm else None,
+        actor=parallel("actor"), critic=parallel("critic"), ref=parallel("ref"), reward_model=parallel("reward_model"),
         reward_model_arch=resolve_model(rm.path)[1] if rm else None,
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 
 from orz.models.checkpoint import describe, fresh_beside, read_megatron_meta, recut_layout, replace_with
+from orz.models.spec import Sizes
 from orz.run.resume import iteration_of, latest
 
 STATE, BATCHES_AHEAD = "trainer_state.json", "pending_batches.pt"
@@ -96,13 +97,13 @@ def recut_where_needed(ckpt: Path, specs: dict, start_group, say=print) -> None:
     cut is re-cut once (beside it, in the cut that loads at any layout) by workers that
     start_group(spec) starts at its saved layout and smallest DP, and that stop after."""
     for name, spec in specs.items():
-        sizes = {key: getattr(spec.cfg, key) for key in ("tp", "pp", "dp", "ep", "etp")}
+        sizes = spec.model.sizes.as_dict()
         at = recut_layout(ckpt / name, sizes, spec.cfg.use_distributed_optimizer)
         if at is None:
             continue
         say(f"orz: {name} was saved at {describe(read_megatron_meta(ckpt / name)['layout'])}; this run has "
             f"{describe(sizes)}: re-cutting its optimizer state for any layout, once, on {describe(at)}")
-        group = start_group(replace(spec, cfg=replace(spec.cfg, **at)))
+        group = start_group(spec.at(Sizes(**at)))
         try:
             group.recut(str(ckpt / name))
         finally:

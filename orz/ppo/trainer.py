@@ -41,7 +41,8 @@ from orz.faults import Fault
 from orz.models.checkpoint import HF_FILES, keep_hf_files
 from orz.ppo import checkpoints
 from orz.run import placement, run_rules
-from orz.ppo.workers import ActorSettings, RoleSpec, WorkerGroup
+from orz.run.role_spec import RoleSpec, role_spec
+from orz.ppo.workers import ActorSettings, WorkerGroup
 from orz.ppo.core_algos import (
     AdaptiveEntropyController,
     AdaptiveKLController,
@@ -134,28 +135,10 @@ class RayPPOTrainer:
         self.logger = MetricsLogger(self.out, trackers, resume_from_step=self.iteration if resume_from is not None else -1)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _role(self, name: str, **kwargs) -> RoleSpec:
-        cfg = self.run_cfg
-        kwargs.setdefault("model_path", cfg.model.path)
-        trained = kwargs.get("train", True)
-        return RoleSpec(
-            name=name, cfg=placement.roles(self.stage_cfg)[name], dtype=cfg.model.dtype, recompute=cfg.model.recompute,
-            deterministic=cfg.trainer.batch_invariant,
-            vocab_divisible_by=cfg.model.vocab_divisible_by, moe_aux_loss_coef=cfg.model.moe_aux_loss_coef,
-            moe_dispatcher=cfg.model.moe_dispatcher,
-            logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-            seed=cfg.trainer.seed,
-            total_steps=run_rules.optimizer_steps(cfg, name) if trained else 1, log_dir=self.log_dir, **kwargs,
-        )
-
     def _role_specs(self) -> dict[str, RoleSpec]:
         """What each Megatron role of the run is built from, in start order."""
-        cfg = self.run_cfg
-        role_args = {"actor": {"routing_replay": cfg.rollout.routing_replay, "engine_dtype": self.engine_dtype},
-                     "ref": {"train": False},
-                     "critic": {"value_head": True, "model_path": cfg.model.critic_path or cfg.model.path},
-                     "reward_model": {"value_head": True, "train": False, "model_path": cfg.reward.model.path}}
-        return {name: self._role(name, **role_args[name]) for name in placement.roles(cfg)}
+        return {name: role_spec(self.run_cfg, name, log_dir=self.log_dir, engine_dtype=self.engine_dtype)
+                for name in placement.roles(self.run_cfg)}
 
     def _setup_roles(self):
         """Every role's workers and the engines, started side by side (each loads its model in its

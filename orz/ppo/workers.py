@@ -27,29 +27,7 @@ from orz.faults import FaultSite
 from orz.models.inputs import ModelInputs
 from orz.ppo.core_algos import actor_loss, routing_agreement_counts, value_loss
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """What a worker needs to build its part of a role."""
-
-    name: str  # "actor" | "critic" | "ref" | "reward_model"
-    model_path: str  # HF directory the weights start from
-    cfg: RoleConfig
-    value_head: bool = False  # a value head (critic, reward model) instead of the LM head
-    train: bool = True  # False: forward only (reference), no optimizer
-    dtype: str = "auto"
-    recompute: bool = False
-    deterministic: bool = False  # Megatron's deterministic mode (trainer.batch_invariant; GPU, untested here)
-    vocab_divisible_by: int = 1
-    logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens
-    moe_aux_loss_coef: float = 0.0  # model.moe_aux_loss_coef (trained roles of a MoE)
-    moe_dispatcher: str = "allgather"  # model.moe_dispatcher
-    routing_replay: bool = False  # rollout.routing_replay: the MoE routers replay Experience.routed_experts
-    engine_dtype: str = ""  # the actor's: what the engines hold (rollout.engine_dtype), synced weights cast to it
-    total_steps: int = 1  # optimizer steps of the whole run, for the LR schedule
-    seed: int = 0
-    log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
+from orz.run.role_spec import RoleSpec
 
 
 def reset_peak_memory() -> None:
@@ -155,32 +133,23 @@ class MegatronWorker(FaultSite):
         from megatron.core import parallel_state as ps
 
         from orz.models.checkpoint import HFCheckpoint
-        from orz.models.megatron_model import MegatronModel, OptimConfig
+        from orz.models.megatron_model import MegatronModel
         from orz.models.parallel import init_model_parallel, join_store
 
-        cfg = self.spec.cfg
         store = self._world_store or join_store(master_addr, master_port)
-        init_model_parallel(cfg.tp, cfg.pp, seed=self.spec.seed, ep=cfg.ep, etp=cfg.etp, store=store, cp=cfg.cp)
+        init_model_parallel(self.spec.model.sizes, seed=self.spec.seed, store=store)
         self.ps = ps
         ckpt = HFCheckpoint(self.spec.model_path)
         self.hf_config = ckpt.config  # names the synced weights as the checkpoint does (a wrapper's)
-        optim = None
-        if self.spec.train:
-            optim = OptimConfig(lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                                adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
-                                clip_grad=cfg.clip_grad, use_distributed_optimizer=cfg.use_distributed_optimizer)
-        dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.spec.dtype]
-        self.model = MegatronModel(ckpt.arch, self.spec.value_head, optim, dtype, self.spec.recompute,
-                                  self.spec.vocab_divisible_by, self.spec.deterministic,
-                                  self.spec.moe_aux_loss_coef if self.spec.train else 0.0,
-                                  self.spec.routing_replay, self.spec.moe_dispatcher)
+        self.model = MegatronModel(ckpt.arch, self.spec.model)
         if ckpt.arch.moe is not None:  # in the worker's log: what Megatron built
-            print(f"{self.spec.name} rank {self.rank}: experts over EP {cfg.ep} × ETP {cfg.etp}, token dispatcher "
+            sizes = self.spec.model.sizes
+            print(f"{self.spec.name} rank {self.rank}: experts over EP {sizes.ep} × ETP {sizes.etp}, token dispatcher "
                   f"{self.model.config.moe_token_dispatcher_type}", flush=True)
         self.model.load_hf(ckpt)
         self.scheduler = None
         if self.spec.train:
-            self.configure(cfg)
+            self.configure(self.spec.cfg)
 
     def configure(self, cfg: RoleConfig) -> None:
         """A stage's settings for this role: micro-batching, and LR, schedule and optimizer
@@ -262,7 +231,7 @@ class MegatronWorker(FaultSite):
         at = exp.response_positions()[rows, cols]  # (N,) where each response token sits
         logprobs, entropy = token_logprobs(  # the hidden state one position earlier predicts it
             hidden[rows, at - 1], self.model.lm_head_weight(), exp.sequences[rows, at], self.model.arch.vocab_size,
-            self.ps.get_tensor_model_parallel_group(), temperature, self.spec.logprob_chunk_tokens or 0, with_entropy)
+            self.ps.get_tensor_model_parallel_group(), temperature, self.spec.model.logprob_chunk_tokens, with_entropy)
         shape = exp.response_mask.shape
         per_token = [torch.zeros(shape).index_put((rows, cols), v) if v is not None else None for v in (logprobs, entropy)]
         return per_token[0], per_token[1]
@@ -610,7 +579,7 @@ class WorkerGroup:
         wait=False returns once the workers are launched; `wait_started()` waits for their models."""
         cfg = spec.cfg
         self.spec = spec
-        self.world_size = cfg.tp * cfg.pp * cfg.cp * cfg.dp
+        self.world_size = spec.model.sizes.workers
         self.bundles, self._own_bundles = shared or Bundles.create(self.world_size, cfg.cpus_per_worker), shared is None
         cls = ray.remote(concurrency_groups={"control": 1})(MegatronWorker)  # use_threads, beside a pass
         self.workers = [

@@ -136,7 +136,9 @@ class RolloutDriver:
                     return
                 self._next_event(client)
         finally:  # a rollout abandoned part-way (an exception) leaves nothing generating behind
-            for engine, session in enumerate(self.sessions):
+            # A generator the collector finalises after a stopped run shut Ray down has no engine left
+            # to stop (and a Ray call then would start a new cluster).
+            for engine, session in enumerate(self.sessions if ray.is_initialized() else []):
                 if session is not None:
                     self.fleet.close_session(engine, session, abort=not client.finished())
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from orz.config import ConfigError, ExperimentConfig, RoleConfig
 from orz.models.arch import ModelArch, ModelConfigError
+from orz.models.spec import Sizes
 
 
 def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
@@ -40,23 +41,6 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """A Megatron role's parallel sizes: tp·pp·cp·dp workers, one GPU each; its experts' groups
-    (ep·etp GPUs) are carved out of the tp·cp·dp ranks of each pipeline stage, as in Megatron."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-
-    @property
-    def workers(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-
-@dataclass(frozen=True)
 class Layout:
     roles: dict[str, Sizes]  # the Megatron roles, in start order
     num_engines: int  # vLLM engines of engine_tp GPUs each, on one node
@@ -66,7 +50,7 @@ class Layout:
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> Layout:
         r = cfg.rollout
-        return cls({name: Sizes(role.tp, role.pp, role.dp, role.ep, role.etp, role.cp) for name, role in roles(cfg).items()},
+        return cls({name: Sizes.of(role) for name, role in roles(cfg).items()},
                    r.num_engines, r.engine_tp, cfg.trainer.colocate)
 
     @property

@@ -1,7 +1,6 @@
 """What a run's config implies and forbids, decided once for the trainer and the Slurm check.
 
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
-    optimizer_steps(cfg, "actor")   # the LR schedule's length: Σ over stages of iterations × steps
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
     context_length(cfg, multi_turn)  # the longest sample the engines hold
     range_problems(cfg)         # the settings outside their valid range, one line each
@@ -31,7 +30,8 @@ from orz.rollout.engine import GDN_HEAD_DIMS_ON_CPU
 from orz.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, check_band,
 )
-from orz.run.placement import Layout, Sizes, role_problems, roles
+from orz.models.spec import Sizes
+from orz.run.placement import Layout, role_problems, roles
 from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.code import EXTRACTIONS, SCORINGS
 from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
@@ -69,14 +69,6 @@ def algorithm(cfg: ExperimentConfig) -> AlgorithmConfig:
     a = cfg.algorithm
     return replace(a, whiten_advantages=estimator(a).whitens if a.whiten_advantages is None else a.whiten_advantages,
                    is_correction=cfg.trainer.max_staleness > 0 if a.is_correction is None else a.is_correction)
-
-
-def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
-    """Optimizer steps of the whole run for `role`, over every stage's iterations × steps."""
-    if not cfg.stages:
-        return cfg.trainer.iterations * getattr(cfg, role).steps_per_iteration
-    return sum(stage.iterations * getattr(staged, role).steps_per_iteration
-               for stage, (_, staged) in zip(cfg.stages, stage_configs(cfg)))
 
 
 def check(cfg: ExperimentConfig, arch=None, on_gpu: bool | None = None) -> None:
@@ -184,7 +176,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         problems.append(f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
                         f"{arch.max_position_embeddings}; lower them")
     for name, role in roles(cfg).items():
-        problems += role_problems(name, Sizes(role.tp, role.pp, role.dp, role.ep, role.etp, role.cp), role.micro_batch_tokens,
+        problems += role_problems(name, Sizes.of(role), role.micro_batch_tokens,
                                   arch, context)
         if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
             problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "

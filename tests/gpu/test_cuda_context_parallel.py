@@ -17,12 +17,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.
 def _logprobs_and_grad_norm(rank, world, path, tokens, cp):
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.inputs import ModelInputs
-    from orz.models.megatron_model import MegatronModel, OptimConfig
+    from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
+    from orz.models.spec import ModelSpec, OptimSpec, Sizes
 
-    init_model_parallel(cp=cp)
+    init_model_parallel(Sizes(cp=cp))
     ckpt = HFCheckpoint(path)
-    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-5), dtype=torch.bfloat16)
+    engine = MegatronModel(ckpt.arch, ModelSpec(sizes=Sizes(cp=cp), optim=OptimSpec(lr=1e-5), dtype="bfloat16"))
     engine.load_hf(ckpt)
     ids = tokens.cuda()
     engine.model.eval()

@@ -25,15 +25,16 @@ def world():
     from orz.models.parallel import host_store, init_model_parallel
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_model_parallel(1, 1, store=host_store("127.0.0.1"))
+    init_model_parallel(store=host_store("127.0.0.1"))
 
 
 def _engine(path, optim=True):
     from orz.models.checkpoint import HFCheckpoint
-    from orz.models.megatron_model import MegatronModel, OptimConfig
+    from orz.models.megatron_model import MegatronModel
+    from orz.models.spec import ModelSpec, OptimSpec
 
     ckpt = HFCheckpoint(path)
-    engine = MegatronModel(ckpt.arch, optim=OptimConfig(lr=1e-5) if optim else None, dtype=torch.bfloat16)
+    engine = MegatronModel(ckpt.arch, ModelSpec(optim=OptimSpec(lr=1e-5) if optim else None, dtype="bfloat16"))
     engine.load_hf(ckpt)
     return ckpt, engine
 
