@@ -17,7 +17,6 @@ logit difference against the transformers forward on the same tokens.
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -43,14 +42,9 @@ from orz.models.checkpoint import (
 )
 from orz.models.convert import Layout, param_rules
 from orz.models.local_world import run_world
-from orz.models.spec import ModelSpec, Sizes
+from orz.models.spec import ModelSpec, Sizes, smallest_dp
 
 ROLES_WITH_CHECKPOINTS = ("actor", "critic")
-
-
-def _smallest_dp(tp: int, ep: int, etp: int) -> int:
-    """The smallest DP at which ep·etp divides tp·dp (Megatron carves the experts' groups out of TP × DP)."""
-    return math.lcm(tp, ep * etp) // tp
 
 
 def _hf2mcore_rank(rank, world, hf_dir, out, tp, pp, ep, etp, vocab_divisible_by):
@@ -75,7 +69,7 @@ def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisibl
     whole = Layout(padded_vocab=ckpt.arch.padded_vocab_size(tp, vocab_divisible_by))
     ckpt.require(name for rule in param_rules(ckpt.arch, whole) for name in rule.hf)  # before any process starts
     with atomic_dir(out_dir) as tmp:
-        run_world(_hf2mcore_rank, tp * pp * _smallest_dp(tp, ep, etp), hf_dir, str(tmp), tp, pp, ep, etp,
+        run_world(_hf2mcore_rank, tp * pp * smallest_dp(tp, ep, etp), hf_dir, str(tmp), tp, pp, ep, etp,
                   vocab_divisible_by, timeout=3600)
         (tmp / HF_FILES).mkdir()
         copy_hf_files(hf_dir, tmp / HF_FILES)
@@ -118,20 +112,26 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
 
 
 def _upgrade_rank(rank, world, spec, old_dir, new_dir):
-    from orz.ppo import legacy_checkpoint
-    from orz.ppo.workers import MegatronWorker
+    """Built from the role's spec at its saved layout, as its workers built it; read in the earlier
+    format, written in Megatron's with what a worker's save records (the scheduler's steps)."""
+    from orz.models import dist_checkpoint, legacy_checkpoint
+    from orz.models.megatron_model import MegatronModel
+    from orz.models.parallel import init_model_parallel
 
-    worker = MegatronWorker(spec, rank, world)
-    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
-    worker.scheduler.num_steps = legacy_checkpoint.load(worker, old_dir)
-    worker.save(new_dir)
+    init_model_parallel(spec.model.sizes, seed=spec.seed)
+    ckpt = HFCheckpoint(spec.model_path)
+    model = MegatronModel(ckpt.arch, spec.model)
+    model.load_hf(ckpt)
+    steps = legacy_checkpoint.load(model, old_dir)
+    dist_checkpoint.save(model, new_dir, {"role": spec.name} | ({"scheduler_steps": steps} if spec.train else {}),
+                         ckpt.config)
 
 
 def upgrade(iteration_dir: str) -> list[Path]:
     """Every role of a checkpoint written before 2026-12-05 re-saved in Megatron's format, in place,
     once: read in a local world at its saved layout, built as its run's config (trainer_state.json
     beside it) says. Returns the role directories it converted."""
-    from orz.ppo import legacy_checkpoint
+    from orz.models import legacy_checkpoint
     from orz.run.role_spec import role_spec
 
     iteration_dir = Path(iteration_dir)
@@ -175,7 +175,7 @@ def verify(hf_dir: str, tp: int, pp: int, batch: int = 2, seq: int = 32, seed: i
 
     ckpt = HFCheckpoint(hf_dir)
     ckpt.arch.check_parallel(tp, pp, ep, etp)
-    dp = _smallest_dp(tp, ep, etp)
+    dp = smallest_dp(tp, ep, etp)
     tokens = torch.randint(0, ckpt.arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     start = time.time()
     ranks = run_world(_verify_rank, tp * pp * dp, hf_dir, tp, pp, ep, etp, tokens)

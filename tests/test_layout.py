@@ -18,6 +18,7 @@ RULES = [
     ("orz.reward", ("orz.ppo", "orz.rollout", "orz.models", "ray", "megatron", "vllm"),
      "verifiers run without Ray, Megatron or vLLM"),
     ("orz.models", ("orz.ppo", "orz.rollout", "orz.reward", "orz.run"), "models know nothing of RL or of a run"),
+    ("orz.convert", ("orz.ppo", "orz.rollout", "ray"), "conversions build models from their spec in a local world"),
     ("orz.models.spec", ("torch", "ray", "megatron", "vllm", "orz"), "the planner reads a model's sizes without torch"),
     ("orz.plan.inputs", ("torch", "ray", "megatron", "vllm", "orz.ppo.core_algos"), "the planner's arithmetic"),
     ("orz.plan.memory", ("torch", "ray", "megatron", "vllm", "orz.ppo.core_algos"), "the planner's arithmetic"),

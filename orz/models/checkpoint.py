@@ -4,7 +4,6 @@ orz/models/dist_checkpoint.py). Every write is atomic: a directory is written be
 destination and renamed into place, so a crash never leaves a half checkpoint that loads as complete.
 """
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -17,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from orz.models.arch import ModelConfigError, read_arch, wrapper_of
-from orz.models.spec import Sizes
+from orz.models.spec import Sizes, smallest_dp
 
 INDEX = "model.safetensors.index.json"
 # Files of an HF directory that are not weights: carried over on export (tokenizer etc.).
@@ -279,4 +278,4 @@ def recut_layout(directory: str | Path, sizes: dict, distributed: bool) -> dict 
             or (recut_dir(directory) / MEGATRON_META).is_file()):
         return None
     tp, pp, ep, etp = model_parallel(saved)
-    return {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": math.lcm(tp, ep * etp) // tp}
+    return {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": smallest_dp(tp, ep, etp)}

@@ -8,7 +8,14 @@ whole, and checkpoints record its sizes. Imports no torch (the planner reads `Si
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+
+def smallest_dp(tp: int, ep: int, etp: int) -> int:
+    """The smallest DP at which ep·etp divides tp·dp (Megatron carves the experts' groups out of
+    each stage's TP × DP ranks): lcm(tp, ep·etp) / tp."""
+    return math.lcm(tp, ep * etp) // tp
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ cannot know: the nodes and GPUs, the efficiencies assumed, and the mean lengths 
 model.path is a preset (MODELS), an HF model directory or its config.json.
 
     plans = plan_recipe(cfg, load_cluster(path))   # [(stage label, Plan)]
-    problems = check(plan)                         # [] when everything fits
+    problems = blockers(plan)                      # [] when everything fits
 
 The package, one idea a module: inputs (cluster, sizes, workload), memory, timing, estimate (a
 plan), advice (does it fit, what would), recipe (a plan's inputs from a recipe), cli. Its arithmetic

@@ -1,5 +1,6 @@
-"""Experience (the batch an update replays; parts join with ``Experience.concat``) and how it is
-cut for an update: shuffled mini-batches (``Experience.minibatches``) and micro-batches.
+"""The replay buffer: Experience, the batch an iteration's updates replay (what ORZ and OpenRLHF
+call the replay buffer; parts join with ``Experience.concat``), and how it is cut for an update:
+shuffled mini-batches (``Experience.minibatches``), each step's, and micro-batches.
 
 One token layout, everywhere:
 

@@ -9,7 +9,7 @@ groups; before 2026-11 a non-distributed optimizer's whole Megatron state dict) 
 parameter in the optimizer's order; without the distributed optimizer DP rank 0's whole tensors).
 
     layout = saved_layout(role_dir)      # {"tp", "pp", "dp", "ep", "etp"}: the world to read it in
-    scheduler_steps = load(worker, role_dir)   # on every rank of a worker at exactly that layout
+    scheduler_steps = load(model, role_dir)    # on every rank of a MegatronModel at exactly that layout
 """
 from __future__ import annotations
 
@@ -114,13 +114,13 @@ def _load_optimizer(optimizer, names: dict, shard: Path, index: int, dp_rank: in
         _set_states(optimizer, param, _cut(by_name[names[param]], *_owned_range(optimizer, param)))
 
 
-def load(worker, role_dir: str | Path) -> int:
-    """Weights, optimizer state and RNG of this rank from `role_dir` into a MegatronWorker built at
-    the saved layout; returns the scheduler's step count."""
+def load(model, role_dir: str | Path) -> int:
+    """Weights, optimizer state and RNG of this rank from `role_dir` into a MegatronModel built at
+    the saved layout (its HF weights loaded); returns the scheduler's step count."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    model, layout = worker.model, worker.model.layout
+    layout = model.layout
     ep_rank = f"_{layout.ep_rank:03d}" if layout.ep > 1 else ""
     shard = Path(role_dir) / f"mp_rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}{ep_rank}"
     if not (shard / "optim.pt").is_file():  # only the first expert-DP replica wrote a MoE's
