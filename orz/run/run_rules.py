@@ -3,8 +3,7 @@
     algorithm(cfg)              # cfg.algorithm with its None defaults decided (whitening, IS correction)
     check(cfg, arch)            # every refusal, as one ConfigError naming the keys, before any worker starts
     context_length(cfg, multi_turn)  # the longest sample the engines hold
-    range_problems(cfg)         # the settings outside their valid range, one line each
-    choice_problems(cfg)        # the settings that name none of their choices
+    setting_problems(cfg)       # the settings outside their field's range or choices, one line each
 
 Stages change what a running role can take on at its next iteration (STAGE_KEYS); what would need
 other workers (parallel sizes, a reference or critic appearing, the engines) is refused.
@@ -20,8 +19,7 @@ from pathlib import Path
 import torch
 
 from orz.config import (
-    ENGINE_DTYPES, LOGPROBS_MODES, LR_DECAYS, MODEL_DTYPES, MOE_DISPATCHERS, SYNC_CHECKS, TRANSPORTS, AlgorithmConfig,
-    ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, stage_configs,
+    AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, field_problems, stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
 from orz.data.templates import TEMPLATES, encode_prompt, make_template
@@ -108,7 +106,7 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
 
 def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
     a, r, d = cfg.algorithm, cfg.rollout, cfg.data
-    problems = range_problems(cfg) + choice_problems(cfg)
+    problems = setting_problems(cfg)
     if a.advantage not in ADVANTAGE_ESTIMATORS:  # named above; what follows needs the estimator
         return problems
     if r.logprobs_mode == "raw" and r.temperature != 1:
@@ -235,7 +233,7 @@ def env_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"rollout.tool_timeout_s={r.tool_timeout_s} must be below rollout.env_timeout_s="
                         f"{r.env_timeout_s}: a code block past its timeout is killed and its observation says so; "
                         "an environment past env_timeout_s ends its sample with score 0")
-    if r.tool_format not in DELIMITERS:  # choice_problems names it
+    if r.tool_format not in DELIMITERS:  # setting_problems names it
         return problems
     tool_open, tool_close = delimiters(r)
     if tool_open == tool_close:
@@ -429,99 +427,10 @@ def _reward_model_problems(reward) -> list[str]:
     return []
 
 
-# Settings with a valid range: (key, whether a value is in it, the range as the refusal states it).
-# None (an optional setting left unset) is always valid. A Megatron role's micro_batch_size and
-# threads are checked with the roles that run (_run_problems): other roles start no worker.
-_RANGES = (
-    ("model.vocab_divisible_by", lambda v: v >= 1, ">= 1"),
-    ("model.moe_aux_loss_coef", lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
-    ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
-    ("rollout.engine_tp", lambda v: v >= 1, ">= 1"),
-    ("rollout.cpus_per_engine", lambda v: v > 0, "> 0"),
-    ("rollout.kv_cache_gib", lambda v: v >= 1, ">= 1"),
-    ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("rollout.max_model_len", lambda v: v >= 0, ">= 0 (0: derived, run_rules.context_length)"),
-    ("rollout.max_turns", lambda v: v >= 1, ">= 1"),
-    ("rollout.env_timeout_s", lambda v: v > 0, "> 0"),
-    ("rollout.tool_timeout_s", lambda v: v > 0, "> 0"),
-    ("rollout.max_observation_tokens", lambda v: v >= 1, ">= 1"),
-    ("rollout.tool_format_reward", lambda v: v >= 0, ">= 0 (0: off)"),
-    ("rollout.n_samples", lambda v: v >= 1, ">= 1"),
-    ("rollout.temperature", lambda v: 0 <= v <= 2, "in [0, 2] (vLLM's range; 0: greedy)"),
-    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("rollout.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
-    ("rollout.request_timeout_s", lambda v: v > 0, "> 0"),
-    ("rollout.sync_timeout_s", lambda v: v > 0, "> 0"),
-    ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),
-    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("algorithm.clip_low", lambda v: 0 <= v <= 1, "in [0, 1] (the ratio's floor 1 - clip_low is >= 0)"),
-    ("algorithm.clip_high", lambda v: v >= 0, ">= 0"),
-    ("algorithm.dual_clip", lambda v: v > 1, "> 1 (a cap of c·A on negative advantages)"),
-    ("algorithm.value_clip", lambda v: v >= 0, ">= 0"),
-    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0: no reference model)"),
-    ("algorithm.kl_target", lambda v: v > 0, "> 0"),
-    ("algorithm.kl_horizon", lambda v: v > 0, "> 0"),
-    ("algorithm.entropy_coef", lambda v: v >= 0, ">= 0"),
-    ("algorithm.entropy_target", lambda v: v >= 0, ">= 0"),
-    ("algorithm.entropy_step", lambda v: v > 0, "> 0"),
-    ("algorithm.entropy_max_coef", lambda v: v >= 0, ">= 0"),
-    ("algorithm.is_cap", lambda v: v > 0, "> 0"),
-    ("algorithm.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
-    ("algorithm.overlong_factor", lambda v: v >= 0, ">= 0"),
-    ("data.prompt_max_tokens", lambda v: v >= 1, ">= 1"),
-    ("data.synthetic_train_size", lambda v: v >= 1, ">= 1"),
-    ("data.synthetic_eval_size", lambda v: v >= 1, ">= 1"),
-    ("data.synthetic_digits", lambda v: 1 <= v[0] <= v[1], "[low, high] with 1 <= low <= high"),
-    ("reward.num_workers", lambda v: v >= 1, ">= 1"),
-    ("reward.timeout_s", lambda v: v > 0, "> 0"),
-    ("reward.custom_workers", lambda v: v >= 1, ">= 1"),
-    ("reward.custom_timeout_s", lambda v: v > 0, "> 0"),
-    ("reward.code.max_parallel", lambda v: v >= 1, ">= 1"),
-    ("reward.code.wall_s", lambda v: v > 0, "> 0"),
-    ("reward.code.cpu_s", lambda v: v >= 1, ">= 1"),
-    ("reward.code.memory_mb", lambda v: v >= 1, ">= 1"),
-    ("trainer.iterations", lambda v: v >= 1, ">= 1"),
-    ("trainer.prompts_per_iteration", lambda v: v >= 1, ">= 1"),
-    ("trainer.eval_every", lambda v: v >= 0, ">= 0 (0: only before and after training)"),
-    ("trainer.eval_n", lambda v: v >= 1, ">= 1"),
-    ("trainer.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    ("trainer.keep_checkpoints", lambda v: v >= 1, ">= 1"),
-    ("model.logprob_chunk_tokens", lambda v: v is None or v >= 1, ">= 1 (or unset: 128 MiB of float32 logits per rank)"),
-    ("trainer.keep_every", lambda v: v >= 0, ">= 0 (0: only the last trainer.keep_checkpoints stay)"),
-    ("trainer.max_restarts", lambda v: v >= 0, ">= 0"),
-    ("trainer.dump_samples_every", lambda v: v >= 0, ">= 0 (0: never)"),
-    ("trainer.ray_num_cpus", lambda v: v >= 0, ">= 0 (0: Ray's default)"),
-)
-_ROLE_RANGES = (
-    ("tp", lambda v: v >= 1, ">= 1"),
-    ("pp", lambda v: v >= 1, ">= 1"),
-    ("cp", lambda v: v >= 1, ">= 1"),
-    ("dp", lambda v: v >= 1, ">= 1"),
-    ("ep", lambda v: v >= 1, ">= 1"),
-    ("etp", lambda v: v >= 1, ">= 1"),
-    ("cpus_per_worker", lambda v: v > 0, "> 0"),
-    ("lr", lambda v: v > 0, "> 0"),
-    ("min_lr", lambda v: v >= 0, ">= 0"),
-    ("warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("weight_decay", lambda v: v >= 0, ">= 0"),
-    ("clip_grad", lambda v: v > 0, "> 0"),
-    ("adam_betas", lambda v: all(0 <= beta < 1 for beta in v), "two values in [0, 1)"),
-    ("steps_per_iteration", lambda v: v >= 1, ">= 1"),
-    ("micro_batch_tokens", lambda v: v >= 0, ">= 0 (0: micro_batch_size rows)"),
-)
-_ROLE_SECTIONS = ("actor", "critic", "ref", "reward.model")
-# Settings that take one of a few names, and the names, from the code that reads them. Left to that
-# code, another name would fail only after the workers start (model.dtype, loss_agg; sync_check at
-# the first sync, as "tensors differ").
-_CHOICES = (
-    ("model.dtype", MODEL_DTYPES),
-    ("model.moe_dispatcher", MOE_DISPATCHERS),
-    ("rollout.engine_dtype", ENGINE_DTYPES),
-    ("rollout.transport", TRANSPORTS),
-    ("rollout.sync_check", SYNC_CHECKS),
-    ("rollout.logprobs_mode", tuple(LOGPROBS_MODES)),
+# Settings that name one of the implementations registered where they are implemented (their
+# fields in config.py cannot import those modules): left to that code, another name would fail
+# only after the workers start. Every other setting's range or choices is declared with its field.
+_REGISTERED_CHOICES = (
     ("rollout.tool_format", tuple(DELIMITERS)),
     ("algorithm.advantage", ADVANTAGE_ESTIMATORS.names()),
     ("algorithm.policy_loss", POLICY_LOSSES.names()),
@@ -532,30 +441,23 @@ _CHOICES = (
     ("reward.code.scoring", SCORINGS),
     ("reward.code.extraction", EXTRACTIONS),
 )
-_ROLE_CHOICES = (("lr_decay", LR_DECAYS),)
 
 
-def _value(cfg: ExperimentConfig, key: str):
-    for part in key.split("."):
+def setting_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every setting outside the range or choices its field declares (config.field_problems), or
+    naming no registered implementation (_REGISTERED_CHOICES), one line each naming the key."""
+    unknown = []
+    for key, names in _REGISTERED_CHOICES:
+        section, name = key.rsplit(".", 1)
+        if (value := getattr(_section(cfg, section), name)) not in names:
+            unknown.append(f"{key}={value!r} is unknown; valid: {', '.join(names)}")
+    return field_problems(cfg) + unknown
+
+
+def _section(cfg: ExperimentConfig, path: str):
+    for part in path.split("."):
         cfg = getattr(cfg, part)
     return cfg
-
-
-def range_problems(cfg: ExperimentConfig) -> list[str]:
-    """Every setting outside its valid range (_RANGES, and _ROLE_RANGES for each Megatron role),
-    one line each naming the key: left to the engines, the optimizer or the workers, it would fail
-    long after start-up, or quietly train something else."""
-    ranges = (*_RANGES, *((f"{section}.{key}", valid, text) for section in _ROLE_SECTIONS
-                          for key, valid, text in _ROLE_RANGES))
-    return [f"{key}={value} is out of range: it must be {text}" for key, valid, text in ranges
-            if (value := _value(cfg, key)) is not None and not valid(value)]
-
-
-def choice_problems(cfg: ExperimentConfig) -> list[str]:
-    """Every setting that names none of its choices (_CHOICES, and _ROLE_CHOICES for each role)."""
-    choices = (*_CHOICES, *((f"{section}.{key}", names) for section in _ROLE_SECTIONS for key, names in _ROLE_CHOICES))
-    return [f"{key}={value!r} is unknown; valid: {', '.join(names)}" for key, names in choices
-            if (value := _value(cfg, key)) not in names]
 
 
 def read_data(cfg: ExperimentConfig) -> RunData:
