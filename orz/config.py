@@ -55,6 +55,7 @@ MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # model.moe_dispatcher
 LR_DECAYS = ("constant", "cosine", "linear")  # a role's lr_decay: Megatron's lr_decay_style
 TRANSPORTS = ("collective", "object_store")  # rollout.transport
 SYNC_CHECKS = ("off", "received", "held")  # rollout.sync_check
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # trainer.loggers; jsonl is MetricsLogger's own file
 
 
 @dataclass

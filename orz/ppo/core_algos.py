@@ -32,6 +32,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from orz import algorithm_names as declared
+from orz.algorithm_names import check_band
+
 __all__ = [
     "Registry", "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "AGGREGATIONS", "KL_PENALTIES",
     "compute_gae", "compute_grpo_advantages", "compute_orz_grpo_advantages", "compute_rloo_advantages",
@@ -48,13 +51,16 @@ __all__ = [
 class Registry:
     """Implementations of one kind of thing, by name; the config names one and the trainer looks it up."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, declared: Sequence[str]):
         self.kind = kind  # what the entries are, for error messages: "advantage estimator"
+        self.declared = tuple(declared)  # the names the config may give (orz/algorithm_names.py)
         self._entries: dict[str, Any] = {}
 
     def add(self, name: str, entry: Any) -> Any:
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is already registered")
+        if name not in self.declared:
+            raise ValueError(f"{self.kind} {name!r} is not declared in orz/algorithm_names.py")
         self._entries[name] = entry
         return entry
 
@@ -74,10 +80,10 @@ class Registry:
         return name in self._entries
 
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
-POLICY_LOSSES = Registry("policy loss")
-AGGREGATIONS = Registry("aggregation mode")
-KL_PENALTIES = Registry("KL penalty kind")
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", declared.ADVANTAGE_ESTIMATORS)
+POLICY_LOSSES = Registry("policy loss", declared.POLICY_LOSSES)
+AGGREGATIONS = Registry("aggregation mode", declared.AGGREGATIONS)
+KL_PENALTIES = Registry("KL penalty kind", declared.KL_PENALTIES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,20 +335,14 @@ class AdvantageInputs:
 @dataclass(frozen=True)
 class AdvantageEstimator:
     compute: Callable[[AdvantageInputs], tuple[Tensor, Tensor]]  # inputs → (advantages, returns), (B, T) each
-    needs_critic: bool  # whether the trainer must run a critic to fill ``values``
-    # Whether it reads per-token rewards; if not (group estimators read one score per sample), a
-    # KL penalty "in the reward" must enter the score instead (``kl_in_score``).
-    reads_token_rewards: bool
-    # Batch whitening on top, in the estimator's published form: PPO's GAE and REINFORCE++ whiten;
-    # GRPO, Dr.GRPO and RLOO do not (it would undo Dr.GRPO's "no std"); ORZ's GRPO whitens inside.
-    whitens: bool
+    needs: declared.EstimatorNeeds  # a critic, per-token rewards, whitening: declared with its name
 
 
-def register_advantage_estimator(name: str, needs_critic: bool = False, reads_token_rewards: bool = False,
-                                 whitens: bool = False):
-    """Decorator: register ``compute(inputs) -> (advantages, returns)`` under ``name``."""
+def register_advantage_estimator(name: str):
+    """Decorator: register ``compute(inputs) -> (advantages, returns)`` under ``name``, with the
+    needs orz/algorithm_names.py declares for it."""
     return lambda compute: ADVANTAGE_ESTIMATORS.add(
-        name, AdvantageEstimator(compute, needs_critic, reads_token_rewards, whitens))
+        name, AdvantageEstimator(compute, declared.ADVANTAGE_ESTIMATORS.get(name, declared.EstimatorNeeds())))
 
 
 def estimate_advantages(name: str, *, mask: Tensor, token_rewards: Tensor | None = None,
@@ -371,13 +371,13 @@ def _group_estimator(name: str, per_sample: Callable[[Tensor, Tensor], Tensor]) 
     register_advantage_estimator(name)(compute)
 
 
-@register_advantage_estimator("gae", needs_critic=True, reads_token_rewards=True, whitens=True)
+@register_advantage_estimator("gae")
 def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return compute_gae(inputs.require("token_rewards", "gae"), inputs.require("values", "gae"),
                        inputs.mask, inputs.gamma, inputs.lam)
 
 
-@register_advantage_estimator("reinforce_pp", reads_token_rewards=True, whitens=True)
+@register_advantage_estimator("reinforce_pp")
 def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return compute_reinforce_pp_advantages(inputs.require("token_rewards", "reinforce_pp"), inputs.mask, inputs.gamma)
 
@@ -857,19 +857,6 @@ def _outside(x: Tensor, band: Sequence[float | None]) -> Tensor:
     if high is not None:
         out |= x > high
     return out
-
-
-def check_band(name: str, band: Sequence[float | None] | None) -> None:
-    """A band [low, high] around 1 (either end None: open): low < 1 < high, else ValueError naming it."""
-    if band is None:
-        return
-    if len(band) != 2 or all(end is None for end in band):
-        raise ValueError(f"{name} must be [low, high] with at least one end set (null: open), got {list(band)}")
-    low, high = band
-    if low is not None and not 0 <= low < 1:
-        raise ValueError(f"{name}: its low end {low} must lie in [0, 1): a ratio of 1 (no mismatch) must stay inside")
-    if high is not None and not high > 1:
-        raise ValueError(f"{name}: its high end {high} must be above 1: a ratio of 1 (no mismatch) must stay inside")
 
 
 def mismatch_keep_mask(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,

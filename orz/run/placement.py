@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orz.algorithm_names import ADVANTAGE_ESTIMATORS
 from orz.config import ConfigError, ExperimentConfig, RoleConfig
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.spec import Sizes
@@ -24,12 +25,10 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
     """The actor always; the critic when the estimator needs one; the reference when there is a KL
     term (its log-probs enter the reward, the score or the loss: never built for nothing); the
     reward model when one is set."""
-    from orz.ppo.core_algos import ADVANTAGE_ESTIMATORS  # imports torch; the arithmetic below does not
-
-    try:
-        needs_critic = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).needs_critic
-    except ValueError as err:  # the message lists the valid names
-        raise ConfigError(f"algorithm.advantage: {err}") from None
+    if (needs := ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage)) is None:
+        raise ConfigError(f"algorithm.advantage: unknown advantage estimator {cfg.algorithm.advantage!r}; valid: "
+                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    needs_critic = needs.needs_critic
     out = {"actor": cfg.actor}
     if needs_critic:
         out["critic"] = cfg.critic

@@ -18,23 +18,24 @@ from pathlib import Path
 
 import torch
 
+from orz.algorithm_names import (
+    ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, EstimatorNeeds, check_band,
+)
 from orz.config import (
-    AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, field_problems, stage_configs,
+    TRACKERS, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, field_problems,
+    stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
 from orz.data.templates import TEMPLATES, encode_prompt, make_template
-from orz.models.arch import ModelConfigError, read_hf_config
-from orz.rollout.engine import GDN_HEAD_DIMS_ON_CPU
-from orz.ppo.core_algos import (
-    ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, check_band,
-)
+from orz.models.arch import GDN_HEAD_DIMS_ON_CPU, ModelConfigError, read_hf_config
 from orz.models.spec import Sizes
-from orz.run.placement import Layout, role_problems, roles
-from orz.ppo.trackers import NAMES as TRACKERS
 from orz.reward.code import EXTRACTIONS, SCORINGS
 from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
+# The environments' rules read the environment registry and the python tool's delimiters, which
+# orz/rollout/ owns (neither module imports Ray, vLLM or Megatron).
 from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
 from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
+from orz.run.placement import Layout, role_problems, roles
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -54,11 +55,12 @@ _RUN_ONLY = ("algorithm.kl_coef", "algorithm.kl_target", "algorithm.kl_horizon",
              "algorithm.entropy_step", "algorithm.entropy_max_coef")
 
 
-def estimator(algo: AlgorithmConfig):
-    try:
-        return ADVANTAGE_ESTIMATORS.get(algo.advantage)
-    except ValueError as err:  # the message lists the valid names
-        raise ConfigError(f"algorithm.advantage: {err}") from None
+def estimator(algo: AlgorithmConfig) -> EstimatorNeeds:
+    """What algorithm.advantage's estimator asks of the run (orz/algorithm_names.py)."""
+    if algo.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"algorithm.advantage: unknown advantage estimator {algo.advantage!r}; valid: "
+                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    return ADVANTAGE_ESTIMATORS[algo.advantage]
 
 
 def algorithm(cfg: ExperimentConfig) -> AlgorithmConfig:
@@ -432,11 +434,11 @@ def _reward_model_problems(reward) -> list[str]:
 # only after the workers start. Every other setting's range or choices is declared with its field.
 _REGISTERED_CHOICES = (
     ("rollout.tool_format", tuple(DELIMITERS)),
-    ("algorithm.advantage", ADVANTAGE_ESTIMATORS.names()),
-    ("algorithm.policy_loss", POLICY_LOSSES.names()),
-    ("algorithm.loss_agg", AGGREGATIONS.names()),
-    ("algorithm.kl_kind", KL_PENALTIES.names()),
-    ("algorithm.is_level", tuple(IS_LEVELS)),
+    ("algorithm.advantage", tuple(sorted(ADVANTAGE_ESTIMATORS))),
+    ("algorithm.policy_loss", POLICY_LOSSES),
+    ("algorithm.loss_agg", AGGREGATIONS),
+    ("algorithm.kl_kind", KL_PENALTIES),
+    ("algorithm.is_level", IS_LEVELS),
     ("data.template", TEMPLATES),
     ("reward.code.scoring", SCORINGS),
     ("reward.code.extraction", EXTRACTIONS),
