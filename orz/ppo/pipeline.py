@@ -2,10 +2,12 @@
 
     pipeline = BatchesAhead(k)
     experience, metrics = pipeline.take(iteration, build)      # the oldest batch ready
-    pipeline.start(generate, iteration + k, version)             # generate(i + k, version), in the background
+    ahead = pipeline.ahead_of(iteration, total, stage_of)        # i + k, unless past the end or the stage
+    pipeline.start(generate, ahead, version)                     # generate(i + k, version), in the background
     ...                                                          # the actor trains on batch i
-    fleet.interrupt()                                            # rollout.partial: at the update's end
-    generated_at = pipeline.finish()                             # the weight sync waits for it
+    if pipeline.interrupts(partial):                             # rollout.partial: at the update's end the
+        fleet.interrupt(); sync()                                # batch pauses, takes the new weights
+    generated_at = pipeline.finish()                             # else the weight sync waits for it
 
 Batch i comes from weights max(0, i − k), the same run to run and on resume: a checkpoint holds
 `pipeline.ready` (saved after the sync, so nothing is in flight: docs/async.md). The staleness
@@ -36,6 +38,19 @@ class BatchesAhead:
         while len(self.ready) < max(self.k, 1):
             self.ready.append(build(iteration + len(self.ready)))
         return self.ready.popleft()
+
+    def ahead_of(self, iteration: int, total: int, stage_of: Callable[[int], int]) -> int | None:
+        """The batch the engines generate while the actor trains on batch `iteration`: iteration + k;
+        none past the run's `total` iterations, or in another stage than `iteration`'s (a stage's
+        first batches are built on its own settings, never ahead across its boundary)."""
+        ahead = iteration + self.k
+        return ahead if self.k and ahead < total and stage_of(ahead) == stage_of(iteration) else None
+
+    def interrupts(self, partial: bool) -> bool:
+        """Whether the update's end interrupts the batch being generated (rollout.partial): it pauses,
+        takes the new weights (the sync comes first) and finishes with them; else the sync waits
+        for it to finish on the weights it started with."""
+        return self.generating and partial
 
     def start(self, generate: Callable[..., tuple], *args) -> None:
         """generate(*args) in the background thread: (the batch, (start, end) of its generation)."""

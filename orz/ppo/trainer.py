@@ -255,12 +255,10 @@ class RayPPOTrainer:
             if colocated:
                 with timer("sleep"):
                     self.fleet.sleep()
-            ahead = self.iteration + k
-            if k and ahead < self.total and stage_at(self.run_cfg, ahead)[0] == self.stage_index:
-                self._share_cores(engines_generate=True)
+            ahead = self.pipeline.ahead_of(self.iteration, self.total, lambda i: stage_at(self.run_cfg, i)[0])
+            self._share_cores(engines_generate=ahead is not None)
+            if ahead is not None:
                 self.pipeline.start(self._prefetch, ahead, self.version)
-            else:
-                self._share_cores(engines_generate=False)
             show("log-probs and values")
             with timer("train"):
                 with timer("forward"):
@@ -270,7 +268,7 @@ class RayPPOTrainer:
                 show("update")
                 with timer("update"):
                     experience, update_metrics = self._update(experience)
-            partial = self.pipeline.generating and self.stage_cfg.rollout.partial
+            partial = self.pipeline.interrupts(self.stage_cfg.rollout.partial)
             if partial:  # the engines pause mid-batch, take the new weights, and finish it with them
                 self.fleet.interrupt()
                 sync = self._sync(timer, show)
