@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from orz.algorithm_names import ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES
+
 
 class ConfigError(ValueError):
     pass
@@ -38,16 +40,19 @@ def one_of(names: typing.Iterable[str]) -> dict:
 
 def at_least(low: float, note: str = "", **default) -> Any:
     """A field (`default=` or `default_factory=`) whose values are >= low."""
-    return field(**default, metadata=in_range(lambda v: v >= low, f">= {low}" + (f" ({note})" if note else "")))
+    return _bounded(lambda v: v >= low, f">= {low}", note, default)
 
 
 def above(low: float, note: str = "", **default) -> Any:
-    return field(**default, metadata=in_range(lambda v: v > low, f"> {low}" + (f" ({note})" if note else "")))
+    return _bounded(lambda v: v > low, f"> {low}", note, default)
 
 
 def within(low: float, high: float, note: str = "", **default) -> Any:
-    return field(**default, metadata=in_range(lambda v: low <= v <= high,
-                                              f"in [{low}, {high}]" + (f" ({note})" if note else "")))
+    return _bounded(lambda v: low <= v <= high, f"in [{low}, {high}]", note, default)
+
+
+def _bounded(check: typing.Callable[[Any], bool], allowed: str, note: str, default: dict) -> Any:
+    return field(**default, metadata=in_range(check, allowed + (f" ({note})" if note else "")))
 
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16")  # model.dtype
@@ -184,7 +189,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "gae"  # gae | grpo | dr_grpo | orz_grpo | rloo | reinforce_pp (core_algos registry)
+    advantage: str = field(default="gae", metadata=one_of(sorted(ADVANTAGE_ESTIMATORS)))
     gamma: float = within(0, 1, default=1.0)
     lam: float = within(0, 1, default=1.0)
     # Whitening over the whole buffer (ORZ's PPO). None: the estimator's published form — on for
@@ -193,14 +198,14 @@ class AlgorithmConfig:
     # ppo: per-token clipped ratio | gspo: clipped sequence-level ratio (use clip ranges ~3e-4/4e-4
     # and loss_agg seq-mean-token-mean) | cispo: clipped, detached IS weight on log π (no token
     # loses its gradient; MiniMax-M1 uses clip_low 1, clip_high ~0.28)
-    policy_loss: str = "ppo"
+    policy_loss: str = field(default="ppo", metadata=one_of(POLICY_LOSSES))
     clip_low: float = within(0, 1, default=0.2, note="the ratio's floor 1 - clip_low is >= 0")
     clip_high: float = at_least(0, default=0.2)  # > clip_low: DAPO's clip-higher
     dual_clip: float | None = above(1, default=None, note="a cap of c·A on negative advantages")
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    loss_agg: str = field(default="token-mean", metadata=one_of(AGGREGATIONS))
     value_clip: float | None = at_least(0, default=0.2)
     kl_coef: float = at_least(0, default=0.0, note="0: no reference model")  # ORZ: none
-    kl_kind: str = "k1"  # k1 | k2 | k3 | k3+
+    kl_kind: str = field(default="k1", metadata=one_of(KL_PENALTIES))
     # True: −β·KL in the reward — per token for gae/reinforce_pp, −β·ΣₜKL on the score for group
     # estimators (verl's choice); False: β·KL in the actor loss (DeepSeekMath's GRPO)
     kl_in_reward: bool = True
@@ -216,7 +221,7 @@ class AlgorithmConfig:
     is_correction: bool | None = None
     is_cap: float = above(0, default=2.0)
     # token: wₜ = min(rₜ, is_cap) | sequence: wᵢ = min(Πₜ rᵢₜ, is_cap) on every token of the sequence
-    is_level: str = "token"
+    is_level: str = field(default="token", metadata=one_of(IS_LEVELS))
     # [low, high] (either end null: open; null: off): tokens whose r = π_old/π_engine leaves the band
     # leave the actor's loss and its normalisers (MIS; IcePop when two-sided). E.g. [0.5, 2.0].
     mismatch_mask: tuple[float | None, float | None] | None = None

@@ -102,7 +102,7 @@ def recut_where_needed(ckpt: Path, specs: dict, start_group, say=print) -> None:
         if at is None:
             continue
         say(f"orz: {name} was saved at {describe(read_megatron_meta(ckpt / name)['layout'])}; this run has "
-            f"{describe(sizes)}: re-cutting its optimizer state for any layout, once, on {describe(at)}")
+            f"{spec.model.sizes.label()}: re-cutting its optimizer state for any layout, once, on {describe(at)}")
         group = start_group(spec.at(Sizes(**at)))
         try:
             group.recut(str(ckpt / name))

@@ -365,7 +365,7 @@ class RayPPOTrainer:
         """The KL penalty enters the per-token rewards of gae/reinforce_pp, the score of group
         estimators (s − β·ΣKL), or, with kl_in_reward off, the actor's loss (_update)."""
         algo, mask = self.algo, experience.response_mask
-        estimator = run_rules.estimator(algo)
+        estimator = placement.estimator(algo)
         metrics, kl, scores = {}, None, experience.scores
         if experience.ref_logprobs is not None:
             kl = kl_penalty(experience.old_logprobs, experience.ref_logprobs, algo.kl_kind, mask)

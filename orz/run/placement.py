@@ -15,20 +15,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orz.algorithm_names import ADVANTAGE_ESTIMATORS
-from orz.config import ConfigError, ExperimentConfig, RoleConfig
+from orz.algorithm_names import ADVANTAGE_ESTIMATORS, EstimatorNeeds
+from orz.config import AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig
 from orz.models.arch import ModelArch, ModelConfigError
 from orz.models.spec import Sizes
+
+
+def estimator(algo: AlgorithmConfig) -> EstimatorNeeds:
+    """What algorithm.advantage's estimator asks of the run (orz/algorithm_names.py)."""
+    if algo.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"algorithm.advantage: unknown advantage estimator {algo.advantage!r}; valid: "
+                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    return ADVANTAGE_ESTIMATORS[algo.advantage]
 
 
 def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
     """The actor always; the critic when the estimator needs one; the reference when there is a KL
     term (its log-probs enter the reward, the score or the loss: never built for nothing); the
     reward model when one is set."""
-    if (needs := ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage)) is None:
-        raise ConfigError(f"algorithm.advantage: unknown advantage estimator {cfg.algorithm.advantage!r}; valid: "
-                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    needs_critic = needs.needs_critic
+    needs_critic = estimator(cfg.algorithm).needs_critic
     out = {"actor": cfg.actor}
     if needs_critic:
         out["critic"] = cfg.critic

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import torch
 
-from orz.algorithm_names import (
-    ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES, EstimatorNeeds, check_band,
-)
+from orz.algorithm_names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, check_band
 from orz.config import (
     TRACKERS, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, field_problems,
     stage_configs,
@@ -35,7 +33,7 @@ from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
 # orz/rollout/ owns (neither module imports Ray, vLLM or Megatron).
 from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
 from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
-from orz.run.placement import Layout, role_problems, roles
+from orz.run.placement import Layout, estimator, role_problems, roles
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -53,14 +51,6 @@ STAGE_KEYS = (
 # across stages, and kl_coef > 0 decides whether a reference model exists.
 _RUN_ONLY = ("algorithm.kl_coef", "algorithm.kl_target", "algorithm.kl_horizon", "algorithm.entropy_target",
              "algorithm.entropy_step", "algorithm.entropy_max_coef")
-
-
-def estimator(algo: AlgorithmConfig) -> EstimatorNeeds:
-    """What algorithm.advantage's estimator asks of the run (orz/algorithm_names.py)."""
-    if algo.advantage not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(f"algorithm.advantage: unknown advantage estimator {algo.advantage!r}; valid: "
-                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[algo.advantage]
 
 
 def algorithm(cfg: ExperimentConfig) -> AlgorithmConfig:
@@ -461,16 +451,12 @@ def _reward_model_problems(reward) -> list[str]:
     return []
 
 
-# Settings that name one of the implementations registered where they are implemented (their
-# fields in config.py cannot import those modules): left to that code, another name would fail
-# only after the workers start. Every other setting's range or choices is declared with its field.
+# Settings that name one of the implementations registered in the modules that implement them
+# (their fields in config.py cannot import those modules): left to that code, another name would
+# fail only after the workers start. Every other setting's range or choices is declared with its
+# field (the algorithm names too: orz/algorithm_names.py).
 _REGISTERED_CHOICES = (
     ("rollout.tool_format", tuple(DELIMITERS)),
-    ("algorithm.advantage", tuple(sorted(ADVANTAGE_ESTIMATORS))),
-    ("algorithm.policy_loss", POLICY_LOSSES),
-    ("algorithm.loss_agg", AGGREGATIONS),
-    ("algorithm.kl_kind", KL_PENALTIES),
-    ("algorithm.is_level", IS_LEVELS),
     ("data.template", TEMPLATES),
     ("reward.code.scoring", SCORINGS),
     ("reward.code.extraction", EXTRACTIONS),
