@@ -61,6 +61,9 @@ LR_DECAYS = ("constant", "cosine", "linear")  # a role's lr_decay: Megatron's lr
 TRANSPORTS = ("collective", "object_store")  # rollout.transport
 SYNC_CHECKS = ("off", "received", "held")  # rollout.sync_check
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # trainer.loggers; jsonl is MetricsLogger's own file
+DISTILL_OBJECTIVES = ("reverse_kl", "topk_forward_kl")  # distill.objective
+STUDENT_LOGPROBS = ("old", "engine")  # distill.student_logprobs
+ANY_SOURCE = "*"  # distill.routes: the teacher of every data_source not named
 
 
 @dataclass
@@ -276,6 +279,37 @@ class RewardModelConfig(RoleConfig):
 
 
 @dataclass
+class TeacherConfig(RoleConfig):
+    """A teacher for on-policy distillation (docs/distillation.md): a frozen model run as a Megatron
+    role like the reference, at its own layout and dtype. Its tokenizer must give the student's ids;
+    its vocabulary may differ in padding rows only."""
+
+    path: str = ""  # HF directory of the teacher
+    dtype: str = field(default="auto", metadata=one_of(MODEL_DTYPES))  # "auto": bfloat16 on GPU, float32 on CPU
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation from the run's `teachers` (docs/distillation.md)."""
+
+    # reverse_kl: each response token's advantage gains −coef·(log π_student − log π_teacher) of the
+    # token the student wrote (the policy-gradient form) | topk_forward_kl: a loss term coef·Σⱼ p̃ⱼ
+    # (log p̃ⱼ − log π_student(j)) over the teacher's top_k tokens j, p̃ their renormalised probabilities
+    objective: str = field(default="reverse_kl", metadata=one_of(DISTILL_OBJECTIVES))
+    coef: float = at_least(0, default=1.0)  # the distillation term's weight
+    top_k: int = at_least(1, default=32)  # topk_forward_kl: the teacher's tokens per position
+    # False: a row with a teacher learns from the teacher's term alone; True: the term is added to
+    # the task reward's advantages (verl's use_task_rewards). A row with no teacher: the task reward's.
+    task_reward: bool = False
+    # reverse_kl: log π_student is π_old, the trainer's own pass (exact: 0 against itself) | engine:
+    # the log-probs the engines reported with each token (the sampling policy, as Tinker does)
+    student_logprobs: str = field(default="old", metadata=one_of(STUDENT_LOGPROBS))
+    # data_source -> teacher name: whose rows each teacher scores ("*": every other source). Empty
+    # with one teacher: it scores every row. A row routed to none gets the task reward only.
+    routes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class RewardConfig:
     """Each row's verifier scores it (orz.reward.router); `custom` adds rewards by name."""
 
@@ -367,6 +401,9 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # name -> a teacher (on-policy distillation, docs/distillation.md); empty: none
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     stages: list[StageConfig] = field(default_factory=list)  # empty: one stage of trainer.iterations
 
 
@@ -437,6 +474,9 @@ def field_problems(cfg, prefix: str = "") -> list[str]:
         key, value = f"{prefix}{f.name}", getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             problems += field_problems(value, f"{key}.")
+        elif _item_dataclass(typing.get_type_hints(type(cfg))[f.name]):
+            for name, item in value.items():  # a mapping of sections (teachers): each walked whole
+                problems += field_problems(item, f"{key}.{name}.")
         elif "check" in f.metadata and value is not None and not f.metadata["check"][0](value):
             problems.append(f"{key}={value} is out of range: it must be {f.metadata['check'][1]}")
         elif "names" in f.metadata and value not in f.metadata["names"]:
@@ -458,6 +498,10 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
         *parents, last = key.split(".")
         target, hint = data, ExperimentConfig  # the mapping written into, and its field's type
         for i, part in enumerate(parents):
+            item = _item_dataclass(hint)
+            if item is not None:  # a mapping of sections (teachers.big.path): a new name starts from defaults
+                target, hint = target.setdefault(part, to_dict(item())), item
+                continue
             if not dataclasses.is_dataclass(hint) or part not in target:
                 prefix = ".".join(parents[:i])
                 raise ConfigError(f"override {key!r}: unknown key {'.'.join(key.split('.')[: i + 1])!r}"
@@ -469,6 +513,12 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
                               f"{_did_you_mean(last, target if isinstance(target, dict) else {}, '.'.join(parents))}")
         target[last] = value
     return from_dict(ExperimentConfig, data)
+
+
+def _item_dataclass(hint: Any) -> type | None:
+    """The section type of a `dict[str, Section]` field (teachers), else None."""
+    args = typing.get_args(hint)
+    return args[1] if typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]) else None
 
 
 def _did_you_mean(name: str, valid, prefix: str = "") -> str:

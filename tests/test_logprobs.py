@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from orz.models.local_world import run_world
-from orz.models.logprobs import default_chunk_tokens, logprobs_from_logits, token_logprobs
+from orz.models.logprobs import default_chunk_tokens, logprobs_from_logits, token_logprobs, top_k_logprobs
 
 N, H, V, PADDED = 13, 8, 11, 12  # V=11 padded to 12 for TP=2 (one padding row of the LM head)
 
@@ -100,3 +100,73 @@ def test_tp2_values_and_gradients_match_the_whole_vocabulary(chunk):
 
 def test_the_default_chunk_holds_its_float32_logits_within_128_mib():
     assert default_chunk_tokens(151936) == 220 and default_chunk_tokens(64) == 524288
+
+
+K = 3  # a teacher's top-k: several tokens per position, read in one pass
+
+
+def _several(hidden, weight, ids, upstream, **kwargs):
+    """(N, K) log-probs of ids (N, K) and the gradients of Σ g·log p, from the chunks."""
+    hidden, weight = (t.clone().requires_grad_(True) for t in (hidden, weight))
+    logp, _ = token_logprobs(hidden, weight, ids, with_entropy=False, **kwargs)
+    (logp * upstream).sum().backward()
+    return logp.detach(), hidden.grad, weight.grad
+
+
+def _several_reference(hidden, weight, ids, upstream):
+    hidden, weight = (t.double().requires_grad_(True) for t in (hidden, weight))
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1).gather(-1, ids)
+    (logp * upstream).sum().backward()
+    return logp.detach(), hidden.grad, weight.grad
+
+
+def _ids_and_upstream():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (N, K), generator=g), torch.randn(N, K, generator=g)
+
+
+def test_several_tokens_per_position_match_log_softmax_values_and_gradients():
+    hidden, weight, _, _ = _inputs()
+    ids, upstream = _ids_and_upstream()
+    got = _several(hidden, weight, ids, upstream, chunk_tokens=4)
+    for mine, ref in zip(got, _several_reference(hidden, weight, ids, upstream)):
+        torch.testing.assert_close(mine.double(), ref, atol=1e-6, rtol=1e-6)
+
+
+def _tp2_several(rank, world, hidden, weight, ids, upstream):
+    from megatron.core import parallel_state as ps
+
+    from orz.models.parallel import init_model_parallel
+    from orz.models.spec import Sizes
+
+    init_model_parallel(Sizes(tp=2))
+    group = ps.get_tensor_model_parallel_group()
+    shard = torch.cat([weight, torch.zeros(PADDED - V, H)]).chunk(2)[rank].clone()
+    several = _several(hidden, shard, ids, upstream, vocab_size=V, group=group, chunk_tokens=4)
+    return several, top_k_logprobs(hidden, shard, K, vocab_size=V, group=group, chunk_tokens=4)
+
+
+def test_tp2_several_tokens_and_the_top_k_match_the_whole_vocabulary():
+    """V = 11 over TP 2 (one padding row): the K ids' log-probs and gradients, and the top-k the
+    ranks agree on (each rank's candidates gathered), against log_softmax and topk of the whole."""
+    hidden, weight, _, _ = _inputs()
+    ids, upstream = _ids_and_upstream()
+    ranks = run_world(_tp2_several, 2, hidden, weight, ids, upstream)
+    logp, grad_hidden, grad_weight = _several_reference(hidden, weight, ids, upstream)
+    top, top_ids = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1).topk(K, dim=-1)
+    for (values, g_hidden, _), (got_top, got_ids) in ranks:
+        torch.testing.assert_close(values.double(), logp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(g_hidden.double(), grad_hidden, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got_top.double(), top, atol=1e-6, rtol=1e-6)
+        assert torch.equal(got_ids, top_ids)
+    whole = torch.cat([ranks[0][0][2], ranks[1][0][2]])
+    torch.testing.assert_close(whole[:V].double(), grad_weight, atol=1e-6, rtol=1e-6)
+
+
+def test_the_top_k_at_one_rank_leaves_padding_rows_out():
+    hidden, weight, _, _ = _inputs()
+    padded = torch.cat([weight, hidden.abs().sum(0, keepdim=True)])  # a padding row with the largest logit
+    top, ids = top_k_logprobs(hidden, padded, K, vocab_size=V, temperature=0.7, chunk_tokens=5)
+    want_top, want_ids = torch.log_softmax(hidden.double() @ weight.double().t() / 0.7, dim=-1).topk(K, dim=-1)
+    torch.testing.assert_close(top.double(), want_top, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ids, want_ids)

@@ -66,23 +66,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         local_vocab = weight.shape[0]
         vocab_start = rank * local_vocab
         n = hidden.shape[0]
-        log_z, mean_z, token_z = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        log_z, mean_z = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        token_z = torch.empty(tokens.shape, dtype=torch.float32, device=hidden.device)  # (n, K)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             z = _scaled_logits(hidden[start:end], weight, vocab_start, vocab_size, temperature)  # (c, V_local)
             m = _all_reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)
             exp = (z - m[:, None]).exp_()
             sums = torch.stack([exp.sum(-1), (exp * z).sum(-1)])  # one all-reduce for both partial sums
-            local = tokens[start:end] - vocab_start
+            local = tokens[start:end] - vocab_start  # (c, K)
             owned = (local >= 0) & (local < local_vocab)
-            picked = z.gather(-1, local.clamp(0, local_vocab - 1)[:, None])[:, 0]
-            sums = _all_reduce(torch.cat([sums, torch.where(owned, picked, 0.0)[None]]), group)
+            picked = z.gather(-1, local.clamp(0, local_vocab - 1))
+            sums = _all_reduce(torch.cat([sums, torch.where(owned, picked, 0.0).t()]), group)
             log_z[start:end] = m + sums[0].log()
             mean_z[start:end] = sums[1] / sums[0]
-            token_z[start:end] = sums[2]
+            token_z[start:end] = sums[2:].t()
         ctx.save_for_backward(hidden, weight, tokens, log_z, mean_z)
         ctx.settings = vocab_size, group, temperature, chunk
-        logprobs = token_z - log_z
+        logprobs = token_z - log_z[:, None]
         entropy = log_z - mean_z if with_entropy else torch.zeros_like(log_z)
         return logprobs, entropy
 
@@ -100,13 +101,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[start:end]
             z = _scaled_logits(h, weight, vocab_start, vocab_size, temperature)  # recomputed, not kept
             p = (z - log_z[start:end, None]).exp_()  # (c, V_local), 0 on padding
-            # −p·(g_logp + g_H·(z − E_p[z])), in place in z's memory
+            # −p·(Σₖ g_logp,k + g_H·(z − E_p[z])) + Σₖ g_logp,k·1[j = yₖ], in place in z's memory
+            g = grad_logprobs[start:end]  # (c, K)
             grad_z = z.sub_(mean_z[start:end, None]).mul_(grad_entropy[start:end, None])
-            grad_z = grad_z.add_(grad_logprobs[start:end, None]).mul_(p).neg_()
+            grad_z = grad_z.add_(g.sum(-1, keepdim=True)).mul_(p).neg_()
             local = tokens[start:end] - vocab_start
             owned = (local >= 0) & (local < local_vocab)
-            rows = owned.nonzero()[:, 0]
-            grad_z[rows, local[rows]] += grad_logprobs[start:end][rows]
+            grad_z.scatter_add_(-1, local.clamp(0, local_vocab - 1), torch.where(owned, g, 0.0))
             if temperature != 1.0:  # back through z = (h Wᵀ)/T
                 grad_z.div_(temperature)
             grad_z = grad_z.to(weight.dtype)  # the matmuls in the model's dtype
@@ -126,20 +127,48 @@ def token_logprobs(
     chunk_tokens: int = 0,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(tokens) (N,) and the entropy of π (N,) (None unless `with_entropy`), float32.
+    """log π(tokens) (N,) or (N, K) and the entropy of π (N,) (None unless `with_entropy`), float32.
 
-    hidden: (N, H) the final hidden states at the positions that predict `tokens` (N,), global ids.
+    hidden: (N, H) the final hidden states at the positions that predict `tokens`, global ids: (N,)
+    one per position, or (N, K) several (a teacher's top-k), their log-probs from one pass.
     weight: (V_local, H) this rank's slice of the LM head. vocab_size: the real vocabulary (rows at
     or beyond it are padding; default: none). group: the tensor-parallel group, or None when
     `weight` holds the whole vocabulary. chunk_tokens: tokens per chunk (0: default_chunk_tokens).
     Every rank of `group` calls it with the same hidden states and tokens.
     """
-    if hidden.shape[:-1] != tokens.shape or hidden.dim() != 2:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be (N, H) for tokens {tuple(tokens.shape)} (N,)")
+    if hidden.dim() != 2 or tokens.dim() not in (1, 2) or hidden.shape[0] != tokens.shape[0]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be (N, H) for tokens {tuple(tokens.shape)} (N,) or (N, K)")
     chunk = chunk_tokens if chunk_tokens > 0 else default_chunk_tokens(weight.shape[0])
-    logprobs, entropy = _ChunkedLogprobs.apply(hidden, weight, tokens, vocab_size, group, temperature, chunk,
-                                               with_entropy)
-    return logprobs, entropy if with_entropy else None
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden, weight, tokens.reshape(len(tokens), -1), vocab_size, group,
+                                               temperature, chunk, with_entropy)
+    return logprobs.reshape(tokens.shape), entropy if with_entropy else None
+
+
+@torch.no_grad()
+def top_k_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, vocab_size: int | None = None, group=None,
+                   temperature: float = 1.0, chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of π at each position: (N, k) log-probs, highest first, and (N, k)
+    global ids, in chunks as token_logprobs (no gradient: a teacher's). Each TP rank takes the top k
+    of its vocabulary slice; the k·TP candidates are gathered and the top k of them kept."""
+    rank, world = _tp(group)
+    local_vocab = weight.shape[0]
+    vocab_start = rank * local_vocab
+    chunk = chunk_tokens if chunk_tokens > 0 else default_chunk_tokens(local_vocab)
+    values, ids = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        z = _scaled_logits(hidden[start:start + chunk], weight, vocab_start, vocab_size, temperature)
+        m = _all_reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)
+        log_z = m + _all_reduce((z - m[:, None]).exp_().sum(-1), group).log()
+        top, index = z.topk(min(k, local_vocab), dim=-1)
+        candidates = torch.stack([top, (index + vocab_start).float()])  # (2, c, k): ids < 2²⁴ are exact in float32
+        if world > 1:
+            gathered = [torch.empty_like(candidates) for _ in range(world)]
+            dist.all_gather(gathered, candidates, group=group)
+            candidates = torch.cat(gathered, dim=-1)
+        top, index = candidates[0].topk(k, dim=-1)
+        values.append(top - log_z[:, None])
+        ids.append(candidates[1].gather(-1, index).long())
+    return torch.cat(values), torch.cat(ids)
 
 
 def logprobs_from_logits(

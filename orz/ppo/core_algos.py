@@ -946,12 +946,15 @@ def actor_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: T
                rollout_logprob: Tensor | None = None, is_level: str | None = None, is_cap: float = 2.0,
                entropy: Tensor | None = None, entropy_coef: float = 0.0,
                ref_logprob: Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k1",
+               teacher_kl: Tensor | None = None, distill_coef: float = 0.0,
                ) -> tuple[Tensor, dict[str, Tensor]]:
     """The whole objective the actor minimises on one micro-batch:
 
         L = policy_loss(old, logprob, A, m; w)        w: IS weights of ``is_level`` (None: w = 1)
             − entropy_coef·aggregate(H)               when entropy_coef ≠ 0
             + kl_coef·aggregate(KL_kind(logprob ‖ ref))  when kl_coef ≠ 0 (KL in the loss)
+            + distill_coef·aggregate(teacher_kl)      when distill_coef ≠ 0 (a teacher's top-k
+                                                      forward KL per token, orz/ppo/distillation.py)
 
     every term aggregated by ``agg`` over ``mask`` with the mini-batch's ``denominator``. ``mask``
     is the response mask after any mismatch masking (``mismatch_keep_mask``), so a dropped token
@@ -979,6 +982,12 @@ def actor_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: T
         kl_loss = aggregate(kl_penalty(logprob, ref_logprob, kl_kind, mask), mask, agg, denominator=denominator)
         loss = loss + kl_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach()
+    if distill_coef:
+        if teacher_kl is None:
+            raise ValueError("distill_coef > 0 needs teacher_kl")
+        distill_loss = aggregate(teacher_kl, mask, agg, denominator=denominator)
+        loss = loss + distill_coef * distill_loss
+        metrics["actor/distill_loss"] = distill_loss.detach()
     metrics["tokens"] = _as_mask(mask).sum().float()
     return loss, metrics
 

@@ -35,7 +35,8 @@ __all__ = ["Experience", "MiniBatch", "MicroBatch", "experience_from_rollouts"]
 
 
 def _tensor(dims: str, required: bool = False) -> Any:
-    """A tensor field whose dimensions are the letters of ``dims``: B batch, S sequence, T response."""
+    """A tensor field whose dimensions are the letters of ``dims``: B batch, S sequence, T response
+    (J: a teacher's top-k tokens at a position; L, K: MoE layers and the experts of a token)."""
     if required:
         return field(metadata={"dims": dims})
     return field(default=None, metadata={"dims": dims})
@@ -62,6 +63,10 @@ class Experience:
     advantages: Tensor | None = _tensor("BT")        # (B, T) Aₜ
     returns: Tensor | None = _tensor("BT")           # (B, T) the critic's targets
     group_index: Tensor | None = _tensor("B")        # (B,) int64 prompt id; responses to one prompt share it
+    # on-policy distillation (docs/distillation.md), of each row's own teacher; 0 on rows without one
+    teacher_logprobs: Tensor | None = _tensor("BT")  # (B, T) log π_teacher(a|s) of the response tokens
+    teacher_topk_ids: Tensor | None = _tensor("BTJ")  # (B, T, J) int64 the teacher's J = distill.top_k most likely tokens ...
+    teacher_topk_logprobs: Tensor | None = _tensor("BTJ")  # (B, T, J) ... and their log-probs (objective topk_forward_kl)
     # MoE routing replay: the experts each token went to in each MoE layer when it was sampled
     routed_experts: Tensor | None = _tensor("BSLK")  # (B, S, L, K) int64 expert ids, the K of each of L MoE layers
     # per-sample extras for metrics and inspection: name → (B,) tensor (response length, truncated, ...)
@@ -342,9 +347,9 @@ class MiniBatch:
                 for rows in bins if len(rows)]
 
     def in_row_order(self, micro_batches: list[MicroBatch], results: list[Tensor]) -> Tensor:
-        """(B, T) from each micro-batch's (B_micro, ≤ T) results: rows back in place, 0-padded."""
+        """(B, T, ...) from each micro-batch's (B_micro, ≤ T, ...) results: rows back in place, 0-padded."""
         width = self.experience.response_mask.shape[1]
-        out = results[0].new_zeros((self.experience.batch_size, width))
+        out = results[0].new_zeros((self.experience.batch_size, width, *results[0].shape[2:]))
         for micro, result in zip(micro_batches, results):
             out[micro.rows, : result.shape[1]] = result
         return out

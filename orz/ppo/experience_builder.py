@@ -31,6 +31,7 @@ from orz.data.tokenizers import load_tokenizer
 from orz.models.checkpoint import HFCheckpoint
 from orz.run import run_rules
 from orz.ppo.core_algos import dynamic_sampling_filter, overlong_penalty
+from orz.ppo.distillation import TeacherRoutes
 from orz.ppo.experience import Experience, experience_from_rollouts
 from orz.reward.router import MODEL, RewardRouter, Verdict, reward_metrics
 from orz.rollout.agent_loop import Conversation, TurnLimits
@@ -55,6 +56,7 @@ class ExperienceBuilder:
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != tokenizer.get_vocab() else None
         # Routing replay keeps the engines' routes at the model's MoE layers (read once, not per batch).
         self.moe_layers = HFCheckpoint(run_cfg.model.path).arch.moe.layers if run_cfg.rollout.routing_replay else None
+        self.teachers = TeacherRoutes.of(run_cfg)
         self.cfg: ExperimentConfig | None = None
         self.reward: RewardRouter | None = None
         self.loader: PromptLoader | None = None
@@ -98,14 +100,15 @@ class ExperienceBuilder:
                 model_score_sum += model_scores.sum().item()
                 scores = scores + self.cfg.reward.weights.get(MODEL, 1.0) * model_scores
             group = torch.tensor([first_group + s.index for s in samples])
+            teacher = [self.teachers.of(prompts[s.index][0].data_source) for s in samples]
             first_group += len(prompts)
             keep = torch.ones(len(samples), dtype=torch.bool)
             if algo.dynamic_sampling:
                 keep, n_dropped = dynamic_sampling_filter(scores, group)
                 dropped += n_dropped
-            this_draw = list(zip(samples, scores.tolist(), group.tolist(), keep.tolist()))
-            drawn += [(draw, *item) for item in this_draw]
-            kept += [(sample, score, g) for sample, score, g, k in this_draw if k]
+            this_draw = list(zip(samples, scores.tolist(), group.tolist(), keep.tolist(), teacher))
+            drawn += [(draw, *item[:4]) for item in this_draw]
+            kept += [(sample, score, g, t) for sample, score, g, k, t in this_draw if k]
             if len(kept) >= target:
                 break
         kept = kept[:target]  # groups are whole and in order, and target is a multiple of n
@@ -113,9 +116,9 @@ class ExperienceBuilder:
             raise RuntimeError("dynamic sampling kept no group: every prompt's responses scored alike")
         every = self.run_cfg.trainer.dump_samples_every
         if every and (iteration + 1) % every == 0:
-            self._dump_draws(iteration, drawn, {id(s) for s, _, _ in kept})
-        samples = [sample for sample, _, _ in kept]
-        scores = torch.tensor([score for _, score, _ in kept], dtype=torch.float32)
+            self._dump_draws(iteration, drawn, {id(s) for s, *_ in kept})
+        samples = [sample for sample, *_ in kept]
+        scores = torch.tensor([score for _, score, *_ in kept], dtype=torch.float32)
         experience = experience_from_rollouts([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                               [s.logprobs for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
                                               loss_masks=[s.loss_mask for s in samples] if self.multiturn else None,
@@ -129,10 +132,11 @@ class ExperienceBuilder:
         token_version = torch.zeros_like(experience.response_mask, dtype=torch.long)
         for row, s in enumerate(samples):
             token_version[row, :len(s.token_versions)] = torch.tensor(s.token_versions, dtype=torch.long)
-        experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g in kept]),
-                             info={"response_length": lengths, "truncated": truncated,
-                                   "weight_version": torch.tensor([s.weight_version for s in samples]),
-                                   "token_version": token_version})
+        info = {"response_length": lengths, "truncated": truncated,
+                "weight_version": torch.tensor([s.weight_version for s in samples]), "token_version": token_version}
+        if self.teachers:  # which teacher scores each row (TeacherRoutes.of), -1: none
+            info["teacher"] = torch.tensor([t for *_, t in kept])
+        experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g, _ in kept]), info=info)
         metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
             "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),

@@ -38,7 +38,7 @@ from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
-from orz.models.checkpoint import HF_FILES, keep_hf_files
+from orz.models.checkpoint import HF_FILES, HFCheckpoint, keep_hf_files
 from orz.ppo import checkpoints
 from orz.run import placement, run_rules
 from orz.run.role_spec import RoleSpec, role_spec
@@ -57,6 +57,7 @@ from orz.ppo.core_algos import (
     reward_on_last_token,
     whiten,
 )
+from orz.ppo.distillation import reverse_kl_advantages, teacher_metrics, with_teacher_term
 from orz.ppo.experience import Experience
 from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
@@ -113,6 +114,7 @@ class RayPPOTrainer:
         self._saving: checkpoints.PendingCheckpoint | None = None  # one still being written (trainer.async_save)
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.vocab_size = HFCheckpoint(cfg.model.path).arch.vocab_size  # the student's: what a teacher's π spans
         self.data = RunData(cfg.trainer.seed) if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.evaluators = {}
@@ -171,6 +173,7 @@ class RayPPOTrainer:
         self.fleet = fleet
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
+        self.teachers = {role: groups[role] for role in placement.teacher_roles(cfg)}  # in TeacherRoutes' order
         self.weight_source = GroupSource(self.actor)
         self.builder = ExperienceBuilder(cfg, self.fleet, self.tokenizer, self.data, self.reward_model, self.out)
 
@@ -349,9 +352,10 @@ class RayPPOTrainer:
         algo = self.algo
         shared = ray.put(experience)
         temperature = self.stage_cfg.rollout.temperature
-        old_first = self.ref is not None or _masks_mismatch(algo)
+        old_first = self.ref is not None or _masks_mismatch(algo) or bool(self.teachers)
         old = self.actor.logprobs_async(shared, temperature) if old_first and not algo.rollout_logprobs_as_old else None
         ref_logprobs = self.ref.logprobs_async(shared, temperature) if self.ref else None
+        teachers = self._teacher_passes(experience, temperature)
         values = self.critic.values_async(shared) if self.critic else None
         as_old = experience.rollout_logprobs if algo.rollout_logprobs_as_old else None
         return replace(
@@ -359,7 +363,39 @@ class RayPPOTrainer:
             old_logprobs=old.get() if old else as_old,
             ref_logprobs=ref_logprobs.get() if ref_logprobs else None,
             values=values.get() if values else None,
+            **self._teacher_fields(experience, teachers),
         )
+
+    def _teacher_passes(self, experience: Experience, temperature: float) -> list[tuple[torch.Tensor, object]]:
+        """Each teacher's pass over the rows routed to it (info["teacher"]), launched: (rows, pending)."""
+        if not self.teachers:
+            return []
+        index, k = experience.info["teacher"], self._teacher_k
+        passes = []
+        for i, group in enumerate(self.teachers.values()):
+            rows = (index == i).nonzero()[:, 0]
+            if len(rows):
+                rows_only = ray.put(experience.select(rows))
+                passes.append((rows, group.teacher_logprobs_async(rows_only, temperature, k, self.vocab_size)))
+        return passes
+
+    def _teacher_fields(self, experience: Experience, passes: list) -> dict:
+        """The Experience fields of the teachers' passes: every row's own teacher's figures, 0 on rows with none."""
+        if not self.teachers:
+            return {}
+        k = self._teacher_k
+        figures = torch.zeros(*experience.response_mask.shape, 1 + 2 * k)
+        for rows, pending in passes:
+            got = pending.get()
+            figures[rows, :got.shape[1]] = got
+        return dict(teacher_logprobs=figures[..., 0], teacher_topk_logprobs=figures[..., 1:1 + k],
+                    teacher_topk_ids=figures[..., 1 + k:].long())
+
+    @property
+    def _teacher_k(self) -> int:
+        """The top-k each teacher's pass returns: distill.top_k for the forward KL, else 1 (the top-1 figure)."""
+        d = self.run_cfg.distill
+        return d.top_k if d.objective == "topk_forward_kl" else 1
 
     def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
         """The KL penalty enters the per-token rewards of gae/reinforce_pp, the score of group
@@ -382,12 +418,27 @@ class RayPPOTrainer:
         )
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask)
+        if self.teachers:
+            advantages, distill_metrics = self._distilled(experience, advantages)
+            metrics |= distill_metrics
         metrics |= {
             "algorithm/advantage_mean": float(masked_mean(advantages, mask)),
             "algorithm/advantage_abs_mean": float(masked_mean(advantages.abs(), mask)),
             "algorithm/return_mean": float(masked_mean(returns, mask)),
         }
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
+
+    def _distilled(self, experience: Experience, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The advantages with the teachers' reverse-KL term (orz/ppo/distillation.py) and each
+        teacher's figures; with the top-k forward KL, the term is the loss's (_update), not here."""
+        d, mask, index = self.run_cfg.distill, experience.response_mask, experience.info["teacher"]
+        student = experience.old_logprobs if d.student_logprobs == "old" else experience.rollout_logprobs
+        teacher = experience.teacher_logprobs
+        term = reverse_kl_advantages(student, teacher, mask) if d.objective == "reverse_kl" else torch.zeros_like(mask)
+        metrics = teacher_metrics(tuple(self.run_cfg.teachers), index, student, teacher,
+                                  experience.teacher_topk_ids[..., 0], experience.gather_response(experience.sequences),
+                                  mask)
+        return with_teacher_term(advantages, term, index, d.coef, d.task_reward), metrics
 
     def _update(self, experience: Experience) -> tuple[Experience, dict]:
         """The critic's and the actor's updates. The actor trains on the tokens the mismatch
@@ -413,7 +464,9 @@ class RayPPOTrainer:
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef)
+        d = self.run_cfg.distill
+        distill_coef = d.coef if self.teachers and d.objective == "topk_forward_kl" else 0.0
+        settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef, distill_coef)
         metrics, read_old = self.actor.train_actor_async(minibatches, settings).get(like=experience.response_mask)
         if read_old is not None:
             experience = replace(experience, old_logprobs=read_old)
@@ -514,7 +567,8 @@ class RayPPOTrainer:
         console.print(f"orz: resumed from {ckpt} at iteration {self.iteration}")
 
     def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
-        groups = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward_model", self.reward_model))
+        groups = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward_model", self.reward_model),
+                  *self.teachers.items())
         return [(name, group) for name, group in groups if group is not None]
 
     def _groups(self) -> list[WorkerGroup]:

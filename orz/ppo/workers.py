@@ -26,6 +26,7 @@ from orz.config import AlgorithmConfig, RoleConfig
 from orz.faults import FaultSite
 from orz.models.inputs import ModelInputs
 from orz.ppo.core_algos import actor_loss, routing_agreement_counts, value_loss
+from orz.ppo.distillation import NO_TEACHER, topk_forward_kl
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 from orz.run.role_spec import RoleSpec
 
@@ -220,21 +221,51 @@ class MegatronWorker(FaultSite):
         torch.distributed.all_reduce(counts, group=self.ps.get_pipeline_model_parallel_group())
         return float(counts[0] / counts[1].clamp_min(1))
 
-    def _token_logprobs(self, hidden: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool):
+    def _token_logprobs(self, hidden: torch.Tensor, batch: ModelInputs, temperature: float, with_entropy: bool,
+                        teacher_topk: bool = False):
         """(B, T) log π and entropy of the response tokens in the loss, 0 elsewhere, from the last
         stage's (B, S, H) hidden states: at those positions only (no prompt and no environment
-        token), in chunks of model.logprob_chunk_tokens (orz/models/logprobs.py)."""
+        token), in chunks of model.logprob_chunk_tokens (orz/models/logprobs.py). teacher_topk: also
+        (B, T, J) log π of the teacher's top-k tokens at each position, from the same chunks."""
         from orz.models.logprobs import token_logprobs
 
         exp: Experience = batch.micro.experience
+        rows, cols, at_hidden, tokens = self._response_positions(hidden, exp)
+        if teacher_topk:
+            tokens = torch.cat([tokens[:, None], exp.teacher_topk_ids[rows, cols]], dim=1)
+        logprobs, entropy = token_logprobs(at_hidden, self.model.lm_head_weight(), tokens, self.model.arch.vocab_size,
+                                           self.ps.get_tensor_model_parallel_group(), temperature,
+                                           self.spec.model.logprob_chunk_tokens, with_entropy)
+        topk = None
+        if teacher_topk:
+            logprobs, topk = logprobs[:, 0], logprobs[:, 1:]
+        shape = exp.response_mask.shape
+        return tuple(torch.zeros(*shape, *v.shape[1:]).index_put((rows, cols), v) if v is not None else None
+                     for v in (logprobs, entropy, topk))
+
+    def _response_positions(self, hidden: torch.Tensor, exp: Experience):
+        """(rows, cols) of the loss tokens, the (N, H) hidden states one position earlier (which
+        predict them) and their (N,) ids."""
         rows, cols = exp.response_mask.bool().nonzero(as_tuple=True)
         at = exp.response_positions()[rows, cols]  # (N,) where each response token sits
-        logprobs, entropy = token_logprobs(  # the hidden state one position earlier predicts it
-            hidden[rows, at - 1], self.model.lm_head_weight(), exp.sequences[rows, at], self.model.arch.vocab_size,
-            self.ps.get_tensor_model_parallel_group(), temperature, self.spec.model.logprob_chunk_tokens, with_entropy)
-        shape = exp.response_mask.shape
-        per_token = [torch.zeros(shape).index_put((rows, cols), v) if v is not None else None for v in (logprobs, entropy)]
-        return per_token[0], per_token[1]
+        return rows, cols, hidden[rows, at - 1], exp.sequences[rows, at]
+
+    def _teacher_figures(self, hidden: torch.Tensor, batch: ModelInputs, temperature: float, k: int,
+                         vocab_size: int) -> torch.Tensor:
+        """(B, T, 1 + 2k): log π of each response token in the loss, then the k most likely tokens'
+        log-probs and ids (in float32: exact below 2²⁴) at its position; π over the first vocab_size
+        ids (the student's vocabulary: a teacher's extra rows are padding to it)."""
+        from orz.models.logprobs import token_logprobs, top_k_logprobs
+
+        exp: Experience = batch.micro.experience
+        rows, cols, at_hidden, tokens = self._response_positions(hidden, exp)
+        weight, group, chunk = (self.model.lm_head_weight(), self.ps.get_tensor_model_parallel_group(),
+                                self.spec.model.logprob_chunk_tokens)
+        vocab = min(self.model.arch.vocab_size, vocab_size)
+        logprobs, _ = token_logprobs(at_hidden, weight, tokens, vocab, group, temperature, chunk, False)
+        top, ids = top_k_logprobs(at_hidden, weight, k, vocab, group, temperature, chunk)
+        figures = torch.cat([logprobs[:, None], top, ids.float()], dim=1)
+        return torch.zeros(*exp.response_mask.shape, 1 + 2 * k).index_put((rows, cols), figures)
 
     # ---- forward passes ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -279,6 +310,10 @@ class MegatronWorker(FaultSite):
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
         return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0])
+
+    def teacher_logprobs(self, experience: Experience, temperature: float, k: int, vocab_size: int):
+        """(dp_rank, (B_shard, T, 1 + 2k) _teacher_figures) on reporting ranks, else None."""
+        return self._forward(experience, lambda hidden, b: self._teacher_figures(hidden, b, temperature, k, vocab_size))
 
     def values(self, experience: Experience):
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
@@ -358,7 +393,12 @@ class MegatronWorker(FaultSite):
         def loss_fn(hidden, batch):
             mb = batch.micro
             exp = mb.experience
-            logprob, entropy = self._token_logprobs(hidden, batch, temperature, True)
+            distills = settings.distill_coef > 0  # the top-k forward KL (distill.objective=topk_forward_kl)
+            logprob, entropy, student_topk = self._token_logprobs(hidden, batch, temperature, True, distills)
+            teacher_kl = None
+            if distills:  # rows without a teacher have none
+                has_teacher = (exp.info["teacher"] != NO_TEACHER).to(logprob.dtype)[:, None]
+                teacher_kl = topk_forward_kl(student_topk, exp.teacher_topk_logprobs) * has_teacher
             old = exp.old_logprobs
             if old is None:  # shard 0's own forward, before any step
                 old = logprob.detach()
@@ -369,7 +409,8 @@ class MegatronWorker(FaultSite):
                 denominator=mb.denominator(algo.loss_agg), rollout_logprob=exp.rollout_logprobs,
                 is_level=algo.is_level if algo.is_correction else None, is_cap=algo.is_cap,
                 entropy=entropy, entropy_coef=settings.entropy_coef,
-                ref_logprob=exp.ref_logprobs, kl_coef=settings.kl_coef, kl_kind=algo.kl_kind)
+                ref_logprob=exp.ref_logprobs, kl_coef=settings.kl_coef, kl_kind=algo.kl_kind,
+                teacher_kl=teacher_kl, distill_coef=settings.distill_coef)
             return loss, {k: float(v) for k, v in metrics.items()}
 
         metrics = self._train(shards, loss_fn)
@@ -513,6 +554,7 @@ class ActorSettings:
     temperature: float  # the rollout's: log π is computed from logits / temperature, as the engine sampled
     entropy_coef: float  # fixed, or the adaptive controller's current value
     kl_coef: float  # β of a KL term in the loss; 0 when the KL is in the reward or absent
+    distill_coef: float = 0.0  # the teachers' top-k forward KL's weight in the loss; 0: none (or reverse_kl)
 
 
 @dataclass(frozen=True)
@@ -536,9 +578,9 @@ class PendingRows:
 
 
 def rows_in_place(parts: list) -> torch.Tensor:
-    """The (row indices, rows) each reporting rank gave (None elsewhere), as one (B, T) tensor."""
+    """The (row indices, rows) each reporting rank gave (None elsewhere), as one (B, T, ...) tensor."""
     parts = [part for part in parts if part is not None]
-    out = parts[0][1].new_zeros((sum(len(index) for index, _ in parts), parts[0][1].shape[1]))
+    out = parts[0][1].new_zeros((sum(len(index) for index, _ in parts), *parts[0][1].shape[1:]))
     for index, rows in parts:
         out[index] = rows
     return out
@@ -599,6 +641,11 @@ class WorkerGroup:
     def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:
         """(B, T) log π of the response tokens, in row order, once `.get()`."""
         return PendingRows(self._call("logprobs", experience, temperature))
+
+    def teacher_logprobs_async(self, experience: ray.ObjectRef, temperature: float, k: int,
+                               vocab_size: int) -> PendingRows:
+        """(B, T, 1 + 2k) MegatronWorker._teacher_figures, in row order, once `.get()`."""
+        return PendingRows(self._call("teacher_logprobs", experience, temperature, k, vocab_size))
 
     def values_async(self, experience: ray.ObjectRef) -> PendingRows:
         """(B, T) V(sₜ) of the critic, in row order, once `.get()`."""

@@ -29,10 +29,18 @@ def estimator(algo: AlgorithmConfig) -> EstimatorNeeds:
     return ADVANTAGE_ESTIMATORS[algo.advantage]
 
 
+TEACHER = "teachers."  # a teacher's role is named by its key: "teachers.big"
+
+
+def teacher_roles(cfg: ExperimentConfig) -> dict[str, str]:
+    """{role name: teacher name} of the run's teachers, in config order."""
+    return {f"{TEACHER}{name}": name for name in cfg.teachers}
+
+
 def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
     """The actor always; the critic when the estimator needs one; the reference when there is a KL
     term (its log-probs enter the reward, the score or the loss: never built for nothing); the
-    reward model when one is set."""
+    reward model when one is set; every teacher (frozen, like the reference)."""
     needs_critic = estimator(cfg.algorithm).needs_critic
     out = {"actor": cfg.actor}
     if needs_critic:
@@ -41,7 +49,7 @@ def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
         out["ref"] = cfg.ref
     if cfg.reward.model.path:
         out["reward_model"] = cfg.reward.model
-    return out
+    return out | {role: cfg.teachers[name] for role, name in teacher_roles(cfg).items()}
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 from orz.config import ExperimentConfig, RoleConfig, stage_configs
 from orz.models.spec import ModelSpec, OptimSpec, Sizes
-from orz.run.placement import roles
+from orz.run.placement import roles, teacher_roles
 
-TRAINED = ("actor", "critic")  # the roles with an optimizer; the reference and the reward model are frozen
+TRAINED = ("actor", "critic")  # the roles with an optimizer; the reference, reward model and teachers are frozen
 VALUE_HEADS = ("critic", "reward_model")
 
 
@@ -20,7 +20,7 @@ VALUE_HEADS = ("critic", "reward_model")
 class RoleSpec:
     """A role's own facts and its model's spec: what a worker needs to build its part of the role."""
 
-    name: str  # "actor" | "critic" | "ref" | "reward_model"
+    name: str  # "actor" | "critic" | "ref" | "reward_model" | "teachers.<name>"
     model_path: str  # the HF directory the weights start from
     model: ModelSpec
     # The role's settings at the run's first stage: micro-batching, threads, LR schedule (each
@@ -49,6 +49,8 @@ def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
 
 
 def model_path(cfg: ExperimentConfig, name: str) -> str:
+    if name in teacher_roles(cfg):
+        return cfg.teachers[teacher_roles(cfg)[name]].path
     return {"critic": cfg.model.critic_path or cfg.model.path, "reward_model": cfg.reward.model.path}.get(
         name, cfg.model.path)
 
@@ -59,7 +61,8 @@ def model_spec(cfg: ExperimentConfig, name: str, role: RoleConfig) -> ModelSpec:
     optim = OptimSpec(lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay, adam_beta1=role.adam_betas[0],
                       adam_beta2=role.adam_betas[1], clip_grad=role.clip_grad,
                       use_distributed_optimizer=role.use_distributed_optimizer) if name in TRAINED else None
-    return ModelSpec(sizes=Sizes.of(role), dtype=m.dtype, recompute=m.recompute,
+    dtype = role.dtype if name in teacher_roles(cfg) else m.dtype  # a teacher's own
+    return ModelSpec(sizes=Sizes.of(role), dtype=dtype, recompute=m.recompute,
                      deterministic=cfg.trainer.batch_invariant, vocab_divisible_by=m.vocab_divisible_by,
                      value_head=name in VALUE_HEADS, moe_aux_loss_coef=m.moe_aux_loss_coef,
                      moe_dispatcher=m.moe_dispatcher, routing_replay=name == "actor" and cfg.rollout.routing_replay,

@@ -34,6 +34,7 @@ from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
 from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
 from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
 from orz.run.placement import Layout, estimator, role_problems, roles
+from orz.run.teacher_rules import teacher_archs, teacher_problems
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
 _LIVE_ROLE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
@@ -113,7 +114,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += hybrid_problems(cfg, arch, on_gpu) if arch is not None and arch.linear_attention else []
     problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if cfg.rollout.envs else []
     problems += _context_problems(cfg, arch, multi_turn, context)
-    problems += _megatron_role_problems(cfg, arch, context, on_gpu)
+    problems += _megatron_role_problems(cfg, arch, context, on_gpu) + teacher_problems(cfg, arch)
     return problems + _logger_problems(cfg.trainer.loggers)
 
 
@@ -196,9 +197,11 @@ def _context_problems(cfg: ExperimentConfig, arch, multi_turn: bool, context: in
 
 def _megatron_role_problems(cfg: ExperimentConfig, arch, context: int, on_gpu: bool) -> list[str]:
     """Each Megatron role that runs: its sizes against the model and the machine, and its passes."""
-    problems, replay, moe = [], cfg.rollout.routing_replay, arch is not None and arch.moe is not None
+    problems, replay, teachers = [], cfg.rollout.routing_replay, teacher_archs(cfg)
     for name, role in roles(cfg).items():
-        problems += role_problems(name, Sizes.of(role), role.micro_batch_tokens, arch, context)
+        role_arch = teachers.get(name, arch)  # a teacher is its own model
+        moe = role_arch is not None and role_arch.moe is not None
+        problems += role_problems(name, Sizes.of(role), role.micro_batch_tokens, role_arch, context)
         trained = name in ("actor", "critic")
         if moe and role.tp > 1 and not on_gpu and trained:
             problems.append(f"{name}.tp={role.tp}: Megatron trains a mixture of experts at TP > 1 only with sequence "
