@@ -92,6 +92,8 @@ OUT_OF_RANGE = {
     "trainer.dump_samples_every": -1,
     "trainer.ray_num_cpus": -1,
     "trainer.max_staleness": -1,
+    "distill.coef": -0.5,
+    "distill.top_k": 0,
     **{f"{role}.{key}": value for role in ROLES for key, value in {
         "tp": 0, "pp": 0, "cp": 0, "dp": 0, "ep": 0, "etp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
         "weight_decay": -0.01, "clip_grad": 0, "adam_betas": [0.9, 1.0], "steps_per_iteration": 0,
@@ -104,6 +106,10 @@ OUT_OF_RANGE = {
 ALONE = {  # what else the value needs to be the config's only problem
     "algorithm.kl_target": ["algorithm.kl_coef=0.1"],  # (with kl_coef 0 it is refused for that too)
     "algorithm.max_prompt_draws": ["algorithm.dynamic_sampling=true"],
+    # distill settings act only with a teacher (a preset: no files to read), top_k only for the forward KL
+    "distill.coef": ["teachers.t.path=Qwen3-8B"],
+    "distill.top_k": ["teachers.t.path=Qwen3-8B", "distill.objective=topk_forward_kl"],
+    "distill.objective": ["teachers.t.path=Qwen3-8B"], "distill.student_logprobs": ["teachers.t.path=Qwen3-8B"],
 }
 # Numbers with no range of their own to check, and why.
 NO_RANGE = {
@@ -192,6 +198,8 @@ UNKNOWN_CHOICE = {
     "data.template": ("qwen", "think_answer, chat"),
     "reward.code.scoring": ("partial", "all_pass, pass_fraction"),
     "reward.code.extraction": ("first_fenced", "last_fenced, response"),
+    "distill.objective": ("gkd", "reverse_kl, topk_forward_kl"),
+    "distill.student_logprobs": ("sampled", "old, engine"),
 }
 # Text settings that are not a choice among names, and what else checks them.
 FREE_TEXT = {
@@ -217,7 +225,7 @@ def test_every_text_setting_is_a_choice_walked_here_or_free_text():
 def test_a_name_outside_a_settings_choices_is_refused_in_one_line_naming_them(key):
     value, names = UNKNOWN_CHOICE[key]
     with pytest.raises(ConfigError) as refused:
-        run_rules.check(load_config(None, [f"{key}={value}"]))
+        run_rules.check(load_config(None, [*ALONE.get(key, []), f"{key}={value}"]))
     assert str(refused.value) == f"{key}={value!r} is unknown; valid: {names}"
 
 
