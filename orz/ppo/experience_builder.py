@@ -56,7 +56,7 @@ class ExperienceBuilder:
         self.rm_tokenizer = rm_tokenizer if rm_tokenizer and rm_tokenizer.get_vocab() != tokenizer.get_vocab() else None
         # Routing replay keeps the engines' routes at the model's MoE layers (read once, not per batch).
         self.moe_layers = HFCheckpoint(run_cfg.model.path).arch.moe.layers if run_cfg.rollout.routing_replay else None
-        self.teachers = TeacherRoutes.of(run_cfg)
+        self.teachers = TeacherRoutes.from_config(run_cfg)
         self.cfg: ExperimentConfig | None = None
         self.reward: RewardRouter | None = None
         self.loader: PromptLoader | None = None
@@ -100,7 +100,7 @@ class ExperienceBuilder:
                 model_score_sum += model_scores.sum().item()
                 scores = scores + self.cfg.reward.weights.get(MODEL, 1.0) * model_scores
             group = torch.tensor([first_group + s.index for s in samples])
-            teacher = [self.teachers.of(prompts[s.index][0].data_source) for s in samples]
+            teacher = [self.teachers.index(prompts[s.index][0].data_source) for s in samples]
             first_group += len(prompts)
             keep = torch.ones(len(samples), dtype=torch.bool)
             if algo.dynamic_sampling:
