@@ -1,6 +1,7 @@
 """On-policy distillation through `orz train`: a random tiny student, two trained teachers of another
 size routed by data source, at TP 1 and 2; the dumps read back token by token against transformers."""
 import json
+import os
 
 import pytest
 import torch
@@ -102,3 +103,121 @@ def test_two_teachers_routed_by_source_score_their_own_rows_and_the_student_move
         reference = _hf_logprobs(teachers[("adder", "subtractor")[index]], s["prompt_ids"], s["response_ids"])
         torch.testing.assert_close(teacher.double(), reference, atol=1e-4, rtol=0)
         torch.testing.assert_close(advantages, teacher - old, atol=1e-6, rtol=0)
+        assert (teacher - old).abs().mean() > 0.1  # another model than the student: the term moves it
+
+
+def _rollouts(vocab: int):
+    """8 rows of random prompts (3–6 tokens) and responses (2–9), every row's teacher 0 but the
+    last's (none), random task advantages."""
+    from orz.ppo.experience import experience_from_rollouts
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 7, (8,), generator=g)]
+    responses = [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in torch.randint(2, 10, (8,), generator=g)]
+    exp = experience_from_rollouts(prompts, responses, [[-3.0] * len(r) for r in responses], pad_id=0)
+    teacher = torch.tensor([0] * 7 + [-1])
+    return exp, teacher, torch.randn(exp.response_mask.shape, generator=g) * exp.response_mask
+
+
+def _teacher_as_student(rank, world, model: str, with_term: bool, top_k: int):
+    """One worker holding the student's weights: its π_old, its teacher pass, then one update, with
+    the reverse-KL term added to the task's advantages or not; with top_k, a second worker process
+    trains on the forward KL over its own top-k alone. Returns what the test compares."""
+    from dataclasses import replace
+
+    from orz.config import AlgorithmConfig, RoleConfig
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.ppo.distillation import reverse_kl_advantages, with_teacher_term
+    from orz.ppo.experience import MiniBatch
+    from orz.ppo.workers import ActorSettings, MegatronWorker
+    from worker_specs import worker_spec
+
+    worker = MegatronWorker(worker_spec(model, RoleConfig(micro_batch_size=4), total_steps=1, seed=3), rank, world)
+    worker.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    vocab = HFCheckpoint(model).arch.vocab_size
+    exp, teacher_index, task = _rollouts(vocab)
+    exp = replace(exp, info={"teacher": teacher_index})
+    _, old = worker.logprobs(exp, 1.0)
+    _, figures = worker.teacher_logprobs(exp, 1.0, max(top_k, 1), vocab)
+    k = max(top_k, 1)
+    teacher = figures[..., 0]
+    term = reverse_kl_advantages(old, teacher, exp.response_mask)
+    if top_k:  # the forward KL over the top-k alone: no advantage
+        exp = replace(exp, teacher_logprobs=teacher, teacher_topk_logprobs=figures[..., 1:1 + k],
+                      teacher_topk_ids=figures[..., 1 + k:].long(), old_logprobs=old, advantages=torch.zeros_like(old))
+        update = worker.train_actor([MiniBatch.of(exp)], ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0, 1.0))
+        return update.metrics, exp
+    advantages = with_teacher_term(task, term, teacher_index, 1.0, True) if with_term else task
+    update = worker.train_actor([MiniBatch.of(replace(exp, old_logprobs=old, advantages=advantages))],
+                                ActorSettings(AlgorithmConfig(), 1.0, 0.0, 0.0))
+    return teacher, old, term, update.metrics, dict(worker.model.hf_tensors())
+
+
+def test_a_teacher_with_the_students_weights_gives_its_log_probs_and_leaves_the_update_unchanged(arith_model):
+    """The premise: the teacher pass equals the actor's log-prob pass exactly (same weights, layout,
+    dtype, threads), so the reverse-KL term is 0 on every token and the update with it is the
+    update without it, weight for weight, bit for bit at fp32."""
+    from orz.models.local_world import run_world
+
+    (teacher, old, term, metrics, with_term), = run_world(_teacher_as_student, 1, arith_model, True, 0)
+    (*_, without_metrics, without), = run_world(_teacher_as_student, 1, arith_model, False, 0)
+    assert torch.equal(teacher, old) and old.any() and not term.any()
+    assert metrics["actor/grad_norm"] > 0  # the premise: the update moved the weights
+    assert with_term.keys() == without.keys() and all(torch.equal(with_term[n], without[n]) for n in with_term)
+
+
+def test_the_forward_kl_over_a_teachers_top_k_trains_the_actor_by_transformers_numbers(arith_model):
+    """With the student's own top-4 as the teacher's, Lₜ = Σⱼ p̃ⱼ (log p̃ⱼ − log π(j)) = −log Σ_top-4 π:
+    actor/distill_loss equals its token mean from transformers' logits, the row with no teacher
+    contributing nothing; the term alone (zero advantages) moves the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from orz.models.local_world import run_world
+
+    (metrics, exp), = run_world(_teacher_as_student, 1, arith_model, False, 4)
+    model = AutoModelForCausalLM.from_pretrained(arith_model, dtype=torch.float32)
+    total = 0.0
+    for row in range(exp.batch_size - 1):  # the last row has no teacher
+        start, n = int(exp.prompt_lengths[row]), int(exp.response_mask[row].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(exp.sequences[row:row + 1, :start + n]).logits[0].double(), -1)
+        top = logp[start - 1:start - 1 + n].topk(4, dim=-1).values
+        total += float(-top.logsumexp(-1).sum())
+    assert metrics["actor/distill_loss"] == pytest.approx(total / float(exp.response_mask.sum()), rel=1e-5)
+    assert metrics["actor/grad_norm"] > 0
+
+
+def test_teacher_settings_that_cannot_work_are_refused_before_any_worker(arith_model, tiny_model, tmp_path):
+    """Each refusal names the key or the file: a teacher with another tokenizer (both paths, the
+    first token whose id differs), a missing path, top-k beyond the vocabulary, a route to an
+    undefined teacher, a teacher no route uses, several teachers with no routes, settings the
+    objective ignores, distill settings without a teacher."""
+    from orz.config import ConfigError, load_config
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.run import run_rules
+
+    def refusal(*overrides) -> str:
+        cfg = load_config(None, [f"model.path={arith_model}", "data.train=[synthetic:arithmetic]", *overrides])
+        with pytest.raises(ConfigError) as refused:
+            run_rules.check(cfg, HFCheckpoint(arith_model).arch)
+        return str(refused.value)
+
+    other = refusal(f"teachers.t.path={tiny_model}")
+    assert other.startswith(f"teachers.t.path={tiny_model}: its tokenizer gives other ids than the student's "
+                            f"({arith_model}): token ") and "for the student" in other, other
+    assert refusal(f"teachers.t.path={tmp_path / 'absent'}") == f"teachers.t.path={tmp_path / 'absent'}: " \
+                                                                  f"{tmp_path / 'absent'}: not a directory"
+    assert refusal("teachers.t.dp=2") == "teachers.t.path is not set: give the teacher's HF model directory"
+    vocab = HFCheckpoint(arith_model).arch.vocab_size
+    assert refusal(f"teachers.t.path={arith_model}", "distill.objective=topk_forward_kl",
+                   f"distill.top_k={vocab + 1}") == f"distill.top_k={vocab + 1} is beyond the student's vocabulary " \
+                                                    f"of {vocab} tokens"
+    assert "distill.routes.math='ghost' routes to a teacher that is not defined" in refusal(
+        f"teachers.t.path={arith_model}", "distill.routes={math: ghost, '*': t}")
+    assert refusal(f"teachers.a.path={arith_model}", f"teachers.b.path={arith_model}", "distill.routes={math: a}") \
+        == "teachers.b is defined, and no distill.routes entry routes rows to it: route a data_source to it, or remove it"
+    assert refusal(f"teachers.a.path={arith_model}", f"teachers.b.path={arith_model}").startswith(
+        "teachers a, b: with several teachers, distill.routes must say")
+    assert refusal(f"teachers.t.path={arith_model}", "distill.top_k=8").startswith(
+        "distill.top_k=8 applies to distill.objective=topk_forward_kl only")
+    assert refusal("distill.coef=0.5").startswith("distill.coef set, and the run has no teachers")
