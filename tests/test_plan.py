@@ -288,9 +288,11 @@ def _planned_recipes() -> dict[str, list[str]]:
 def test_every_large_recipe_names_its_cluster():
     large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
     assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo",
-                                                "qwen3_8b_grpo", "qwen3_30b_a3b_grpo", "qwen3_5_27b_grpo"}
+                                                "qwen3_8b_grpo", "qwen3_8b_distill", "qwen3_30b_a3b_grpo",
+                                                "qwen3_5_27b_grpo"}
     # ... and each has its Make target beside the others (`make qwen3-8b-grpo NODES=4 ...`)
-    targets = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("SLURM_RECIPES"))
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")  # the list continues over lines
+    targets = next(line for line in makefile.splitlines() if line.startswith("SLURM_RECIPES"))
     assert set(targets.split(":=")[1].split()) == {name.replace("_", "-") for name in large}
 
 
@@ -320,6 +322,19 @@ def test_seven_b_actor_numbers_by_hand(capsys):
     assert actor["parallel"] == "TP2 PP1 DP4"
     assert (actor["weights"], actor["grads"], actor["optimizer"]) == (
         round(2 * params / GIB, 1), round(4 * params / GIB, 1), round(12 * params / 4 / GIB, 1))
+
+
+def test_a_teacher_is_planned_as_its_own_model_at_its_own_layout(capsys, monkeypatch):
+    """The distillation recipe's Qwen3-32B teacher (TP4 DP2, frozen): its row holds the 32B's bf16
+    weights per TP4 rank, no grads or optimizer, on its own 8 GPUs."""
+    monkeypatch.chdir(REPO)
+    main(["--cluster", H100_4X8, "--recipe", "playground/qwen3_8b_distill.py", "model.path=Qwen3-8B",
+          "teachers.qwen3_32b.path=Qwen3-32B", "--json"])
+    teacher = json.loads(capsys.readouterr().out)["stages"][0]["memory_gib"]["teachers.qwen3_32b"]
+    params = stage_params(MODELS["Qwen3-32B"], 4, 1, "lm", 1)[0]
+    assert params > 7.5e9  # a quarter of 32B: the teacher's own model, not the 8B student's
+    assert (teacher["parallel"], teacher["weights"], teacher["grads"], teacher["optimizer"]) == (
+        "TP4 PP1 DP2", round(2 * params / GIB, 1), 0, 0)
 
 
 def _memory(capsys, *argv) -> dict:

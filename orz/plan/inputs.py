@@ -123,13 +123,20 @@ class Placement:
     reward_model_arch: ModelArch | None = None  # that model's architecture (the actor's when None)
     colocate: bool = False  # every role on every GPU, phases taking turns (ORZ's colocate_all)
     offload_idle_roles: bool = False  # colocated: idle roles move their states to CPU and vLLM sleeps
+    # (role name, sizes, architecture) of each teacher ("teachers.big": forward only, its own model);
+    # each is planned for every row of the batch, an upper bound where routes split the rows
+    teachers: tuple[tuple[str, ModelParallel, ModelArch], ...] = ()
 
     def megatron_roles(self) -> dict[str, ModelParallel]:
         roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward_model": self.reward_model}
-        return {name: par for name, par in roles.items() if par is not None}
+        return {name: par for name, par in roles.items() if par is not None} | {
+            name: par for name, par, _ in self.teachers}
 
     def arch_of(self, role: str, actor_arch: ModelArch) -> ModelArch:
-        """The model a role runs: the reward model's own, every other role the actor's."""
+        """The model a role runs: the reward model's and each teacher's own, every other role the actor's."""
+        teachers = {name: arch for name, _, arch in self.teachers}
+        if role in teachers:
+            return teachers[role]
         return self.reward_model_arch or actor_arch if role == "reward_model" else actor_arch
 
 

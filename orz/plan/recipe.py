@@ -11,7 +11,7 @@ from orz.models.presets import MODELS
 from orz.plan.estimate import Plan, plan
 from orz.plan.inputs import (Cluster, ModelParallel, Placement, PlanError, Rollout, TrainParallel, Workload,
                              _require_positive)
-from orz.run.placement import roles
+from orz.run.placement import roles, teacher_roles
 from orz.run.role_spec import role_spec
 
 
@@ -98,7 +98,9 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
         rollout=Rollout(num_engines=r.num_engines, engine_tp=r.engine_tp,
                         gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs),
         colocate=cfg.trainer.colocate,
-        offload_idle_roles=cfg.trainer.offload_idle_roles)
+        offload_idle_roles=cfg.trainer.offload_idle_roles,
+        teachers=tuple((role, parallel(role), resolve_model(cfg.teachers[name].path)[1])
+                       for role, name in teacher_roles(cfg).items()))
 
 
 def workload_of(cfg: ExperimentConfig, means: Means) -> Workload:
