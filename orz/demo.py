@@ -23,6 +23,11 @@ tool (`<code>print(a*b)</code>`, then the interpreter's output, which carries no
 that state a product directly: a cold start, as ReTool's supervised stage. GRPO then runs
 multi-turn with the `python` environment (docs/multiturn.md); held-out greedy accuracy is measured
 with the tool before and after, and, after, without it (single turn, the same weights).
+
+`--task distill` (runs/demo): on-policy distillation (docs/distillation.md). The teacher is the
+arithmetic demo's GRPO-trained model (runs/demo/grpo/hf, trained first if absent); the student
+starts from the same base and learns from the teacher's per-token reverse KL alone, no reward.
+Held-out greedy accuracy of the student before and after, beside the teacher's own.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, ThinkAnsw
 from orz.logs import output_to
 
 INSTRUCTION = "Compute."
-TASKS = ("arithmetic", "tools")
+TASKS = ("arithmetic", "tools", "distill")
 
 
 @dataclass(frozen=True)
@@ -253,8 +258,26 @@ def accuracy_without_tool(cfg: ExperimentConfig) -> float:
     return sum(figures["avg@1"] for figures in report.figures.values()) / len(report.figures)
 
 
+# The distillation demo: the student from the GRPO demo's base, the GRPO-trained model as its teacher.
+DISTILL_SETTINGS = ["distill.objective=reverse_kl", "distill.coef=1.0"]
+
+
+def grpo_teacher(base: Path, spec: BaseModelSpec, root: Path) -> tuple[Path, float]:
+    """The arithmetic demo's GRPO-trained model (its final export) and its held-out greedy accuracy,
+    from a run already in root/grpo, else trained now (the `make demo` run)."""
+    from orz.train import run as train
+
+    cfg = rl_config(base, spec, root, [])
+    out = Path(cfg.trainer.output_dir)
+    if not (out / "hf" / "config.json").is_file():
+        print("orz: the teacher is the GRPO demo's model: training it first")
+        train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out / "hf", rows[-1]["eval/accuracy_greedy"]
+
+
 def main(argv: list[str]) -> dict:
-    """argv: [--task arithmetic|tools] and key=value overrides of the RL config."""
+    """argv: [--task arithmetic|tools|distill] and key=value overrides of the RL config."""
     from orz.train import run as train
 
     start = time.time()
@@ -269,6 +292,10 @@ def main(argv: list[str]) -> dict:
     spec = ToolBaseSpec() if tools else BaseModelSpec()
     with output_to(root / "logs" / "pretrain.log", fds=(2,)):  # Megatron's and HF's notices; progress stays
         base = base_model(spec, root)
+    teacher = None
+    if task == "distill":
+        teacher, teacher_accuracy = grpo_teacher(base, spec, root)
+        argv = [f"teachers.grpo.path={teacher}", *DISTILL_SETTINGS, f"trainer.output_dir={root / 'distill'}", *argv]
     cfg = rl_config(base, spec, root, argv)
     if tools:  # a cluster of its own that outlives the run, for the evaluation without the tool
         import ray
@@ -289,6 +316,11 @@ def main(argv: list[str]) -> dict:
         "outputs": str(cfg.trainer.output_dir),
         "plot": result["plot"],
     }
+    if teacher is not None:
+        rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        kl = [row["distill/grpo/reverse_kl"] for row in rows if "distill/grpo/reverse_kl" in row]
+        summary |= {"task": "distill", "teacher": str(teacher), "teacher_heldout_accuracy": teacher_accuracy,
+                    "reverse_kl_first_iteration": kl[0], "reverse_kl_last_iteration": kl[-1]}
     if tools:
         rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
         calls = [row["rollout/tool_calls"] for row in rows if "rollout/tool_calls" in row]

@@ -21,9 +21,9 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BENCHES = sorted(path.stem.removeprefix("bench_") for path in (REPO / "bench").glob("bench_*.py"))
-LANES = [["e2e", "async"], [name for name in BENCHES if name not in ("e2e", "async")]]
-NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn"}
-NEEDS_BASE = {"e2e", "async"}
+LANES = [["e2e", "async", "distill"], [name for name in BENCHES if name not in ("e2e", "async", "distill")]]
+NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn", "distill"}
+NEEDS_BASE = {"e2e", "async", "distill"}
 SMOKE_ARGS = {"multiturn": ["--vary-latency", "--repeats", "2"]}  # beside --smoke: what a test below checks
 
 
@@ -77,7 +77,7 @@ def smoke_runs(ray_cluster, tmp_path_factory):
 
 
 def test_every_benchmark_is_in_a_lane():
-    assert sorted(sum(LANES, [])) == BENCHES and len(BENCHES) == 9
+    assert sorted(sum(LANES, [])) == BENCHES and len(BENCHES) == 10
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -74,18 +74,19 @@ def test_two_teachers_routed_by_source_score_their_own_rows_and_the_student_move
     """Reverse KL alone (no task reward), GRPO's estimator, a random student. Additions go to the
     adder (TP 1), subtractions to the subtractor (TP 2, over a vocabulary of odd size). Each row's
     teacher log-probs are its own teacher's, token by token, as transformers computes them, and its
-    advantage is log π_teacher − log π_old; the student's reverse KL to both falls."""
+    advantage is log π_teacher − log π_old; the student's reverse KL to both falls. A resume from
+    its checkpoint repeats its figures exactly."""
     from orz.config import load_config
     from orz.train import run as train
-    from run_history import history
+    from run_history import deterministic, history
 
     out = tmp_path / "run"
     overrides = [*tiny_run(out, "grpo", iterations=20), f"data.train=[{_two_sources(tmp_path / 'rows.jsonl')}]",
-                 "data.eval={}", "rollout.stop=[]", "trainer.save_every=0", "trainer.dump_per_token=true",
+                 "data.eval={}", "rollout.stop=[]", "trainer.dump_per_token=true",
                  "trainer.prompts_per_iteration=8", "actor.lr=3e-3",
                  *(f"teachers.{name}.path={path}" for name, path in teachers.items()), "teachers.subtractor.tp=2",
                  "distill.routes={add: adder, sub: subtractor}"]
-    train(load_config(None, overrides))
+    train(load_config(None, [*overrides, "trainer.save_every=18"]))
     rows = history(out)[1:]
     assert all(row["actor/grad_norm"] > 0 for row in rows)
     # From a random student towards its teachers: the reverse KL to them (both, per token) falls, and
@@ -104,6 +105,14 @@ def test_two_teachers_routed_by_source_score_their_own_rows_and_the_student_move
         torch.testing.assert_close(teacher.double(), reference, atol=1e-4, rtol=0)
         torch.testing.assert_close(advantages, teacher - old, atol=1e-6, rtol=0)
         assert (teacher - old).abs().mean() > 0.1  # another model than the student: the term moves it
+    # Resumed from its checkpoint at iteration 18 (into another directory), the run repeats its last
+    # two iterations' figures exactly, the teachers' included.
+    branch = tmp_path / "branch"
+    train(load_config(None, [*overrides, f"trainer.output_dir={branch}",
+                             f"trainer.resume_from={out / 'checkpoints' / 'iter_000018'}"]))
+    resumed, whole = history(branch), {row["step"]: row for row in history(out)}
+    assert [row["step"] for row in resumed] == [19, 20] and "distill/adder/reverse_kl" in resumed[0]
+    assert all(deterministic(row) == deterministic(whole[row["step"]]) for row in resumed)
 
 
 def _rollouts(vocab: int):

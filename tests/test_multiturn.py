@@ -311,10 +311,26 @@ def test_trained_tokens_are_the_engines_own_across_turns(tool_run, tool_model):
 PROMPT_MAX, TURN, OBSERVATION, TURNS, BUFFER = 64, 16, 8, 3, 64  # the longest buffer allowed: 128 − 64
 
 
-def _async_partial(tiny_run, tool_model, rows):
+@pytest.fixture(scope="module")
+def tool_teacher(tool_model, tmp_path_factory):
+    """Another model with the tool model's tokenizer (one layer, other weights): a teacher."""
+    from orz.models.tiny import make_tiny_hf
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tool_teacher")
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    tokenizer.save_pretrained(path)
+    make_tiny_hf(path, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2,
+                 num_layers=1, seed=1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    return str(path)
+
+
+def _async_partial(tiny_run, tool_model, rows, teacher):
     """Overrides of a multi-turn run, asynchronous and partial, with the overlong penalty: Echo's
     rows and a user's agent loop's (Reviser), three turns, two sequences decoded at a time (so that
-    the update interrupts the batch ahead mid-turn), a checkpoint every iteration."""
+    the update interrupts the batch ahead mid-turn), a checkpoint every iteration; a teacher's
+    reverse-KL term added to the task reward's advantages (docs/distillation.md)."""
     def overrides(out):
         return [*tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
                 f"data.prompt_max_tokens={PROMPT_MAX}", "rollout.stop=[]", f"rollout.max_new_tokens={TURN}",
@@ -323,17 +339,19 @@ def _async_partial(tiny_run, tool_model, rows):
                 "reward.custom={digits: 'shaped_reward:digit_share'}",
                 "reward.weights={digits: 1.0, math: 0.0, echo: 0.5, revise: 0.25}", "trainer.max_staleness=1", "rollout.partial=true",
                 f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false",
-                "trainer.keep_checkpoints=1", "trainer.keep_every=2"]
+                "trainer.keep_checkpoints=1", "trainer.keep_every=2", f"teachers.other.path={teacher}",
+                "distill.task_reward=true"]
 
     return overrides
 
 
 @pytest.fixture(scope="module")
-def async_tool_run(ray_cluster, tool_model, tiny_run, tmp_path_factory):
+def async_tool_run(ray_cluster, tool_model, tool_teacher, tiny_run, tmp_path_factory):
     from orz.train import run as train
 
     out = tmp_path_factory.mktemp("async_tools")
-    overrides = _async_partial(tiny_run, tool_model, _rows(out / "rows.jsonl", ["echo"] * 6 + ["revise"] * 2))
+    overrides = _async_partial(tiny_run, tool_model, _rows(out / "rows.jsonl", ["echo"] * 6 + ["revise"] * 2),
+                               tool_teacher)
     train(load_config(None, overrides(out / "whole")))
     return out / "whole", overrides
 
@@ -412,6 +430,37 @@ def test_a_users_agent_loop_trains_asynchronously_with_its_own_observation_ids(a
             expected = digit_share(first["text"] + second["text"]) + 0.25 * digit_share(second["text"])
             assert draw["score"] == pytest.approx(expected, abs=1e-6)
     assert revised > 0  # the premise: the loop's rows were drawn and kept
+
+
+@pytest.mark.slow
+def test_a_teacher_scores_the_models_tokens_of_each_conversation_and_adds_to_the_task_advantage(
+        async_tool_run, tool_teacher):
+    """The run above has a teacher (another model) and distill.task_reward=true: on every model
+    token of every conversation (its observations in between) the teacher's log-prob is what
+    transformers' forward of the teacher over the whole conversation gives there, and the
+    advantage is the row's GRPO advantage (one value per row) plus log π_teacher − log π_old."""
+    from transformers import AutoModelForCausalLM
+
+    from run_history import history
+
+    out, _ = async_tool_run
+    assert all(f"distill/other/reverse_kl" in row for row in history(out)[1:])
+    teacher = AutoModelForCausalLM.from_pretrained(tool_teacher, dtype=torch.float32)
+    with_observations = 0
+    for iteration in (1, 3):
+        records = [json.loads(line) for line in (out / "samples" / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
+        for record in records:
+            prompt, response, mask = record["prompt_ids"], record["response_ids"], record["response_mask"]
+            with_observations += 0.0 in mask
+            with torch.no_grad():
+                logp = torch.log_softmax(teacher(torch.tensor([prompt + response])).logits[0].double(), -1)
+            at = [len(prompt) + t for t, m in enumerate(mask) if m]  # the model's tokens only
+            reference = logp[[a - 1 for a in at], [(prompt + response)[a] for a in at]]
+            got, old = torch.tensor(record["teacher_logprobs"]), torch.tensor(record["old_logprobs"])
+            torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=0)
+            task = torch.tensor(record["advantages"]) - (got - old)
+            assert (task - task[0]).abs().max() < 1e-5 and (got - old).abs().mean() > 0.1
+    assert with_observations > 0  # the premise: conversations with an environment's tokens in them
 
 
 @pytest.mark.slow

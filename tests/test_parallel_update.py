@@ -542,7 +542,7 @@ def _multi_turn_update(rank, world, role, model, from_whole_logits):
 
     lp.token_logprobs = counting
 
-    def whole_logits(self, hidden, batch, temperature, with_entropy):
+    def whole_logits(self, hidden, batch, temperature, with_entropy, teacher_topk=False):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         e = batch.micro.experience  # (B, S, V/TP) as Megatron's column-parallel LM head made them
@@ -551,7 +551,7 @@ def _multi_turn_update(rank, world, role, model, from_whole_logits):
         logprobs, entropy = lp.logprobs_from_logits(logits[:, :-1], e.sequences[:, 1:], self.model.arch.vocab_size,
                                                     group, temperature, with_entropy)
         return (e.gather_response(torch.nn.functional.pad(v, (1, 0))) if v is not None else None
-                for v in (logprobs, entropy))
+                for v in (logprobs, entropy, None))  # no teacher top-k here
 
     if from_whole_logits:
         workers.MegatronWorker._token_logprobs = lambda self, *args: tuple(whole_logits(self, *args))

@@ -5,8 +5,9 @@
 One iteration, each phase timed into `timing/*`:
   1 rollout     prompts -> vLLM fleet -> samples (n per prompt)     experience_builder.py
   2 reward      verifier scores; dynamic sampling draws more prompts when asked
-  3 forward     old log-probs (actor), reference log-probs, critic values — in parallel
-  4 advantages  per-token rewards (score on the last token − β·KL), the configured estimator
+  3 forward     old log-probs (actor), reference and teacher log-probs, critic values — in parallel
+  4 advantages  per-token rewards (score on the last token − β·KL), the configured estimator,
+                the teachers' reverse-KL term (teachers.py)
   5 update      critic and actor optimizer steps over the experience — in parallel
   6 sync        the actor's new weights into every engine, as the next weight version
 then metrics, evaluation and checkpoints (checkpoints.py) every k iterations. The trainer holds
@@ -57,11 +58,11 @@ from orz.ppo.core_algos import (
     reward_on_last_token,
     whiten,
 )
-from orz.ppo.distillation import reverse_kl_advantages, teacher_metrics, with_teacher_term
 from orz.ppo.experience import Experience
 from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.pipeline import BatchesAhead, staleness_metrics
+from orz.ppo.teachers import Teachers
 from orz.ppo.trackers import open_trackers
 from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
@@ -114,7 +115,6 @@ class RayPPOTrainer:
         self._saving: checkpoints.PendingCheckpoint | None = None  # one still being written (trainer.async_save)
         self.total = total_iterations(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.vocab_size = HFCheckpoint(cfg.model.path).arch.vocab_size  # the student's: what a teacher's π spans
         self.data = RunData(cfg.trainer.seed) if data is None else data
         self.log_dir = "" if cfg.trainer.verbose else str(self.out / "logs")  # the workers' output
         self.evaluators = {}
@@ -173,7 +173,8 @@ class RayPPOTrainer:
         self.fleet = fleet
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
-        self.teachers = {role: groups[role] for role in placement.teacher_roles(cfg)}  # in TeacherRoutes' order
+        self.teachers = Teachers({role: groups[role] for role in placement.teacher_roles(cfg)}, cfg.distill,
+                                 HFCheckpoint(cfg.model.path).arch.vocab_size)
         self.weight_source = GroupSource(self.actor)
         self.builder = ExperienceBuilder(cfg, self.fleet, self.tokenizer, self.data, self.reward_model, self.out)
 
@@ -355,7 +356,7 @@ class RayPPOTrainer:
         old_first = self.ref is not None or _masks_mismatch(algo) or bool(self.teachers)
         old = self.actor.logprobs_async(shared, temperature) if old_first and not algo.rollout_logprobs_as_old else None
         ref_logprobs = self.ref.logprobs_async(shared, temperature) if self.ref else None
-        teachers = self._teacher_passes(experience, temperature)
+        teachers = self.teachers.launch(experience, temperature)
         values = self.critic.values_async(shared) if self.critic else None
         as_old = experience.rollout_logprobs if algo.rollout_logprobs_as_old else None
         return replace(
@@ -363,39 +364,8 @@ class RayPPOTrainer:
             old_logprobs=old.get() if old else as_old,
             ref_logprobs=ref_logprobs.get() if ref_logprobs else None,
             values=values.get() if values else None,
-            **self._teacher_fields(experience, teachers),
+            **self.teachers.fields(experience, teachers),
         )
-
-    def _teacher_passes(self, experience: Experience, temperature: float) -> list[tuple[torch.Tensor, object]]:
-        """Each teacher's pass over the rows routed to it (info["teacher"]), launched: (rows, pending)."""
-        if not self.teachers:
-            return []
-        index, k = experience.info["teacher"], self._teacher_k
-        passes = []
-        for i, group in enumerate(self.teachers.values()):
-            rows = (index == i).nonzero()[:, 0]
-            if len(rows):
-                rows_only = ray.put(experience.select(rows))
-                passes.append((rows, group.teacher_logprobs_async(rows_only, temperature, k, self.vocab_size)))
-        return passes
-
-    def _teacher_fields(self, experience: Experience, passes: list) -> dict:
-        """The Experience fields of the teachers' passes: every row's own teacher's figures, 0 on rows with none."""
-        if not self.teachers:
-            return {}
-        k = self._teacher_k
-        figures = torch.zeros(*experience.response_mask.shape, 1 + 2 * k)
-        for rows, pending in passes:
-            got = pending.get()
-            figures[rows, :got.shape[1]] = got
-        return dict(teacher_logprobs=figures[..., 0], teacher_topk_logprobs=figures[..., 1:1 + k],
-                    teacher_topk_ids=figures[..., 1 + k:].long())
-
-    @property
-    def _teacher_k(self) -> int:
-        """The top-k each teacher's pass returns: distill.top_k for the forward KL, else 1 (the top-1 figure)."""
-        d = self.run_cfg.distill
-        return d.top_k if d.objective == "topk_forward_kl" else 1
 
     def _advantages(self, experience: Experience) -> tuple[Experience, dict]:
         """The KL penalty enters the per-token rewards of gae/reinforce_pp, the score of group
@@ -419,7 +389,7 @@ class RayPPOTrainer:
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask)
         if self.teachers:
-            advantages, distill_metrics = self._distilled(experience, advantages)
+            advantages, distill_metrics = self.teachers.advantages(experience, advantages)
             metrics |= distill_metrics
         metrics |= {
             "algorithm/advantage_mean": float(masked_mean(advantages, mask)),
@@ -427,18 +397,6 @@ class RayPPOTrainer:
             "algorithm/return_mean": float(masked_mean(returns, mask)),
         }
         return replace(experience, rewards=rewards, advantages=advantages, returns=returns), metrics
-
-    def _distilled(self, experience: Experience, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The advantages with the teachers' reverse-KL term (orz/ppo/distillation.py) and each
-        teacher's figures; with the top-k forward KL, the term is the loss's (_update), not here."""
-        d, mask, index = self.run_cfg.distill, experience.response_mask, experience.info["teacher"]
-        student = experience.old_logprobs if d.student_logprobs == "old" else experience.rollout_logprobs
-        teacher = experience.teacher_logprobs
-        term = reverse_kl_advantages(student, teacher, mask) if d.objective == "reverse_kl" else torch.zeros_like(mask)
-        metrics = teacher_metrics(tuple(self.run_cfg.teachers), index, student, teacher,
-                                  experience.teacher_topk_ids[..., 0], experience.gather_response(experience.sequences),
-                                  mask)
-        return with_teacher_term(advantages, term, index, d.coef, d.task_reward), metrics
 
     def _update(self, experience: Experience) -> tuple[Experience, dict]:
         """The critic's and the actor's updates. The actor trains on the tokens the mismatch
@@ -464,9 +422,8 @@ class RayPPOTrainer:
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
         kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
-        d = self.run_cfg.distill
-        distill_coef = d.coef if self.teachers and d.objective == "topk_forward_kl" else 0.0
-        settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef, distill_coef)
+        settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef,
+                                 self.teachers.loss_coef)
         metrics, read_old = self.actor.train_actor_async(minibatches, settings).get(like=experience.response_mask)
         if read_old is not None:
             experience = replace(experience, old_logprobs=read_old)
@@ -568,7 +525,7 @@ class RayPPOTrainer:
 
     def _named_groups(self) -> list[tuple[str, WorkerGroup]]:
         groups = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward_model", self.reward_model),
-                  *self.teachers.items())
+                  *self.teachers.groups.items())
         return [(name, group) for name, group in groups if group is not None]
 
     def _groups(self) -> list[WorkerGroup]:

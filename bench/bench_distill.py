@@ -1,0 +1,123 @@
+"""On-policy distillation against GRPO alone, from the same base, on the demo task.
+
+    .venv/bin/python bench/bench_distill.py [--iterations 15] [--seeds 0 1 2] [--eval-size 200] [--smoke]
+
+The teacher is the CPU demo's GRPO run from its pre-trained base (cached in --base-root) at seed 0,
+exported. Then, for each seed and from the same base, with the same prompts and samples per
+iteration: GRPO alone (the task reward), distillation alone (the teacher's per-token reverse KL,
+no reward) and distillation plus the task reward, each evaluated (held-out greedy accuracy) after
+every iteration. All runs share one Ray cluster in this process. Prints ONE JSON line: per arm,
+the mean accuracy after each iteration over the seeds, the first iteration each seed reaches 90%
+of the teacher's accuracy (null: not within the run), and the seconds of each iteration (the
+teachers' forward included); then the target's two ratios (distillation over GRPO, in iterations
+and in seconds to the accuracy, on the seeds' means; null where GRPO never reached it) and, where
+GRPO never reaches it, whether distillation is ahead of GRPO at every iteration from the third on.
+
+Fields: bench, settings.smoke, settings.seeds, teacher.heldout_accuracy, target_accuracy,
+grpo.accuracy_by_iteration, grpo.iterations_to_target, grpo.seconds_per_iteration,
+distill.accuracy_by_iteration, distill.iterations_to_target, distill.seconds_per_iteration,
+distill_task.accuracy_by_iteration, distill_task.iterations_to_target,
+iterations_ratio_distill_over_grpo, seconds_ratio_distill_over_grpo, distill_ahead_from_third,
+threads.torch_threads, machine.cpu, machine.vector_flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    RAY_ADDRESS_HELP, SMOKE_RL, demo_base, emit, iterations_arg, machine, parse_args, ray_session, set_threads,
+)
+
+from orz.demo import DISTILL_SETTINGS, rl_config  # noqa: E402
+from orz.train import run as train  # noqa: E402
+
+ARMS = {"grpo": [], "distill": DISTILL_SETTINGS, "distill_task": [*DISTILL_SETTINGS, "distill.task_reward=true"]}
+
+
+def _common(args, out: Path, name: str, seed: int) -> list[str]:
+    return [*(SMOKE_RL if args.smoke else []), f"trainer.iterations={args.iterations}", "trainer.eval_every=1",
+            "trainer.eval_n=1", f"data.synthetic_eval_size={args.eval_size}", "trainer.dump_samples_every=0",
+            "trainer.loggers=[jsonl]", f"trainer.seed={seed}", "trainer.ray_num_cpus=0",
+            f"trainer.output_dir={out / name}"]
+
+
+def _rows(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _teacher(base, spec, out: Path, args) -> tuple[Path, float]:
+    """The GRPO-trained teacher (seed 0, exported) and its final held-out greedy accuracy."""
+    train(rl_config(base, spec, out, [*_common(args, out, "teacher", 0), f"trainer.iterations={args.teacher_iterations}",
+                                      "trainer.eval_every=0"]))
+    return out / "teacher" / "hf", _rows(out, "teacher")[-1]["eval/accuracy_greedy"]
+
+
+def _first_reaching(accuracies: list[float], target: float) -> int | None:
+    """The first iteration (1-based; 0: before training) whose accuracy is at least `target`."""
+    return next((i for i, a in enumerate(accuracies) if a >= target), None)
+
+
+def _arm(base, spec, out: Path, args, arm: str, teacher: Path, target: float) -> dict:
+    accuracies, reached, seconds = [], [], []
+    for seed in args.seeds:
+        name = f"{arm}_seed{seed}"
+        extra = [f"teachers.grpo.path={teacher}", *ARMS[arm]] if ARMS[arm] else []
+        train(rl_config(base, spec, out, [*_common(args, out, name, seed), *extra, "trainer.export_hf=false"]))
+        rows = _rows(out, name)
+        accuracies.append([row["eval/accuracy_greedy"] for row in rows])
+        reached.append(_first_reaching(accuracies[-1], target))
+        seconds.append([row["timing/step"] for row in rows[1:]])
+    by_iteration = [statistics.mean(a[i] for a in accuracies) for i in range(len(accuracies[0]))]
+    per_iteration = [statistics.mean(s[i] for s in seconds) for i in range(len(seconds[0]))]
+    return {"accuracy_by_iteration": by_iteration, "iterations_to_target": reached,
+            "seconds_per_iteration": statistics.mean(per_iteration), "seconds_by_iteration": per_iteration,
+            "mean_iterations_to_target": _first_reaching(by_iteration, target)}
+
+
+def _seconds_to(arm: dict, iteration: int | None) -> float | None:
+    return None if iteration is None else sum(arm["seconds_by_iteration"][:iteration])
+
+
+def run(args) -> dict:
+    threads = set_threads(1)
+    base, spec = demo_base(args.base_root, args.smoke)
+    with tempfile.TemporaryDirectory() as tmp, ray_session(num_cpus=8, address=args.ray_address):
+        out = Path(tmp)
+        teacher, teacher_accuracy = _teacher(base, spec, out, args)
+        target = 0.9 * teacher_accuracy
+        arms = {arm: _arm(base, spec, out, args, arm, teacher, target) for arm in ARMS}
+    grpo, distill = arms["grpo"]["mean_iterations_to_target"], arms["distill"]["mean_iterations_to_target"]
+    ahead = all(d > g for d, g in zip(arms["distill"]["accuracy_by_iteration"][3:],
+                                      arms["grpo"]["accuracy_by_iteration"][3:]))
+    both = grpo is not None and distill is not None and grpo > 0
+    return {
+        "bench": "distill_vs_grpo",
+        "settings": {"smoke": args.smoke, "iterations": args.iterations, "seeds": args.seeds,
+                     "heldout_problems": args.eval_size, "teacher_iterations": args.teacher_iterations,
+                     "precision": "float32", "engines": 1, "actor_workers": 1, "teacher_workers": 1},
+        "teacher": {"heldout_accuracy": teacher_accuracy},
+        "target_accuracy": target,
+        **arms,
+        "iterations_ratio_distill_over_grpo": distill / grpo if both else None,
+        "seconds_ratio_distill_over_grpo": _seconds_to(arms["distill"], distill) / _seconds_to(arms["grpo"], grpo)
+        if both else None,
+        "distill_ahead_from_third": ahead,
+        "threads": threads, "machine": machine(),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=iterations_arg, default=15)
+    parser.add_argument("--teacher-iterations", type=int, default=15)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--eval-size", type=int, default=200)
+    parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
+    parser.add_argument("--base-root", default="runs/demo", help="where the pre-trained base model is cached")
+    emit(run(parse_args(parser, smoke={"iterations": 3, "teacher_iterations": 2, "seeds": [0], "eval_size": 8})))
