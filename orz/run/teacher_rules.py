@@ -47,7 +47,7 @@ def teacher_problems(cfg: ExperimentConfig, arch: ModelArch | None) -> list[str]
                 problems.append(f"{key}={teacher.path}: {err}")
                 continue
             problems += _tokenizer_problems(key, cfg.model.path, teacher.path)
-    if arch is not None and cfg.distill.top_k > arch.vocab_size:
+    if arch is not None and cfg.distill.objective == "topk_forward_kl" and cfg.distill.top_k > arch.vocab_size:
         problems.append(f"distill.top_k={cfg.distill.top_k} is beyond the student's vocabulary of {arch.vocab_size} "
                         "tokens")
     return problems
