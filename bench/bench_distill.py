@@ -34,10 +34,10 @@ from common import (  # noqa: E402
     RAY_ADDRESS_HELP, SMOKE_RL, demo_base, emit, iterations_arg, machine, parse_args, ray_session, set_threads,
 )
 
-from orz.demo import DISTILL_SETTINGS, rl_config  # noqa: E402
+from orz.demo import distill_settings, rl_config  # noqa: E402
 from orz.train import run as train  # noqa: E402
 
-ARMS = {"grpo": [], "distill": DISTILL_SETTINGS, "distill_task": [*DISTILL_SETTINGS, "distill.task_reward=true"]}
+ARMS = {"grpo": None, "distill": [], "distill_task": ["distill.task_reward=true"]}  # beside distill_settings
 
 
 def _common(args, out: Path, name: str, seed: int) -> list[str]:
@@ -67,7 +67,7 @@ def _arm(base, spec, out: Path, args, arm: str, teacher: Path, target: float) ->
     accuracies, reached, seconds = [], [], []
     for seed in args.seeds:
         name = f"{arm}_seed{seed}"
-        extra = [f"teachers.grpo.path={teacher}", *ARMS[arm]] if ARMS[arm] else []
+        extra = [] if ARMS[arm] is None else [*distill_settings(teacher), *ARMS[arm]]
         train(rl_config(base, spec, out, [*_common(args, out, name, seed), *extra, "trainer.export_hf=false"]))
         rows = _rows(out, name)
         accuracies.append([row["eval/accuracy_greedy"] for row in rows])

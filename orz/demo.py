@@ -258,8 +258,11 @@ def accuracy_without_tool(cfg: ExperimentConfig) -> float:
     return sum(figures["avg@1"] for figures in report.figures.values()) / len(report.figures)
 
 
-# The distillation demo: the student from the GRPO demo's base, the GRPO-trained model as its teacher.
-DISTILL_SETTINGS = ["distill.objective=reverse_kl", "distill.coef=1.0"]
+def distill_settings(teacher: Path) -> list[str]:
+    """The distillation demo's overrides: `teacher` (an HF directory) as the one teacher, every core
+    for its passes while the engines do not generate (as the actor's), the reverse KL alone."""
+    return [f"teachers.grpo.path={teacher}", f"teachers.grpo.threads_alone={os.cpu_count() or 1}",
+            "distill.objective=reverse_kl", "distill.coef=1.0"]
 
 
 def grpo_teacher(base: Path, spec: BaseModelSpec, root: Path) -> tuple[Path, float]:
@@ -295,7 +298,7 @@ def main(argv: list[str]) -> dict:
     teacher = None
     if task == "distill":
         teacher, teacher_accuracy = grpo_teacher(base, spec, root)
-        argv = [f"teachers.grpo.path={teacher}", *DISTILL_SETTINGS, f"trainer.output_dir={root / 'distill'}", *argv]
+        argv = [*distill_settings(teacher), f"trainer.output_dir={root / 'distill'}", *argv]
     cfg = rl_config(base, spec, root, argv)
     if tools:  # a cluster of its own that outlives the run, for the evaluation without the tool
         import ray
