@@ -115,6 +115,40 @@ def test_two_teachers_routed_by_source_score_their_own_rows_and_the_student_move
     assert all(deterministic(row) == deterministic(whole[row["step"]]) for row in resumed)
 
 
+@pytest.mark.slow
+def test_the_top_k_forward_kl_through_orz_train_is_transformers_figure_on_the_first_batch(
+        ray_cluster, tiny_run, arith_model, teachers, tmp_path):
+    """distill.objective=topk_forward_kl, top_k=4: the first update's actor/distill_loss (before
+    the weights move) is the token mean, over the batch's model tokens, of Σⱼ p̃ⱼ (log p̃ⱼ − log π(j))
+    over the teacher's renormalised top 4, computed here with transformers from the dumped samples;
+    the term alone (no task reward) moves the weights, and it falls."""
+    from transformers import AutoModelForCausalLM
+
+    from orz.config import load_config
+    from orz.train import run as train
+    from run_history import history
+
+    out = tmp_path / "run"
+    train(load_config(None, [*tiny_run(out, "grpo", iterations=3), "data.eval={}", "rollout.stop=[]",
+                             "trainer.save_every=0", "trainer.dump_per_token=true", "actor.lr=3e-3",
+                             f"teachers.t.path={teachers['adder']}", "distill.objective=topk_forward_kl",
+                             "distill.top_k=4"]))
+    rows = history(out)[1:]
+    assert all(row["actor/grad_norm"] > 0 for row in rows) and rows[-1]["actor/distill_loss"] < rows[0]["actor/distill_loss"]
+    student, teacher = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (arith_model, teachers["adder"]))
+    total, tokens = 0.0, 0
+    for record in map(json.loads, (out / "samples" / "iter_000001.jsonl").read_text().splitlines()):
+        ids = torch.tensor([record["prompt_ids"] + record["response_ids"]])
+        start, n = len(record["prompt_ids"]), int(sum(record["response_mask"]))
+        with torch.no_grad():
+            s, t = (torch.log_softmax(m(ids).logits[0, start - 1:start - 1 + n].double(), -1) for m in (student, teacher))
+        top, at = t.topk(4, dim=-1)
+        p = top - top.logsumexp(-1, keepdim=True)
+        total += float((p.exp() * (p - s.gather(-1, at))).sum())
+        tokens += n
+    assert rows[0]["actor/distill_loss"] == pytest.approx(total / tokens, rel=1e-4)
+
+
 def _rollouts(vocab: int):
     """8 rows of random prompts (3–6 tokens) and responses (2–9), every row's teacher 0 but the
     last's (none), random task advantages."""

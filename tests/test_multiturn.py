@@ -340,7 +340,7 @@ def _async_partial(tiny_run, tool_model, rows, teacher):
                 "reward.weights={digits: 1.0, math: 0.0, echo: 0.5, revise: 0.25}", "trainer.max_staleness=1", "rollout.partial=true",
                 f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false",
                 "trainer.keep_checkpoints=1", "trainer.keep_every=2", f"teachers.other.path={teacher}",
-                "distill.task_reward=true"]
+                "distill.task_reward=true", "distill.student_logprobs=engine", "distill.coef=0.5"]
 
     return overrides
 
@@ -435,10 +435,11 @@ def test_a_users_agent_loop_trains_asynchronously_with_its_own_observation_ids(a
 @pytest.mark.slow
 def test_a_teacher_scores_the_models_tokens_of_each_conversation_and_adds_to_the_task_advantage(
         async_tool_run, tool_teacher):
-    """The run above has a teacher (another model) and distill.task_reward=true: on every model
-    token of every conversation (its observations in between) the teacher's log-prob is what
-    transformers' forward of the teacher over the whole conversation gives there, and the
-    advantage is the row's GRPO advantage (one value per row) plus log π_teacher − log π_old."""
+    """The run above has a teacher (another model), distill.task_reward=true, coef 0.5 and the
+    engine's log-probs as the student's: on every model token of every conversation (its
+    observations in between) the teacher's log-prob is what transformers' forward of the teacher
+    over the whole conversation gives there, and the advantage is the row's GRPO advantage (one
+    value per row) plus 0.5·(log π_teacher − log π_engine)."""
     from transformers import AutoModelForCausalLM
 
     from run_history import history
@@ -456,10 +457,10 @@ def test_a_teacher_scores_the_models_tokens_of_each_conversation_and_adds_to_the
                 logp = torch.log_softmax(teacher(torch.tensor([prompt + response])).logits[0].double(), -1)
             at = [len(prompt) + t for t, m in enumerate(mask) if m]  # the model's tokens only
             reference = logp[[a - 1 for a in at], [(prompt + response)[a] for a in at]]
-            got, old = torch.tensor(record["teacher_logprobs"]), torch.tensor(record["old_logprobs"])
+            got, engine = torch.tensor(record["teacher_logprobs"]), torch.tensor(record["rollout_logprobs"])
             torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=0)
-            task = torch.tensor(record["advantages"]) - (got - old)
-            assert (task - task[0]).abs().max() < 1e-5 and (got - old).abs().mean() > 0.1
+            task = torch.tensor(record["advantages"]) - 0.5 * (got - engine)
+            assert (task - task[0]).abs().max() < 1e-5 and (got - engine).abs().mean() > 0.1
     assert with_observations > 0  # the premise: conversations with an environment's tokens in them
 
 
