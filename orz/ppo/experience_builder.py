@@ -134,7 +134,7 @@ class ExperienceBuilder:
             token_version[row, :len(s.token_versions)] = torch.tensor(s.token_versions, dtype=torch.long)
         info = {"response_length": lengths, "truncated": truncated,
                 "weight_version": torch.tensor([s.weight_version for s in samples]), "token_version": token_version}
-        if self.teachers:  # which teacher scores each row (TeacherRoutes.of), -1: none
+        if self.teachers:  # which teacher scores each row (TeacherRoutes.index), -1: none
             info["teacher"] = torch.tensor([t for *_, t in kept])
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g, _ in kept]), info=info)
         metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
