@@ -368,6 +368,10 @@ class TrainerConfig:
     # True: those dumps list every token's figures (engine and trainer log-probs, advantages, IS
     # weights, the loss mask after mismatch masking) instead of each sample's means.
     dump_per_token: bool = False
+    # output_dir/timeline.json (Chrome trace: every role's passes, each engine's busy time, syncs,
+    # reward and environment calls, checkpoints), the goodput/* and mfu/* figures derived from it,
+    # and timeline.png at the end (docs/timeline.md). False: none of it, no file written.
+    timeline: bool = True
     # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT) in the engines and Megatron's
     # deterministic mode in the roles, so that a token's log-prob does not depend on its batch.
     # Refused on CPU; untested here (no GPU).

@@ -41,6 +41,7 @@ from orz.models.convert import (
 from orz.models.inputs import ModelInputs
 from orz.models.routing import MoeRoutes
 from orz.models.spec import ModelSpec, Sizes
+from orz.timeline.record import RECORDER
 
 _PADDING = object()  # the result of a micro-batch that only pads (see MegatronModel._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
@@ -93,6 +94,7 @@ class MegatronModel:
         self.module = module
         self.routes = MoeRoutes(module, arch) if spec.routing_replay else None
         self.chosen_routes: list[torch.Tensor] = []  # (B, S, L, K) per real micro-batch of the last run
+        self.lane = ""  # the timeline lane its passes are recorded in (orz/timeline); "": none
         self.optimizer = None
         if (optim := spec.optim) is not None:
             ddp_config = DistributedDataParallelConfig(
@@ -245,11 +247,41 @@ class MegatronModel:
         collect(output, micro-batch) per micro-batch on the last stage ([] elsewhere); with
         `loss_fn`, returns its metrics dicts (last stage) and, unless forward_only, accumulates
         gradients.
+
+        With a `lane`, each micro-batch's passes are timeline spans (args: its real tokens and width):
+        "forward" (the model), "loss" (what the last stage computes from its output: log-probs, the
+        loss) and, training, "backward": from there to the next micro-batch's forward or the end
+        (with PP it holds the waits for the other stages too).
         """
         pairs = self._even_shapes(microbatches) if self.layout.ep > 1 else [(mb, mb) for mb in microbatches]
 
         self.chosen_routes = []
         cp = ps.get_context_parallel_world_size()
+        backward_from = None  # when the last micro-batch's forward (and loss) ended, training
+
+        def timed(forward_step):
+            """forward_step, its output's function and the backward after them as spans of `lane`."""
+            def step(data_iterator, model):
+                nonlocal backward_from
+                start = RECORDER.now()
+                if backward_from is not None:
+                    RECORDER.add(self.lane, "backward", backward_from, start)
+                output, then = forward_step(data_iterator, model)
+                padded, batch = data_iterator.current
+                size = {"tokens": (batch or padded).tokens or padded.input_ids.numel(), "width": padded.input_ids.shape[1]}
+                RECORDER.add(self.lane, "forward", start, RECORDER.now(), **size)
+                backward_from = None if forward_only else RECORDER.now()
+
+                def after(*args, **kwargs):
+                    nonlocal backward_from
+                    begun = RECORDER.now()
+                    try:
+                        return then(*args, **kwargs)
+                    finally:
+                        RECORDER.add(self.lane, "loss", begun, RECORDER.now(), **size)
+                        backward_from = None if forward_only else RECORDER.now()
+                return output, after
+            return step
 
         def forward_step(data_iterator, model):
             padded, batch = next(data_iterator)
@@ -280,8 +312,8 @@ class MegatronModel:
 
         seq_length = pairs[0][0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(pairs),
+            forward_step_func=timed(forward_step) if self.lane else forward_step,
+            data_iterator=_Current(pairs),
             model=[self.model],
             num_microbatches=len(pairs),
             seq_length=seq_length,
@@ -289,6 +321,8 @@ class MegatronModel:
             forward_only=forward_only,
             collect_non_loss_data=collect is not None,
         )
+        if backward_from is not None:
+            RECORDER.add(self.lane, "backward", backward_from, RECORDER.now())
         return [x for x in out if x is not _PADDING]
 
     @staticmethod
@@ -365,7 +399,8 @@ class MegatronModel:
         if aux_on:
             self._start_aux_loss(microbatches)
         metrics = self.run(microbatches, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        with RECORDER.span(self.lane, "optimizer step") if self.lane else contextlib.nullcontext():
+            ok, grad_norm, _ = self.optimizer.step()
         out = {"metrics": metrics, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
         if aux_on:
             out["moe_aux_loss"] = self._aux_loss(len(microbatches))
@@ -395,6 +430,20 @@ class MegatronModel:
         mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         return mean.item() / ps.get_data_parallel_world_size()
+
+
+class _Current:
+    """An iterator over micro-batches that remembers the one it gave last (`current`)."""
+
+    def __init__(self, items: list):
+        self._items, self.current = iter(items), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.current = next(self._items)
+        return self.current
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ scored); `response/*` and `rollout/*` over the kept samples (what the update tra
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from orz.rollout.envs import env_names, envs_used
 from orz.rollout.fleet import EngineFleet
 from orz.rollout.multiturn import MultiTurnRollout, env_scores, make_loops, multiturn_metrics
 from orz.rollout.python_tool import prompt_tools
+from orz.timeline.record import RECORDER
 
 
 class ExperienceBuilder:
@@ -82,14 +82,16 @@ class ExperienceBuilder:
 
     def build(self, iteration: int, min_version: int) -> tuple[Experience, dict]:
         """The batch of iteration `iteration` (an index from 0) from engines holding weights >=
-        min_version (see the module docstring); its sample dump also lists every draw's samples."""
-        start = time.perf_counter()
+        min_version (see the module docstring); its sample dump also lists every draw's samples.
+        Its timing/rollout and timing/reward_wait are spans of the timeline's lane trainer/rollout."""
+        start = RECORDER.now()
         algo, n = self.algo, self.cfg.rollout.n_samples
         target = self.cfg.trainer.prompts_per_iteration * n
         kept, judged, drawn, dropped, first_group, model_score_sum, reward_wait = [], [], [], 0, 0, 0.0, 0.0
         for draw in range(algo.max_prompt_draws if algo.dynamic_sampling else 1):
             prompts = self._prompt_ids(next(self.loader))
-            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(iteration, draw), min_version)
+            samples, verdicts, wait = self._generate_and_score(prompts, self._sampling(iteration, draw), min_version,
+                                                               iteration)
             judged += verdicts
             reward_wait += wait
             scores = torch.tensor([v.score for v in verdicts])
@@ -153,7 +155,9 @@ class ExperienceBuilder:
         if algo.dynamic_sampling:
             metrics |= {"rollout/groups_dropped": float(dropped), "rollout/draws": float(draw + 1),
                         "rollout/short_batch": float(len(samples) < target)}
-        metrics["timing/rollout"] = time.perf_counter() - start  # generation and scoring
+        end = RECORDER.now()
+        RECORDER.add("trainer/rollout", "rollout", start, end, batch=iteration + 1)
+        metrics["timing/rollout"] = end - start  # generation and scoring
         metrics["timing/reward_wait"] = reward_wait  # scoring that generation did not hide
         return experience, metrics
 
@@ -193,7 +197,7 @@ class ExperienceBuilder:
         return out
 
     def _generate_and_score(self, prompts: list[tuple[Row, list[int]]], sampling: SamplingConfig,
-                            min_version: int) -> tuple[list[Sample], list[Verdict], float]:
+                            min_version: int, iteration: int) -> tuple[list[Sample], list[Verdict], float]:
         """The samples of every prompt in prompt order, their verdicts, and the seconds scoring took
         after the last sample: each prompt's group goes to the reward router as soon as its samples
         finish, so scoring overlaps generation."""
@@ -208,11 +212,13 @@ class ExperienceBuilder:
             row = prompts[group[0].index][0]
             pending.append((group, self.reward.submit([s.text for s in group], [row] * len(group),
                                                       [s.finish_reason for s in group])))
-        start = time.perf_counter()
+        start = RECORDER.now()
         pending.sort(key=lambda item: item[0][0].index)
         scored = [(group, verdicts.result()) for group, verdicts in pending]
         samples, verdicts = [s for group, _ in scored for s in group], [v for _, vs in scored for v in vs]
-        return samples, verdicts, time.perf_counter() - start
+        end = RECORDER.now()
+        RECORDER.add("trainer/rollout", "reward_wait", start, end, batch=iteration + 1)
+        return samples, verdicts, end - start
 
     def _model_scores(self, samples: list[Sample], rows: list[Row]) -> torch.Tensor:
         """(B,) the reward model's score of each sample. When the reward model's vocabulary differs

@@ -61,7 +61,7 @@ class BatchesAhead:
         return self._generating is not None
 
     def finish(self) -> tuple[float, float]:
-        """Waits for the batch being generated, keeps it; when (perf_counter start and end) it was
+        """Waits for the batch being generated, keeps it; when (timeline clock start and end) it was
         generated, (0, 0) if none was."""
         if self._generating is None:
             return 0.0, 0.0

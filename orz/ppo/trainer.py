@@ -62,18 +62,21 @@ from orz.ppo.experience import Experience
 from orz.ppo.experience_builder import ExperienceBuilder
 from orz.ppo.metrics_logger import MetricsLogger
 from orz.ppo.pipeline import BatchesAhead, staleness_metrics
+from orz.ppo.run_timeline import RunTimeline
 from orz.ppo.teachers import Teachers
 from orz.ppo.trackers import open_trackers
 from orz.rollout.engine import engine_dtype, is_hybrid
 from orz.rollout.fleet import EngineFleet, FleetConfig
 from orz.rollout.envs import envs_used
 from orz.rollout.weight_sync import GroupSource
+from orz.timeline.record import RECORDER
 
 console = Console(soft_wrap=True)  # long lines stay whole (non-terminal output is 80 columns)
 
 
 class Timer:
-    """Each phase's seconds (`timing/<phase>`) and when it ran (perf_counter start and end)."""
+    """Each phase's seconds (`timing/<phase>`) and when it ran (start and end on the timeline's
+    clock), each phase a span of the timeline's lane trainer/phases."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -81,10 +84,11 @@ class Timer:
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start = RECORDER.now()
         yield
-        self.spans[phase] = start, time.perf_counter()
+        self.spans[phase] = start, RECORDER.now()
         self.seconds[f"timing/{phase}"] = self.spans[phase][1] - start
+        RECORDER.add("trainer/phases", phase, *self.spans[phase])
 
 
 def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -120,12 +124,16 @@ class RayPPOTrainer:
         self.evaluators = {}
         self.fault = Fault.parse(cfg.trainer.fault)  # main has refused a malformed one
         self.phase = "start"  # what the iteration in flight is doing (named if it fails)
+        self.timeline = RunTimeline(self.out, cfg.trainer.timeline, resume=resume_from is not None or restarts > 0,
+                                    restarts=restarts)
         dtype = engine_dtype(cfg.rollout.engine_dtype, is_hybrid(cfg.model.path), torch.cuda.is_available())
         self.engine_dtype = "" if dtype == "auto" else dtype  # "": vLLM's auto, the model's own dtype
         if resume_from is not None:
             trained = {name: spec for name, spec in self._role_specs().items() if spec.train}
             checkpoints.recut_where_needed(resume_from, trained, WorkerGroup, console.print)
         self._setup_roles()
+        self.measured_once = self.timeline.start(dict(self._named_groups()), self._role_specs(), cfg,
+                                                 self.fleet.num_engines)
         self._setup_controllers()
         state = checkpoints.saved_state(resume_from) if resume_from is not None else None
         self._enter_stage(stage_at(cfg, state["iteration"])[0] if state else 0, loader_state=state and state["loader"])
@@ -227,7 +235,8 @@ class RayPPOTrainer:
                 last = self.iteration == self.total
                 if (cfg.eval_every and self.iteration % cfg.eval_every == 0) or last:
                     progress.update(task, description="evaluation")
-                    metrics |= self.evaluate()
+                    with RECORDER.span("trainer/phases", "evaluation"):
+                        metrics |= self.evaluate()
                 self.logger.log(self.iteration, metrics)
                 progress.update(task, advance=1, description=_summary(metrics))
                 if (cfg.save_every and self.iteration % cfg.save_every == 0) or last or stop.is_set():
@@ -239,10 +248,13 @@ class RayPPOTrainer:
                     return {"iterations": self.iteration, "seconds": time.time() - start, "preempted": True}
         self.finish_checkpoint()
         if cfg.export_hf:
-            self.actor.export_hf(str(self.out / "hf"))
+            with RECORDER.span("trainer/checkpoint", "export"):
+                self.actor.export_hf(str(self.out / "hf"))
         plot = self.logger.close()
+        timeline = self.timeline.close()
         history = self.logger.history()
         return {"iterations": self.iteration, "seconds": time.time() - start, "plot": str(plot),
+                "timeline": str(timeline),
                 "first": history[0] if history else {}, "last": history[-1] if history else {}}
 
     def step(self, show=lambda phase: None) -> dict:
@@ -285,7 +297,7 @@ class RayPPOTrainer:
                     self.fleet.wake_up()
             if not partial:
                 sync = self._sync(timer, show)
-        metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics
+        metrics |= adv_metrics | update_metrics | sync | timer.seconds | self.fleet.metrics | self.measured_once
         for group in self._groups():  # each role's peak memory in its forward and update phases
             metrics |= group.peak_memory_gib()
         # What ran at once: the engines generating the batch ahead while the actor's passes (log-probs,
@@ -305,6 +317,9 @@ class RayPPOTrainer:
         every = self.run_cfg.trainer.dump_samples_every
         if every and (self.iteration + 1) % every == 0:
             self._dump(experience)
+        lengths = experience.sequence_lengths().float()
+        metrics |= self.timeline.collect(self.iteration + 1, timer.spans["step"], dict(self._named_groups()),
+                                         (float(lengths.sum()), float(lengths.mean())))
         return metrics
 
     def _arm_fault(self) -> None:
@@ -313,6 +328,7 @@ class RayPPOTrainer:
         fault = self.fault
         if fault is None or fault.iteration != self.iteration + 1:
             return
+        RECORDER.instant("trainer/faults", f"fault {fault.role}@{fault.iteration} armed")
         if fault.role == "actor":
             self.actor.arm_fault(fault.message("every actor worker's update"))
         elif fault.role == "engine":
@@ -328,11 +344,14 @@ class RayPPOTrainer:
             return self.fleet.sync(self.weight_source, self.version)
 
     def _prefetch(self, iteration: int, version: int) -> tuple[tuple[Experience, dict], tuple[float, float]]:
-        """The batch built in the background, and when (perf_counter start and end); once it is
-        done the workers may take every core."""
-        start = time.perf_counter()
+        """The batch built in the background, and when (start and end on the timeline's clock, a span
+        of its lane trainer/pipeline); once it is done the workers may take every core."""
+        start = RECORDER.now()
         try:
-            return self.builder.build(iteration, version), (start, time.perf_counter())
+            built = self.builder.build(iteration, version)
+            end = RECORDER.now()
+            RECORDER.add("trainer/pipeline", "generate ahead", start, end, batch=iteration + 1)
+            return built, (start, end)
         finally:  # before the result is set: the next iteration's share comes after this one
             self._share_cores(engines_generate=False)
 
@@ -498,8 +517,9 @@ class RayPPOTrainer:
         }
         t = self.run_cfg.trainer
         self.finish_checkpoint()
-        self._saving = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
-                                        self.pipeline.ready, t.keep_checkpoints, t.keep_every, t.async_save)
+        with RECORDER.span("trainer/checkpoint", "save", iteration=self.iteration):
+            self._saving = checkpoints.save(self.out / "checkpoints", self.iteration, self._trained_named(), state,
+                                            self.pipeline.ready, t.keep_checkpoints, t.keep_every, t.async_save)
         final = self._saving.final
         if not t.async_save:
             self.finish_checkpoint()
@@ -509,7 +529,8 @@ class RayPPOTrainer:
         """Completes the checkpoint still being written (trainer.async_save), if any: only then is
         it the latest."""
         if self._saving is not None:
-            self.last_checkpoint, self._saving = self._saving.finish(), None
+            with RECORDER.span("trainer/checkpoint", "finish"):
+                self.last_checkpoint, self._saving = self._saving.finish(), None
 
     def _resume(self, ckpt: Path) -> None:
         """Roles, weight version, controllers and the batches generated ahead from `ckpt`; the

@@ -29,6 +29,7 @@ from orz.ppo.core_algos import actor_loss, routing_agreement_counts, value_loss
 from orz.ppo.distillation import NO_TEACHER, topk_forward_kl
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 from orz.run.role_spec import RoleSpec
+from orz.timeline.record import RECORDER
 
 
 def reset_peak_memory() -> None:
@@ -148,6 +149,7 @@ class MegatronWorker(FaultSite):
             print(f"{self.spec.name} rank {self.rank}: experts over EP {sizes.ep} × ETP {sizes.etp}, token dispatcher "
                   f"{self.model.config.moe_token_dispatcher_type}", flush=True)
         self.model.load_hf(ckpt)
+        self.model.lane = self._lane
         self.scheduler = None
         if self.spec.train:
             self.configure(self.spec.cfg)
@@ -178,6 +180,22 @@ class MegatronWorker(FaultSite):
         )
         self.scheduler.step(increment=steps_done)
 
+    # ---- the timeline (orz/timeline) ---------------------------------------------------------
+    @property
+    def _lane(self) -> str:
+        return f"{self.spec.name}/rank {self.rank}"
+
+    def clock(self) -> float:
+        """This process's timeline clock now (the trainer measures its offset: trace.offset_s)."""
+        return RECORDER.now()
+
+    def timeline_events(self) -> list[tuple]:
+        """The spans recorded since the last call (trainer.timeline)."""
+        return RECORDER.drain()
+
+    def record_timeline(self, on: bool) -> None:
+        RECORDER.on = on
+
     # ---- where this rank sits ----------------------------------------------------------------
     @property
     def _dp(self) -> tuple[int, int]:
@@ -203,7 +221,8 @@ class MegatronWorker(FaultSite):
         moe = self.model.arch.moe is not None
         return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience),
                             ~mb.experience.attention_mask.bool() if moe else None,
-                            mb.experience.sequence_lengths() if self.spec.cfg.pack else None)
+                            mb.experience.sequence_lengths() if self.spec.cfg.pack else None,
+                            int(mb.experience.sequence_lengths().sum()))
                 for mb in micro_batches]
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
@@ -283,9 +302,11 @@ class MegatronWorker(FaultSite):
         peaks, self._peaks = self._peaks, {}
         return peaks
 
-    def _no_grad(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
-        """(B_shard, T) per_micro_batch(output, batch) in row order on the last stage, else None."""
-        with self._phase_memory("forward"):
+    def _no_grad(self, shard: MiniBatch, per_micro_batch, what: str) -> torch.Tensor | None:
+        """(B_shard, T) per_micro_batch(output, batch) in row order on the last stage, else None;
+        `what` names the pass on the timeline."""
+        tokens = int(shard.experience.sequence_lengths().sum())
+        with self._phase_memory("forward"), RECORDER.span(self._lane, what, tokens=tokens):
             return self._no_grad_passes(shard, per_micro_batch)
 
     def _no_grad_passes(self, shard: MiniBatch, per_micro_batch) -> torch.Tensor | None:
@@ -301,33 +322,37 @@ class MegatronWorker(FaultSite):
             outputs = self.model.run(self._inputs(micro), collect=collect)
         return shard.in_row_order(micro, outputs) if outputs else None
 
-    def _forward(self, experience: Experience, per_micro_batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _forward(self, experience: Experience, per_micro_batch, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(which rows of `experience` this DP rank had, their (B_shard, T) results) on reporting ranks."""
         shard = MiniBatch.of(experience).shard(*self._dp)
-        rows = self._no_grad(shard, per_micro_batch)
+        rows = self._no_grad(shard, per_micro_batch, what)
         return (shard.source_rows, rows) if self._reports else None
 
     def logprobs(self, experience: Experience, temperature: float = 1.0):
         """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
-        return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0])
+        return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0],
+                             "log-probs")
 
     def teacher_logprobs(self, experience: Experience, temperature: float, k: int, vocab_size: int):
         """(dp_rank, (B_shard, T, 1 + 2k) _teacher_figures) on reporting ranks, else None."""
-        return self._forward(experience, lambda hidden, b: self._teacher_figures(hidden, b, temperature, k, vocab_size))
+        return self._forward(experience, lambda hidden, b: self._teacher_figures(hidden, b, temperature, k, vocab_size),
+                             "teacher log-probs")
 
     def values(self, experience: Experience):
         """(dp_rank, (B_shard, T) V(sₜ)): the value head at the position before each response token."""
 
-        return self._forward(experience, lambda values, batch: _token_values(values, batch.micro.experience))
+        return self._forward(experience, lambda values, batch: _token_values(values, batch.micro.experience), "values")
 
     def scores(self, experience: Experience):
         """(dp_rank, (B_shard, T)): a reward model's score on each sequence's last token."""
-        return self._forward(experience, lambda values, batch: _last_token_values(values, batch.micro.experience))
+        return self._forward(experience, lambda values, batch: _last_token_values(values, batch.micro.experience),
+                             "scores")
 
     # ---- updates -----------------------------------------------------------------------------
     def _train(self, shards: list[MiniBatch], loss_fn) -> dict | None:
         """One optimizer step per mini-batch, given as this DP rank's shards."""
-        with self._phase_memory("update"):
+        tokens = sum(int(shard.experience.sequence_lengths().sum()) for shard in shards)
+        with self._phase_memory("update"), RECORDER.span(self._lane, "update", tokens=tokens):
             return self._steps(shards, loss_fn)
 
     def _steps(self, shards: list[MiniBatch], loss_fn) -> dict | None:
@@ -421,7 +446,8 @@ class MegatronWorker(FaultSite):
 
     def _with_old_logprobs(self, shard: MiniBatch, temperature: float) -> MiniBatch:
         """The shard with log π of the current weights, on every last-stage rank (all compute the loss)."""
-        old = self._no_grad(shard, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0])
+        old = self._no_grad(shard, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0],
+                            "log-probs")
         return shard if old is None else replace(shard, experience=replace(shard.experience, old_logprobs=old))
 
     def train_critic(self, minibatches: list[MiniBatch], algo: AlgorithmConfig) -> dict | None:
@@ -713,6 +739,10 @@ class WorkerGroup:
     def put_weights(self, bucket_bytes: int, with_digests: bool):
         """Rank 0's buckets in Ray's object store (the other transport)."""
         return ray.get(self._call("put_weights", bucket_bytes, with_digests))[0]
+
+    def timeline_events_async(self) -> list[ray.ObjectRef]:
+        """Each rank's spans since the last call (MegatronWorker.timeline_events), in rank order."""
+        return self._call("timeline_events")
 
     def host_weight_group(self) -> tuple[str, int]:
         """Where rank 0 hosts a new weight group's rendezvous."""

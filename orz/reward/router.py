@@ -34,6 +34,7 @@ from orz.reward import custom
 from orz.reward.choice import extract_choice
 from orz.reward.code import CodeReward, extract_code
 from orz.reward.math import MathReward, MathRewardConfig
+from orz.timeline.record import RECORDER
 
 # The reward-model role's score (added by the trainer, which runs that role); a row whose verifier
 # is "model" has no verifiable reward.
@@ -223,6 +224,12 @@ class RewardRouter(FaultSite):
 
     def _run(self, name: str, indices: list[int], responses: list[str], rows: list[Row],
              finish_reasons: list[str | None]) -> list[_Part]:
+        """One verifier's judgements of `indices`: a span of its lane on the run's timeline."""
+        with RECORDER.span(f"reward/{name}", "score", items=len(indices)):
+            return self._judge(name, indices, responses, rows, finish_reasons)
+
+    def _judge(self, name: str, indices: list[int], responses: list[str], rows: list[Row],
+               finish_reasons: list[str | None]) -> list[_Part]:
         texts = [responses[i] for i in indices]
         if name == "math":
             outcomes = self.math.judge(texts, [rows[i].answers for i in indices])

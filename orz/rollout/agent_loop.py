@@ -34,12 +34,12 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 from orz.config import RolloutConfig
 from orz.rollout.engine import Sample
+from orz.timeline.record import RECORDER
 
 MODEL, ENV = "model", "env"  # a turn's origin
 TURN_SEED_STRIDE = 2**20  # turn t of a sample samples from seed + t·2^20 (turn 0: the single-turn seed)
@@ -186,12 +186,14 @@ class AgentSample:
     async def call(self, function: Callable[..., Any], *args) -> Any:
         """function(*args) in a daemon thread (one that never returns cannot keep the process
         alive); EnvTimeout past rollout.env_timeout_s, the call's wall time in env_seconds."""
-        start = time.perf_counter()
+        start = RECORDER.now()
         future = asyncio.wrap_future(self._threads.submit(function, *args))
         try:  # asyncio.wait, not wait_for: a TimeoutError the call raises is its own, not a timeout
             done, _ = await asyncio.wait({future}, timeout=self.limits.env_timeout_s)
         finally:
-            self.conversation.env_seconds += time.perf_counter() - start
+            end = RECORDER.now()
+            self.conversation.env_seconds += end - start
+            RECORDER.add(f"environments/{self.conversation.env}", "call", start, end)
         if not done:
             future.cancel()
             raise EnvTimeout(f"timeout: no answer within rollout.env_timeout_s={self.limits.env_timeout_s}")

@@ -37,6 +37,7 @@ from ray.exceptions import RayActorError
 
 from orz.rollout.engine import Request, Sample, SamplingConfig
 from orz.rollout.fleet import EngineFleet, WeightSyncError
+from orz.timeline.record import RECORDER
 
 _RESUME_SEED_STRIDE = 2**23  # a turn's k-th continuation samples from its seed + k·2^23
 _POLL_S = 0.05  # how often an interrupted driver looks for the new weights
@@ -106,6 +107,7 @@ class RolloutDriver:
         self.heard = [time.monotonic()] * n  # when each engine last sent turns (or was given work)
         self.paused_at: float | None = None  # when an interrupt first paused an engine
         self.restarts = 0
+        self.busy_spans = [0] * n  # the timeline: each engine's open `busy` span (RECORDER.begin), 0: none
 
     # ---- for clients -------------------------------------------------------------------------
     def ask(self, key: int, group: int, context: list[int], seed: int, max_tokens: int, stop: list[str]) -> None:
@@ -116,6 +118,7 @@ class RolloutDriver:
         self.turns[key] = _Turn(Request(key, list(context), seed, max_tokens, tuple(stop)), engine)
         self.held[engine] += 1
         self.outbox[engine].append(key)
+        self._mark(engine)
 
     def call_soon(self, function: Callable[[], Any]) -> None:
         """Runs `function` in the driver's loop (from any thread: an environment's answer)."""
@@ -141,6 +144,9 @@ class RolloutDriver:
             for engine, session in enumerate(self.sessions if ray.is_initialized() else []):
                 if session is not None:
                     self.fleet.close_session(engine, session, abort=not client.finished())
+            self.sessions = [None] * len(self.sessions)
+            for engine in range(len(self.sessions)):
+                self._mark(engine)
 
     def _next_event(self, client: Client) -> None:
         """Handles what arrived first; with nothing waiting, first the new weights an interrupted
@@ -185,6 +191,7 @@ class RolloutDriver:
             return
         del self.turns[part["index"]]
         self.held[turn.engine] -= 1
+        self._mark(turn.engine)
         client.turn_ended(part["index"], turn.whole(part))
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -200,6 +207,7 @@ class RolloutDriver:
         self.sessions[engine] = session
         self.heard[engine] = time.monotonic()
         self.outbox[engine] = [key for key, turn in self.turns.items() if turn.engine == engine]
+        self._mark(engine)
 
         def forward():
             try:
@@ -224,6 +232,7 @@ class RolloutDriver:
             raise RuntimeError(f"engine {engine} ended a rollout session with turns unfinished")
         self.fleet.close_session(engine, self.sessions[engine])
         self.sessions[engine] = None
+        self._mark(engine)
         self.paused_at = self.paused_at or time.monotonic()
 
     def _resume_paused(self) -> None:
@@ -243,8 +252,22 @@ class RolloutDriver:
 
     # ---- failures ----------------------------------------------------------------------------
     def _busy(self, engine: int) -> bool:
-        """Whether the engine has an open session holding turns (only those can hang)."""
+        """Whether the engine has an open session holding turns (only those can hang; they generate)."""
         return self.sessions[engine] is not None and self.held[engine] > 0
+
+    def _mark(self, engine: int) -> None:
+        """The timeline: the engine's turns in flight (a counter), and a `busy` span from when it
+        got its first to when it held none, or was paused (interrupted) or closed."""
+        lane = f"engines/engine {engine}"
+        RECORDER.count(lane, "turns in flight", self.held[engine] if self.sessions[engine] is not None else 0)
+        if self._busy(engine) and not self.busy_spans[engine]:
+            self.busy_spans[engine] = RECORDER.begin(lane, "busy")
+        elif not self._busy(engine):
+            self._end_busy(engine)
+
+    def _end_busy(self, engine: int) -> None:
+        RECORDER.end(self.busy_spans[engine])
+        self.busy_spans[engine] = 0
 
     def _failed(self, engine: int, err: Exception) -> None:
         """A dead engine is restarted; any other failure (raised inside it) ends the rollout."""
@@ -266,6 +289,8 @@ class RolloutDriver:
         if self.restarts > self.fleet.cfg.max_restarts:
             raise RuntimeError(f"engine {engine} failed; gave up after {self.fleet.cfg.max_restarts} restarts") from cause
         log.warning("rollout: engine %d failed (%s); restarting it", engine, cause)
+        RECORDER.instant(f"engines/engine {engine}", "restart", cause=str(cause)[:200])
+        self._end_busy(engine)
         self.fleet.restart(engine)
         self._open(engine)
 

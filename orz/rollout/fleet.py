@@ -30,6 +30,7 @@ from orz.bundles import Bundles
 from orz.config import LOGPROBS_MODES, RolloutConfig
 from orz.rollout.engine import Request, SamplingConfig, VLLMEngine
 from orz.rollout.weight_sync import DEFAULT_BUCKET_BYTES, GroupSpec, WeightSource
+from orz.timeline.record import RECORDER
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,20 @@ class WeightSyncError(RuntimeError):
 def _timed_out(err: Exception) -> bool:
     """Whether a failed broadcast timed out (gloo: "Timed out ..."; NCCL: "... timeout ...")."""
     return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+def _get_timed(refs: list, ids: list[int], began: float, version: int, timeout_s: float | None) -> list:
+    """ray.get(refs, timeout_s), each engine's part a timeline span "weight sync" (receive and
+    load) on its lane, from `began` to when its call returned."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    left = dict(zip(refs, ids))
+    while left:
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(left), num_returns=1, timeout=wait_s)
+        if not ready:
+            raise GetTimeoutError(f"weight sync of version {version}: timed out waiting for the engines")
+        RECORDER.add(f"engines/engine {left.pop(ready[0])}", "weight sync", began, RECORDER.now(), version=version)
+    return ray.get(refs)
 
 
 def _actor_lost(ref) -> bool:
@@ -165,23 +180,27 @@ class EngineFleet:
         start = time.perf_counter()
         if self.cfg.transport == "collective":
             spec = self._weight_group(source, ids)
+            began = RECORDER.now()
             pending = [e.receive_broadcast.remote(version, self.cfg.sync_check == "received") for e in engines]
             deadline = time.monotonic() + self.cfg.sync_timeout_s
             try:
-                sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.sync_check != "off")
+                with RECORDER.span("sync/actor", "send", version=version):
+                    sent = source.send(spec, self.cfg.bucket_bytes, self.cfg.sync_check != "off")
             except Exception as err:  # noqa: BLE001 - on the source's side
                 if not _timed_out(err):  # its own failure (out of memory, a bug): no engine to blame
                     self._group_source = None
                     raise WeightSyncError(f"weight sync of version {version}: the source failed: {err}") from err
                 return self._recover_sync(source, version, ids, pending, err, _attempt, deadline)
             try:
-                received = ray.get(pending, timeout=max(0.0, deadline - time.monotonic()))
+                received = _get_timed(pending, ids, began, version, max(0.0, deadline - time.monotonic()))
             except Exception as err:  # noqa: BLE001 - an engine timed out, died or failed
                 return self._recover_sync(source, version, ids, pending, err, _attempt, deadline)
         elif self.cfg.transport == "object_store":
-            refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.sync_check != "off")
-            received = ray.get([e.receive_object_store.remote(refs, version, self.cfg.sync_check == "received")
-                                for e in engines])
+            with RECORDER.span("sync/actor", "put", version=version):
+                refs, sent = source.put(self.cfg.bucket_bytes, self.cfg.sync_check != "off")
+            began = RECORDER.now()
+            received = _get_timed([e.receive_object_store.remote(refs, version, self.cfg.sync_check == "received")
+                                   for e in engines], ids, began, version, None)
         else:
             raise ValueError(f"transport must be 'collective' or 'object_store', got {self.cfg.transport!r}")
         seconds = time.perf_counter() - start

@@ -59,6 +59,7 @@ def goodput(events: list[tuple], window: tuple[float, float], resources: list[Re
     return figures
 
 
-def mfu(flops: float, busy: list[float], peak_flops_per_s: float) -> float:
-    """Model FLOPs over what the resources' peak could have done while they were busy: F / Σ_r busy_r·peak."""
-    return flops / max(sum(busy) * peak_flops_per_s, 1e-12)
+def mfu(flops: float, capacity: list[float]) -> float:
+    """Model FLOPs over what the resources could have done while busy: F / Σ_r busy_r·peak_r
+    (`capacity` holds each busy_r·peak_r)."""
+    return flops / max(sum(capacity), 1e-12)
