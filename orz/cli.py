@@ -6,6 +6,7 @@
     orz convert hf2mcore --hf Qwen2.5-7B --out ckpt --tp 4              # = python -m orz.convert
     orz rollback runs/x --to 200                                        # = python -m orz.run.resume
     orz demo trainer.iterations=30                                      # = python -m orz.demo
+    orz plot runs/demo/grpo                                             # = python -m orz.plot
     orz slurm check --nodes 4 playground/orz_7b_ppo.py model.path=...   # = python -m orz.launch_slurm
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {  # subcommand: (module, what it does)
     "convert": ("orz.convert", "HF <-> Megatron checkpoints, and their check"),
     "rollback": ("orz.run.resume", "roll a run back to one of its checkpoints (later ones moved aside)"),
     "demo": ("orz.demo", "the CPU demo: pre-train a tiny model, then GRPO"),
+    "plot": ("orz.plot", "a run's curves.png and timeline.png, again or while it runs"),
     "slurm": ("orz.launch_slurm", "check a recipe against an allocation; the sbatch script's helpers"),
 }
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import psutil
 
 # Timings differ from run to run; everything else must not.
-NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "cpu_s", "sync_seconds", "wall_s", "perf/peak_memory")
+NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "cpu_s", "sync_seconds", "wall_s", "perf/peak_memory",
+                    "goodput/", "mfu/", "perf/peak_flops")
 
 
 def history(out) -> list[dict]:

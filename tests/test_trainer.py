@@ -20,12 +20,14 @@ from safetensors.torch import load_file
 from orz.cli import main as orz
 from orz.config import load_config
 from orz.models.checkpoint import read_megatron_meta
+from orz.ppo.run_timeline import RunTimeline
 from orz.ppo.trainer import RayPPOTrainer
 from orz.ppo.workers import WorkerGroup
 from orz.stopping import Stopped, StopSignals
 from orz.train import main, run as train
 from run_history import check_export_of_the_checkpoint, check_resumed, deterministic, history as _history, joined, \
     kill_run, processes_of_run, prompts_by_iteration, ray_sessions, resume_problems, title
+from timeline_checks import check_timeline
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +46,8 @@ def _check_run(out, model, iterations, staleness=0):
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # the policy moved
     assert (Path(out) / "curves.png").stat().st_size > 0
     assert (Path(out) / "checkpoints/latest").read_text() == f"iter_{iterations:06d}"
+    check_timeline(out, history)
+    assert (Path(out) / "timeline.png").stat().st_size > 0
     return history
 
 
@@ -54,11 +58,27 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     update), resumed: the uninterrupted run's metrics exactly, and each iteration's prompts
     (samples/iter_N_draws.jsonl) its own, none skipped or trained twice. A SIGTERM while the last
     run, finished, shuts down still ends it as stopped, naming its last checkpoint (not "while
-    starting", as before 2026-12-05)."""
+    starting", as before 2026-12-05). The killed run's timeline.json is one file over its four parts;
+    in the uninterrupted run actor rank 0's clock runs 1000 s ahead, and its spans still line up
+    with the trainer's phases (each process's clock offset, measured at start)."""
     whole = tmp_path / "whole"
     capsys.readouterr()
+    start_timeline = RunTimeline.start
+
+    def skewed_start(self, groups, *args):  # actor rank 0's clock 1000 s ahead: offsets line its spans up
+        def skew(worker):
+            import time
+
+            from orz.timeline.record import RECORDER
+            RECORDER.clock = lambda: time.time() + 1000.0
+
+        ray.get(groups["actor"].workers[0].__ray_call__.remote(skew))
+        return start_timeline(self, groups, *args)
+
+    monkeypatch.setattr(RunTimeline, "start", skewed_start)
     # keeps iteration 1's checkpoint, from which another run starts (_check_a_start_from_another_run)
     train(load_config(None, [*tiny_run(whole, "grpo"), "trainer.max_staleness=1", "trainer.keep_checkpoints=3"]))
+    monkeypatch.setattr(RunTimeline, "start", start_timeline)
     whole_console = capsys.readouterr().out
     reference = _check_run(whole, arith_model, 3, staleness=1)
     assert any(row.get("reward/mean", 0) > 0 for row in reference[1:])  # lucky guesses gave a signal

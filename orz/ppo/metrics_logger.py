@@ -40,39 +40,48 @@ class MetricsLogger:
             tracker.log(step, clean)
 
     def history(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
+        return history(self.path)
 
     def plot(self) -> Path | None:
-        """curves.png: one panel per group of PLOTTED that has data."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        rows = self.history()
-        panels = [(title, [k for k in keys if any(k in r for r in rows)]) for title, keys in PLOTTED]
-        panels = [(title, keys) for title, keys in panels if keys]
-        if not panels:
-            return None
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
-        for ax, (title, keys) in zip(axes[0], panels):
-            for key in keys:
-                points = [(r["step"], r[key]) for r in rows if key in r]
-                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
-            ax.set_title(title)
-            ax.set_xlabel("iteration")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        out = self.dir / "curves.png"
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        return out
+        return plot_curves(self.dir)
 
     def close(self, plot: bool = True) -> Path | None:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
         return self.plot() if plot else None
+
+
+def history(path: Path) -> list[dict]:
+    """metrics.jsonl's rows (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def plot_curves(out_dir: Path) -> Path | None:
+    """out_dir/curves.png from out_dir/metrics.jsonl: one panel per group of PLOTTED that has data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = history(Path(out_dir) / "metrics.jsonl")
+    panels = [(title, [k for k in keys if any(k in r for r in rows)]) for title, keys in PLOTTED]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -47,6 +47,7 @@ class RunTimeline:
         self.peaks: dict[str, float] = {}  # lane -> its peak FLOP/s
         self.roles: dict[str, tuple] = {}  # role -> (arch, head, its share of a pass, passes per update)
         self.engine_arch = None
+        RECORDER.instant("trainer/run", "run started", resumed=resume)  # where each part of a resumed run begins
         if restarts:
             RECORDER.instant("trainer/faults", f"restart {restarts}", cause="a lost worker: roles rebuilt")
 
