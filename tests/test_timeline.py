@@ -114,7 +114,8 @@ def test_goodput_is_the_union_of_useful_spans_over_the_window_weighed_by_devices
               (SPAN, "engines/engine 0", "weight sync", 18.0, 1.0, {}),  # not useful
               (SPAN, "actor/rank 0", "update", 11.0, 6.0, {}),  # 6 s, with a nested forward
               (SPAN, "actor/rank 0", "forward", 12.0, 1.0, {}),
-              (SPAN, "actor/rank 1", "update", 11.0, 4.0, {})]
+              (SPAN, "actor/rank 1", "update", 11.0, 4.0, {}),
+              (SPAN, "actor/rank 1", "update", 1011.0, 4.0, {})]  # a skewed clock's: outside, counts nothing
     resources = [Resource("engine_0", ("engines/engine 0",), 1, useful=("busy",)),
                  Resource("actor", ("actor/rank 0", "actor/rank 1"), 2)]
     figures = goodput(events, window, resources)
@@ -123,6 +124,7 @@ def test_goodput_is_the_union_of_useful_spans_over_the_window_weighed_by_devices
     # device-seconds: engine 1·5, actor 2·(6 + 4) over 1·10 + 2·2·10
     assert figures["goodput/machine"] == pytest.approx((5 + 20) / (10 + 40))
     assert union_seconds([(0, 2), (1, 3), (5, 6)], (0, 10)) == pytest.approx(4)
+    assert union_seconds([(1, 2), (12, 13), (-5, -4)], (0, 10)) == pytest.approx(1)  # outside: nothing
 
 
 def test_the_picture_has_a_row_per_lane_of_the_last_iterations(tmp_path):

@@ -29,7 +29,7 @@ class Resource:
 
 def union_seconds(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
     """Seconds of `window` that at least one (start, end) span covers."""
-    clipped = sorted((max(a, window[0]), min(b, window[1])) for a, b in spans)
+    clipped = sorted((max(a, window[0]), min(b, window[1])) for a, b in spans if b > window[0] and a < window[1])
     total, reach = 0.0, window[0]
     for a, b in clipped:
         if b > reach:
