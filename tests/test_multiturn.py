@@ -546,11 +546,44 @@ class _Timed:
             time.sleep(3.0)
         if self.prompt == "hang":
             time.sleep(6.0)
+        if self.prompt == "nap":
+            time.sleep(NAP_S)
         if self.prompt == "stop" and not _Timed.stopped:  # hangs the engine (alive, silent)
             _Timed.stopped = True
             os.kill(_Timed.pid, signal.SIGSTOP)
         _Timed.log.append((self.prompt, self.turns, time.monotonic()))
         return {"observation": " 12", "done": self.turns == 3}
+
+
+NAP_S = 0.5  # each step of a "nap" row
+
+
+def _check_goodput_drops_by_what_the_environment_sleeps(rollout, tokenizer):
+    """One conversation whose environment sleeps NAP_S at each of its 3 steps: the engine waits
+    meanwhile, so its goodput (orz.timeline.figures, from the driver's busy spans) over the rollout
+    drops by the sleeps' share. Tolerance from the run's own spans: the seconds that are neither
+    the engine's nor the environment's (the driver's own)."""
+    from orz.rollout.engine import SamplingConfig
+    from orz.timeline.figures import Resource, goodput, union_seconds
+    from orz.timeline.record import RECORDER
+
+    RECORDER.on = True
+    RECORDER.drain()
+    start = RECORDER.now()
+    list(rollout.stream([(tokenizer.encode("1+1="), {"prompt": "nap"}, "timed")], SamplingConfig(n=1, max_new_tokens=8)))
+    window = start, RECORDER.now()
+    events, wall = RECORDER.drain(), window[1] - window[0]
+    spans = {lane: [(s, s + d) for kind, l, name, s, d, _ in events if l == lane and kind == "X"
+                    and name in ("busy", "call")] for lane in ("engines/engine 0", "environments/timed")}
+    busy, naps = (union_seconds(spans[lane], window) for lane in ("engines/engine 0", "environments/timed"))
+    assert sum(b - a >= NAP_S for a, b in spans["environments/timed"]) == 3  # the steps (and a quick reset)
+    either = union_seconds(spans["engines/engine 0"] + spans["environments/timed"], window)
+    assert busy + naps == pytest.approx(either, abs=1e-3)  # never both: the engine waited for the environment
+    driver = wall - either
+    assert driver < 0.25 * wall  # the premise: the sleeps, not the driver, left the engine idle
+    figure = goodput(events, window, [Resource("engine_0", ("engines/engine 0",), 1, useful=("busy",))])
+    assert figure["goodput/engine_0"] == pytest.approx(busy / wall)
+    assert 1 - naps / wall - driver / wall - 1e-3 <= figure["goodput/engine_0"] <= 1 - 3 * NAP_S / wall + 1e-3
 
 
 class _AnswersAfter:
@@ -600,9 +633,10 @@ def test_an_environment_past_env_timeout_s_scores_its_sample_0_and_holds_up_no_o
 
 @pytest.mark.slow
 def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray_cluster, tool_model):
-    """No barrier across the batch; an environment past env_timeout_s scores 0; an engine that hangs
-    mid-conversation is restarted and its conversations go on. (An engine that dies: the same
-    driver's restart, tests/test_rollout.py.)"""
+    """No barrier across the batch; an environment past env_timeout_s scores 0; an environment that
+    sleeps lowers the engine's goodput by its share; an engine that hangs mid-conversation is
+    restarted and its conversations go on. (An engine that dies: the same driver's restart,
+    tests/test_rollout.py.)"""
     import time
 
     import ray
@@ -632,6 +666,7 @@ def test_samples_advance_on_their_own_time_out_and_survive_an_engine_restart(ray
         assert all(c.env_error.startswith("timeout") and c.model_turns == 1 for c in ended["hang"][1])
         metrics = multiturn_metrics([c for _, group in ended.values() for c in group])
         assert metrics["rollout/env_errors"] == metrics["rollout/env_timeouts"] == 2
+        _check_goodput_drops_by_what_the_environment_sleeps(rollout, tokenizer)
         _Timed.pid = ray.get(fleet.engines[0].pid.remote())
         ended |= run(["stop"])  # the engine hangs: after request_timeout_s without a turn, restarted
         assert fleet.metrics["rollout/engine_restarts"] == 1
