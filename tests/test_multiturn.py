@@ -465,6 +465,34 @@ def test_a_teacher_scores_the_models_tokens_of_each_conversation_and_adds_to_the
 
 
 @pytest.mark.slow
+def test_the_async_multiturn_runs_timeline_holds_every_party_and_adds_up_to_its_metrics(async_tool_run):
+    """The run above (asynchronous, partial rollout, a teacher): timeline.json passes check_timeline,
+    and has a lane for each party: the trainer's phases and the batch generated ahead, the actor's
+    and the teacher's passes, the engine (busy, weight sync, turns in flight), the actor's send, the
+    reward's verifiers and the two environments; goodput/* and mfu/* are in every row."""
+    from run_history import history
+    from timeline_checks import check_timeline, lane_names, read_trace
+
+    out, _ = async_tool_run
+    rows = history(out)
+    by_iteration = check_timeline(out, rows)
+    events = read_trace(out / "timeline.json")
+    lanes = set(lane_names(events).values())
+    assert {"trainer/phases", "trainer/pipeline", "trainer/rollout", "trainer/checkpoint", "actor/rank 0",
+            "teachers.other/rank 0", "engines/engine 0", "sync/actor", "environments/echo",
+            "environments/revise"} <= lanes, lanes
+    names = {(lane, e["name"]) for spans in by_iteration.values() for lane, e in spans}
+    assert {("actor/rank 0", "update"), ("actor/rank 0", "optimizer step"), ("actor/rank 0", "backward"),
+            ("teachers.other/rank 0", "teacher log-probs"), ("engines/engine 0", "busy"),
+            ("engines/engine 0", "weight sync")} <= names
+    assert any(e["ph"] == "C" and e["name"] == "engine 0: turns in flight" and e["args"]["value"] > 0 for e in events)
+    assert any(lane.startswith("reward/") for lane in lanes)
+    for row in rows[1:]:
+        assert 0 < row["goodput/engine_0"] <= 1 and 0 < row["goodput/actor"] <= 1 and 0 < row["goodput/machine"] <= 1
+        assert row["mfu/update"] > 0 and row["perf/peak_flops_per_thread"] > 0
+
+
+@pytest.mark.slow
 def test_an_async_multiturn_run_killed_then_stopped_inside_iterations_resumes_every_prompt_once(
         async_tool_run, ray_cluster, tmp_path, capsys, monkeypatch):
     """The run above, killed (SIGKILL of its process group) inside iteration 2, resumed (`orz
