@@ -147,15 +147,18 @@ def test_ppo_actor_dp2_distributed_optimizer_critic_pp2_resumes_in_bf16(ray_clus
 
 def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_run, tmp_path):
     """GRPO reads one score per sample: the KL enters it as s − β·ΣKL (k3 ≥ 0, so it can only
-    lower it once the actor has moved from the reference)."""
+    lower it once the actor has moved from the reference). With trainer.timeline=false the run
+    writes no timeline and no figure derived from it."""
     out = tmp_path / "run"
     beta, target, step, max_new = 0.5, 10.0, 1e-3, 12
     train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
                              f"algorithm.entropy_target={target}", f"algorithm.entropy_step={step}",
                              "algorithm.entropy_max_coef=0.01", "algorithm.entropy_coef=0.0",
                              "algorithm.overlong_buffer=10", "rollout.stop=[]", "actor.threads_alone=2",
-                             "trainer.dump_per_token=true"]))
+                             "trainer.dump_per_token=true", "trainer.timeline=false"]))
     first, second = _history(out)[1:]
+    assert not (out / "timeline.json").exists() and not (out / "timeline.png").exists()
+    assert not [key for key in first if key.startswith(("goodput/", "mfu/", "perf/peak_flops"))]
     # On-policy, no engine generates while the actor works: it takes threads_alone (actor.threads is 1).
     assert first["actor/threads"] == second["actor/threads"] == 2
     # Iteration 1: the actor is the reference, up to float32 rounding, which the two roles' batch
