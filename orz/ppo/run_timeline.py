@@ -16,6 +16,7 @@ Generation: forward_flops of the batch's prompt and response tokens over the eng
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import ray
@@ -86,13 +87,16 @@ class RunTimeline:
         window: the iteration's `step` span; generated: (tokens, mean sequence length) of its batch."""
         if self.file is None:
             return {}
+        began = time.perf_counter()
         pending = {name: group.timeline_events_async() for name, group in groups.items()}
         for name, refs in pending.items():
             for rank, events in enumerate(ray.get(refs)):
                 self.file.add(events, process=f"{name}/rank {rank}")
         self.file.add(RECORDER.drain())
         events = self.file.flush(iteration)
-        return goodput(events, window, self.resources) | self._mfu(events, window, generated)
+        figures = goodput(events, window, self.resources) | self._mfu(events, window, generated)
+        # The timeline's own cost in this process: gathering every worker's events, writing, figures.
+        return figures | {"perf/timeline_s": time.perf_counter() - began}
 
     def _mfu(self, events: list[tuple], window: tuple[float, float], generated: tuple[float, float]) -> dict:
         """mfu/update, mfu/logprobs, mfu/generation: model FLOPs over Σ busy·peak (module docstring)."""
