@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import string
+import subprocess
 import sys
 from pathlib import Path
 
@@ -465,13 +466,15 @@ def test_a_teacher_scores_the_models_tokens_of_each_conversation_and_adds_to_the
 
 
 @pytest.mark.slow
-def test_the_async_multiturn_runs_timeline_holds_every_party_and_adds_up_to_its_metrics(async_tool_run):
+def test_the_async_multiturn_runs_timeline_holds_every_party_and_adds_up_to_its_metrics(async_tool_run, tool_model):
     """The run above (asynchronous, partial rollout, a teacher): timeline.json passes check_timeline,
     and has a lane for each party: the trainer's phases and the batch generated ahead, the actor's
     and the teacher's passes, the engine (busy, weight sync, turns in flight), the actor's send, the
-    reward's verifiers and the two environments; goodput/* and mfu/* are in every row."""
+    reward's verifiers and the two environments; goodput/* and mfu/* are in every row, mfu/generation
+    the FLOPs of each batch's tokens worked by hand over the engine's busy time and peak. Its
+    plan_vs_run.json holds the timeline's medians, and `orz plan --against` writes it again alike."""
     from run_history import history
-    from timeline_checks import check_timeline, lane_names, read_trace
+    from timeline_checks import check_generation_mfu, check_plan_vs_run, check_timeline, lane_names, read_trace
 
     out, _ = async_tool_run
     rows = history(out)
@@ -488,8 +491,16 @@ def test_the_async_multiturn_runs_timeline_holds_every_party_and_adds_up_to_its_
     assert any(e["ph"] == "C" and e["name"] == "engine 0: turns in flight" and e["args"]["value"] > 0 for e in events)
     assert any(lane.startswith("reward/") for lane in lanes)
     for row in rows[1:]:
-        assert 0 < row["goodput/engine_0"] <= 1 and 0 < row["goodput/actor"] <= 1 and 0 < row["goodput/machine"] <= 1
+        assert 0 <= row["goodput/engine_0"] <= 1 and 0 < row["goodput/actor"] <= 1 and 0 < row["goodput/machine"] <= 1
         assert row["mfu/update"] > 0 and row["perf/peak_flops_per_thread"] > 0
+    assert max(row["goodput/engine_0"] for row in rows[1:]) > 0  # the last iteration generates nothing ahead
+    assert check_generation_mfu(out, rows, by_iteration, tool_model) >= 2
+    # The plan against the run: written at its end, and again by `orz plan --against` from its files alone.
+    written = check_plan_vs_run(out, by_iteration, staleness=1)
+    again = subprocess.run([sys.executable, "-m", "orz.cli", "plan", "--against", str(out)], capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stderr
+    assert "the plan against the run" in again.stdout and json.loads((out / "plan_vs_run.json").read_text()) == written
 
 
 @pytest.mark.slow

@@ -159,6 +159,10 @@ def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_
     first, second = _history(out)[1:]
     assert not (out / "timeline.json").exists() and not (out / "timeline.png").exists()
     assert not [key for key in first if key.startswith(("goodput/", "mfu/", "perf/peak_flops", "perf/timeline"))]
+    refused = subprocess.run([sys.executable, "-m", "orz.cli", "plan", "--against", str(out)], capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"orz.plan --against: {out} has no timeline.json: not a run's output_dir, or one run with trainer.timeline=false"]
     # On-policy, no engine generates while the actor works: it takes threads_alone (actor.threads is 1).
     assert first["actor/threads"] == second["actor/threads"] == 2
     # Iteration 1: the actor is the reference, up to float32 rounding, which the two roles' batch

@@ -27,7 +27,7 @@ from orz.stopping import Stopped, StopSignals
 from orz.train import main, run as train
 from run_history import check_export_of_the_checkpoint, check_resumed, deterministic, history as _history, joined, \
     kill_run, processes_of_run, prompts_by_iteration, ray_sessions, resume_problems, title
-from timeline_checks import check_timeline
+from timeline_checks import check_plan_vs_run, check_timeline
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,9 @@ def _check_run(out, model, iterations, staleness=0):
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # the policy moved
     assert (Path(out) / "curves.png").stat().st_size > 0
     assert (Path(out) / "checkpoints/latest").read_text() == f"iter_{iterations:06d}"
-    check_timeline(out, history)
+    by_iteration = check_timeline(out, history)
     assert (Path(out) / "timeline.png").stat().st_size > 0
+    check_plan_vs_run(out, by_iteration, staleness)
     return history
 
 

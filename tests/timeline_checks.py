@@ -122,3 +122,72 @@ def check_timeline(out, history: list[dict]) -> dict[int, list[tuple[str, dict]]
                     f"iteration {i}: {lane}'s {e['name']} lies outside the trainer's train phase"
         assert any("/rank " in lane and e["name"] == "update" for lane, e in spans), f"iteration {i}: no update span"
     return by_iteration
+
+
+def check_plan_vs_run(out, by_iteration: dict[int, list[tuple[str, dict]]], staleness: int) -> dict:
+    """plan_vs_run.json, written at the run's end: a prediction for every phase, and as the
+    measurement the median over iterations (the first left out) of what the spans give."""
+    comparison = json.loads((Path(out) / "plan_vs_run.json").read_text())
+    rollouts = {e["args"]["batch"]: e["dur"] / 1e6 for spans in by_iteration.values() for lane, e in spans
+                if lane == "trainer/rollout" and e["name"] == "rollout"}
+    rows = []
+    for i, spans in sorted(by_iteration.items()):
+        phase = defaultdict(float)
+        for lane, e in spans:
+            if lane == "trainer/phases":
+                phase[e["name"]] += e["dur"] / 1e6
+        if "step" not in phase:
+            continue
+        ahead = [(e["ts"], e["ts"] + e["dur"]) for lane, e in spans if lane == "trainer/pipeline"]
+        passes = [(e["ts"], e["ts"] + e["dur"]) for lane, e in spans
+                  if lane == "trainer/phases" and e["name"] in ("forward", "update")]
+        overlap = sum(union_s([a], *p) for a in ahead for p in passes) / 1e6
+        rows.append({"generation": rollouts[i], "log-probs": phase["forward"], "update": phase["update"],
+                     "sync": phase["sync"], "idle_engines": phase["forward"] + phase["update"] - overlap,
+                     "idle_actor": phase["wait_rollout"] + (0.0 if staleness else rollouts[i]),
+                     "iteration": phase["step"]})
+    used = rows[1:] if len(rows) > 1 else rows
+    assert comparison["iterations_measured"] == len(used)
+    for name, row in comparison["phases"].items():
+        values = sorted(r[name] for r in used)
+        middle = len(values) // 2
+        median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+        assert abs(row["measured_s"] - median) < 1e-6, name
+        assert row["predicted_s"] >= 0
+    assert set(comparison["phases"]) == {"generation", "log-probs", "update", "sync", "idle_engines", "idle_actor",
+                                         "iteration"}
+    return comparison
+
+
+def check_generation_mfu(out, rows: list[dict], by_iteration: dict, model_dir) -> int:
+    """mfu/generation = F / (busy·peak), worked here by hand: F = (2·M + 2·L·a·d·s)·n for the n
+    prompt and response tokens of the iteration's batch (its sample dump), s their mean per
+    sequence, M every matmul weight of the HF checkpoint (the LM head's, or the tied embedding's,
+    included), over the engine's busy seconds in the step times the run's measured peak of one
+    thread (an engine computes on one). Returns how many iterations it checked."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    matmul = sum(w.numel() for name, w in weights.items() if w.dim() == 2 and "embed_tokens" not in name)
+    if "lm_head.weight" not in weights:  # tied: the LM head is the embedding
+        matmul += weights["model.embed_tokens.weight"].numel()
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    checked = 0
+    for row in rows[1:]:
+        if "mfu/generation" not in row:
+            continue
+        i = row["step"]
+        dump = (Path(out) / "samples" / f"iter_{i:06d}.jsonl").read_text().splitlines()
+        lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in map(json.loads, dump)]
+        tokens, mean = sum(lengths), sum(lengths) / len(lengths)
+        flops = (2 * matmul + 2 * layers * heads * head_dim * mean) * tokens
+        step = next((e["ts"], e["ts"] + e["dur"]) for lane, e in by_iteration[i]
+                    if lane == "trainer/phases" and e["name"] == "step")
+        busy = union_s([(e["ts"], e["ts"] + e["dur"]) for lane, e in by_iteration[i]
+                        if lane == "engines/engine 0" and e["name"] == "busy"], *step) / 1e6
+        expected = flops / (busy * row["perf/peak_flops_per_thread"])
+        assert abs(row["mfu/generation"] - expected) <= 1e-3 * expected, (i, row["mfu/generation"], expected)
+        checked += 1
+    return checked

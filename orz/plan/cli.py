@@ -2,12 +2,14 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from orz.config import ConfigError, load_config, load_recipe
 from orz.models.arch import ModelConfigError
 from orz.plan.advice import blockers
+from orz.plan.against import compare, write_and_print
 from orz.plan.estimate import Plan
-from orz.plan.inputs import GPUS, gib
+from orz.plan.inputs import gib
 from orz.plan.memory import RoleMemory
 from orz.plan.recipe import load_cluster, plan_recipe
 
@@ -65,7 +67,7 @@ def print_table(p: Plan, problems: list[str], stage: str = "") -> None:
                   f"rollout {t.rollout_s:.0f} s ({t.decode_concurrency} seqs/engine, {t.decode_step_ms:.1f} ms/step, "
                   f"{t.rollout_tokens_per_s:,.0f} tok/s) + forward {t.forward_s:.0f} s + train {t.train_s:.0f} s "
                   f"= [bold]{t.iteration_s:.0f} s[/]  (MFU {c.train_mfu:.0%}, HBM {c.hbm_efficiency:.0%} of "
-                  f"{GPUS[c.gpu].tflops:.0f} TFLOP/s, {GPUS[c.gpu].hbm_tb_s} TB/s)")
+                  f"{c.device.tflops:.0f} TFLOP/s, {c.device.hbm_tb_s} TB/s)")
     console.print("assumptions: " + "; ".join(ASSUMPTIONS) + ".", style="dim")
     for problem in problems:
         console.print(f"[red]✗[/] {problem}", highlight=False)
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cluster", help="configs/clusters/*.yaml: the cluster and the mean lengths")
     ap.add_argument("--recipe", help="playground/*.py (its RECIPE); without it, orz.config's defaults")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the tables")
+    ap.add_argument("--against", metavar="RUN_DIR",
+                    help="a run's output_dir: the plan of its own config on its own hardware beside what it "
+                         "measured, saved as RUN_DIR/plan_vs_run.json (without --cluster: this machine, measured)")
     for flag, kind in (("nodes", int), ("gpus-per-node", int), ("gpu", str), ("gpu-mem-gib", float),
                        ("reserved-gib", float), ("train-mfu", float), ("hbm-efficiency", float),
                        ("mean-prompt-tokens", int), ("mean-response-tokens", int)):
@@ -94,6 +99,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.against:
+        try:
+            comparison = compare(Path(args.against), args.cluster)
+        except (ConfigError, ModelConfigError) as err:
+            print(f"orz.plan --against: {err}", file=sys.stderr)
+            return 2
+        write_and_print(comparison, Path(args.against))
+        return 0
     try:
         cluster = load_cluster(args.cluster, **{key: getattr(args, key) for key in _CLUSTER_FLAGS})
         cfg = load_config(None, args.overrides, base=load_recipe(args.recipe) if args.recipe else None)

@@ -34,20 +34,27 @@ GPUS = {
 }
 
 
+MEASURED = "measured"
+
+
 @dataclass(frozen=True)
 class Cluster:
     nodes: int  # Slurm nodes
     gpus_per_node: int  # a TP group must stay inside one node (NVLink)
     gpu_mem_gib: float  # usable memory per GPU; the budget every role is checked against
-    gpu: str = "H100"  # a GPUS preset: peak FLOP/s and bandwidth for the time estimate
+    # a GPUS preset: peak FLOP/s and bandwidth for the time estimate; "measured": `measured_gpu`,
+    # this machine's device as a run measured it (orz plan --against; configs/clusters/this_machine.yaml)
+    gpu: str = "H100"
     reserved_gib: float = 2.0  # per process on a GPU: CUDA context, NCCL buffers, allocator slack
     train_mfu: float = 0.40  # achieved fraction of peak FLOP/s in training, forward passes and prefill
     hbm_efficiency: float = 0.70  # achieved fraction of peak HBM bandwidth in vLLM decode
     link_efficiency: float = 0.50  # achieved fraction of NVLink bandwidth in the experts' all-to-all
+    measured_gpu: GPU | None = None  # gpu="measured": filled from the run (orz.plan.against), never by hand
 
     def __post_init__(self):
-        if self.gpu not in GPUS:
-            raise PlanError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}")
+        if self.gpu not in GPUS and self.gpu != MEASURED:
+            raise PlanError(f"gpu={self.gpu!r} is not a preset; choose one of {sorted(GPUS)}, or {MEASURED!r} "
+                            "(orz plan --against: this machine as a run measured it)")
         _require_positive(self, "nodes", "gpus_per_node", "gpu_mem_gib")
         efficiencies = (self.train_mfu, self.hbm_efficiency, self.link_efficiency)
         if not (all(0 < e <= 1 for e in efficiencies) and self.reserved_gib >= 0):
@@ -57,6 +64,15 @@ class Cluster:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def device(self) -> GPU:
+        """The GPU preset, or the measured device."""
+        if self.gpu != MEASURED:
+            return GPUS[self.gpu]
+        if self.measured_gpu is None:
+            raise PlanError("gpu=measured describes the machine a run measured: use it with `orz plan --against RUN_DIR`")
+        return self.measured_gpu
 
 
 @dataclass(frozen=True)

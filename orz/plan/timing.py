@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from orz.models.arch import ModelArch
-from orz.plan.inputs import BF16, GPUS, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload, head_of
+from orz.plan.inputs import BF16, Cluster, ModelParallel, Placement, Rollout, TrainParallel, Workload, head_of
 from orz.plan.memory import (attention_layers, engine_params, expert_params, kv_bytes_per_token, matmul_params,
                              recurrent_bytes_per_sequence, rollout_concurrency)
 
@@ -53,7 +53,7 @@ def rollout_time(arch: ModelArch, cluster: Cluster, rollout: Rollout, workload: 
     With experts, a step reads only the experts its c tokens route to: of each sparse layer's experts
     the expected share 1 − (1 − k/E)^c under uniform routing.
     """
-    gpu = GPUS[cluster.gpu]
+    gpu = cluster.device
     flop_s, byte_s = gpu.tflops * 1e12 * cluster.train_mfu, gpu.hbm_tb_s * 1e12 * cluster.hbm_efficiency
     per_engine = -(-workload.samples // rollout.num_engines)
     c = rollout_concurrency(rollout, workload)
@@ -88,7 +88,7 @@ def all_to_all_s(arch: ModelArch, cluster: Cluster, par: ModelParallel, tokens: 
     sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
     copies = par.ep - 1 if par.moe_dispatcher == "allgather" else arch.moe.top_k * (par.ep - 1) / par.ep
     per_pass = tokens / (par.dp * par.cp) * sparse / par.pp * copies * BF16 * arch.hidden_size * 2
-    return passes * per_pass / (GPUS[cluster.gpu].nvlink_gb_s * 1e9 * cluster.link_efficiency)
+    return passes * per_pass / (cluster.device.nvlink_gb_s * 1e9 * cluster.link_efficiency)
 
 
 def timing(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Workload) -> Timing:
@@ -99,7 +99,7 @@ def timing(arch: ModelArch, cluster: Cluster, placement: Placement, workload: Wo
     (values). Updates: 3, or 4 with recompute, × forward (one pass over the batch).
     Colocated roles take turns on all GPUs (times add up); separate roles overlap (the slowest counts).
     """
-    flop_s = GPUS[cluster.gpu].tflops * 1e12 * cluster.train_mfu
+    flop_s = cluster.device.tflops * 1e12 * cluster.train_mfu
     tokens, s = workload.samples * workload.mean_seq_tokens, workload.mean_seq_tokens
     forward, train = [], []
     for name, par in placement.megatron_roles().items():

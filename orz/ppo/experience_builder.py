@@ -141,6 +141,7 @@ class ExperienceBuilder:
         experience = replace(experience, scores=scores, group_index=torch.tensor([g for _, _, g, _ in kept]), info=info)
         metrics = reward_metrics(judged) | {  # reward/*: over every draw, kept or not
             "reward/mean": every_score.mean().item(), "response/length_mean": lengths.mean().item(),
+            "prompt/length_mean": float(sum(len(s.prompt_ids) for s in samples) / len(samples)),
             "response/length_max": lengths.max().item(), "response/truncated_rate": truncated.mean().item(),
             "rollout/samples": float(len(samples)),
             # What the engines report they generated with (the fleet refuses anything older).

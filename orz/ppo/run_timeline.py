@@ -29,7 +29,7 @@ from orz.plan.timing import forward_flops
 from orz.run import placement
 from orz.run.role_spec import RoleSpec
 from orz.timeline.figures import Resource, busy_seconds, goodput, mfu
-from orz.timeline.peak import peak_flops_per_s
+from orz.timeline.peak import measured_copy_bytes_per_s, peak_flops_per_s
 from orz.timeline.picture import draw
 from orz.timeline.record import RECORDER, SPAN
 from orz.timeline.trace import Timeline, offset_s
@@ -54,7 +54,8 @@ class RunTimeline:
 
     def start(self, groups: dict, specs: dict[str, RoleSpec], cfg: ExperimentConfig, num_engines: int) -> dict:
         """Every worker records or not; their clocks' offsets; the resources and their peaks.
-        Returns the figures measured once (perf/peak_flops_per_thread on CPU)."""
+        Returns the figures measured once: on CPU perf/peak_flops_per_thread and
+        perf/copy_gbps_per_thread (what `orz plan --against` takes for "this machine, measured")."""
         on_gpu = torch.cuda.is_available()
         for group in groups.values():
             ray.get([w.record_timeline.remote(self.file is not None) for w in group.workers])
@@ -80,7 +81,9 @@ class RunTimeline:
             self.resources.append(Resource(f"engine_{i}", (lane,), engine_devices, useful=("busy",)))
             self.peaks[lane] = (peak_flops_per_s(1) or 0.0) * engine_devices if on_gpu else per_thread
         self.engine_arch = HFCheckpoint(cfg.model.path).arch
-        return {} if per_thread is None else {"perf/peak_flops_per_thread": per_thread}
+        if per_thread is None:
+            return {}
+        return {"perf/peak_flops_per_thread": per_thread, "perf/copy_gbps_per_thread": measured_copy_bytes_per_s(1) / 1e9}
 
     def collect(self, iteration: int, window: tuple[float, float], groups: dict, generated: tuple[float, float]) -> dict:
         """Appends every process's spans as `iteration`'s; its goodput/* and mfu/* figures.

@@ -33,13 +33,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orz.bundles import Bundles
-from orz.config import ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
+from orz.config import ConfigError, ExperimentConfig, save_config, stage_at, stage_configs, to_dict, total_iterations
 from orz.data.datasets import RunData
 from orz.data.tokenizers import load_tokenizer
 from orz.evaluation.benchmarks import benchmark_from_rows
 from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
+from orz.models.arch import ModelConfigError
 from orz.models.checkpoint import HF_FILES, HFCheckpoint, keep_hf_files
+from orz.plan.against import compare, write_and_print
 from orz.ppo import checkpoints
 from orz.run import placement, run_rules
 from orz.run.role_spec import RoleSpec, role_spec
@@ -265,6 +267,8 @@ class RayPPOTrainer:
                 self.actor.export_hf(str(self.out / "hf"))
         plot = self.logger.close()
         timeline = self.timeline.close()
+        if timeline is not None:
+            self._plan_against_the_run()
         history = self.logger.history()
         return {"iterations": self.iteration, "seconds": time.time() - start, "plot": str(plot),
                 "timeline": str(timeline),
@@ -334,6 +338,13 @@ class RayPPOTrainer:
         metrics |= self.timeline.collect(self.iteration + 1, timer.spans["step"], dict(self._named_groups()),
                                          (float(lengths.sum()), float(lengths.mean())))
         return metrics
+
+    def _plan_against_the_run(self) -> None:
+        """plan_vs_run.json and its table: the planner's prediction of this run beside its medians."""
+        try:
+            write_and_print(compare(self.out), self.out, console.print)
+        except (ConfigError, ModelConfigError) as err:  # a model or layout the planner does not cover
+            console.print(f"orz: no plan against the run: {err}")
 
     def _arm_fault(self) -> None:
         """trainer.fault: the role raises in this iteration (orz/faults.py). With batches generated

@@ -1,6 +1,7 @@
 """A device's peak FLOP/s, the denominator of MFU.
 
     peak = peak_flops_per_s(threads=2)     # GPU: the datasheet's bf16 dense peak; CPU: measured
+    copy = measured_copy_bytes_per_s(1)    # CPU: the copy bandwidth (the planner's "this machine, measured")
 
 On GPU the peak is the datasheet's (orz.plan.inputs.GPUS, by the device's name; None for a GPU
 it does not list). On CPU it is a rate measured once: fp32 square matmuls (the dtype the roles
@@ -29,6 +30,24 @@ def measured_matmul_flops_per_s(threads: int, size: int = 512, seconds: float = 
             for _ in range(4):
                 a @ b
             best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measured_copy_bytes_per_s(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """The best rate of copying `nbytes` into a tensor already touched, on `threads` threads (bytes/s):
+    what decoding, which reads every weight once per step, is bound by on CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.randn(nbytes // 4)
+        dst = torch.zeros_like(src)  # touched: no page faults while timed
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = max(best, nbytes / (time.perf_counter() - start))
         return best
     finally:
         torch.set_num_threads(previous)
