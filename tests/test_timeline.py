@@ -7,7 +7,7 @@ import time
 import pytest
 from PIL import Image
 
-from orz.timeline.figures import Resource, goodput, union_seconds
+from orz.timeline.figures import Resource, gaps, goodput, union_seconds
 from orz.timeline.picture import draw, figure_size
 from orz.timeline.record import SPAN, Recorder
 from orz.timeline.trace import CAP_PER_LANE, Timeline, capped, load, offset_s
@@ -125,6 +125,7 @@ def test_goodput_is_the_union_of_useful_spans_over_the_window_weighed_by_devices
     assert figures["goodput/machine"] == pytest.approx((5 + 20) / (10 + 40))
     assert union_seconds([(0, 2), (1, 3), (5, 6)], (0, 10)) == pytest.approx(4)
     assert union_seconds([(1, 2), (12, 13), (-5, -4)], (0, 10)) == pytest.approx(1)  # outside: nothing
+    assert gaps([(3, 5), (1, 2), (4, 4.5), (9, 12)], (0, 10)) == [(0, 1), (2, 3), (5, 9)]  # an engine's idle spans
 
 
 def test_the_picture_has_a_row_per_lane_of_the_last_iterations(tmp_path):
@@ -133,7 +134,9 @@ def test_the_picture_has_a_row_per_lane_of_the_last_iterations(tmp_path):
     for i in range(1, 5):
         lanes = ["trainer/phases", "actor/rank 0", "engines/engine 0"] + (["environments/python"] if i == 1 else [])
         timeline.add([(SPAN, lane, "work", 10.0 * i, 2.0, {}) for lane in lanes])
+        timeline.add([(SPAN, "engines/engine 0", "weight sync", 10.0 * i + 1, 2.0, {})])  # a sub-lane: its lane's row
         timeline.flush(i)
+    assert "engines/engine 0 #2" in lane_names(read_trace(path)).values()
     shown = draw(path, tmp_path / "timeline.png", last=3)
     assert shown == ["trainer/phases", "actor/rank 0", "engines/engine 0"]  # iteration 1's extra lane is not shown
     image = Image.open(tmp_path / "timeline.png")

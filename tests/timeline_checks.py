@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 TOLERANCE_S = 1e-3  # the issue's bound between a timing/* figure and its spans
+PASSES = ("update", "log-probs", "teacher log-probs", "values", "scores")  # a rank's work
 LINE_UP_S = 0.05  # a worker's span within its trainer phase: the offset's error is half a round trip
 
 
@@ -109,15 +110,15 @@ def check_timeline(out, history: list[dict]) -> dict[int, list[tuple[str, dict]]
             resource = key.removeprefix("goodput/")
             if resource.startswith("engine_"):  # its busy spans
                 lanes, names = [f"engines/engine {resource.removeprefix('engine_')}"], ("busy",)
-            else:  # a role: every span of each rank, the mean over ranks
-                lanes, names = sorted({l for l, _ in spans if l.startswith(f"{resource}/rank ")}), None
+            else:  # a role: each rank's passes (not its saves), the mean over ranks
+                lanes, names = sorted({l for l, _ in spans if l.startswith(f"{resource}/rank ")}), PASSES
             shares = [union_s([(e["ts"], e["ts"] + e["dur"]) for l, e in spans
-                               if l == lane and (names is None or e["name"] in names)], *step) / 1e6 / wall
+                               if l == lane and e["name"] in names], *step) / 1e6 / wall
                       for lane in lanes]
             assert lanes and abs(sum(shares) / len(shares) - row[key]) < 1e-4, (i, key)
         train = phase["train"]
         for lane, e in spans:
-            if "/rank " in lane and e["name"] in ("update", "log-probs", "values", "teacher log-probs", "scores"):
+            if "/rank " in lane and e["name"] in PASSES:
                 assert train[0] - LINE_UP_S * 1e6 <= e["ts"] and e["ts"] + e["dur"] <= train[1] + LINE_UP_S * 1e6, \
                     f"iteration {i}: {lane}'s {e['name']} lies outside the trainer's train phase"
         assert any("/rank " in lane and e["name"] == "update" for lane, e in spans), f"iteration {i}: no update span"

@@ -28,13 +28,15 @@ from orz.plan.inputs import head_of
 from orz.plan.timing import forward_flops
 from orz.run import placement
 from orz.run.role_spec import RoleSpec
-from orz.timeline.figures import Resource, busy_seconds, goodput, mfu
+from orz.timeline.figures import Resource, busy_seconds, gaps, goodput, mfu
 from orz.timeline.peak import measured_copy_bytes_per_s, peak_flops_per_s
 from orz.timeline.picture import draw
 from orz.timeline.record import RECORDER, SPAN
 from orz.timeline.trace import Timeline, offset_s
 
 NO_GRAD_PASSES = ("log-probs", "teacher log-probs", "values", "scores")
+PASSES = ("update", *NO_GRAD_PASSES)  # a rank's useful work (its checkpoint saves are not)
+ENGINE_WORK = ("busy",)  # an engine's: generating
 
 
 class RunTimeline:
@@ -68,7 +70,7 @@ class RunTimeline:
             for lane, worker in zip(lanes, group.workers):
                 self.file.offsets[lane] = offset_s(lambda w=worker: ray.get(w.clock.remote()), RECORDER.now)
             devices = 1 if on_gpu else roles[name].threads
-            self.resources.append(Resource(name, lanes, devices))
+            self.resources.append(Resource(name, lanes, devices, useful=PASSES))
             peak = peak_flops_per_s(1) if on_gpu else per_thread * devices
             self.peaks |= {lane: peak for lane in lanes}
             spec = specs[name]
@@ -78,7 +80,7 @@ class RunTimeline:
         engine_devices = cfg.rollout.engine_tp if on_gpu else 1
         for i in range(num_engines):
             lane = f"engines/engine {i}"
-            self.resources.append(Resource(f"engine_{i}", (lane,), engine_devices, useful=("busy",)))
+            self.resources.append(Resource(f"engine_{i}", (lane,), engine_devices, useful=ENGINE_WORK))
             self.peaks[lane] = (peak_flops_per_s(1) or 0.0) * engine_devices if on_gpu else per_thread
         self.engine_arch = HFCheckpoint(cfg.model.path).arch
         if per_thread is None:
@@ -96,17 +98,24 @@ class RunTimeline:
             for rank, events in enumerate(ray.get(refs)):
                 self.file.add(events, process=f"{name}/rank {rank}")
         self.file.add(RECORDER.drain())
+        self.file.add(self._idle(window))
         events = self.file.flush(iteration)
         figures = goodput(events, window, self.resources) | self._mfu(events, window, generated)
         # The timeline's own cost in this process: gathering every worker's events, writing, figures.
         return figures | {"perf/timeline_s": time.perf_counter() - began}
+
+    def _idle(self, window: tuple[float, float]) -> list[tuple]:
+        """Each engine's `idle` spans: the step's seconds it neither generated nor took weights."""
+        pending = [(e[1], e[3], e[3] + e[4]) for e in self.file.pending if e[0] == SPAN and e[2] in ("busy", "weight sync")]
+        return [(SPAN, lane, "idle", a, b - a, {}) for r in self.resources if r.useful == ENGINE_WORK for lane in r.lanes
+                for a, b in gaps([(s, e) for l, s, e in pending if l == lane], window)]
 
     def _mfu(self, events: list[tuple], window: tuple[float, float], generated: tuple[float, float]) -> dict:
         """mfu/update, mfu/logprobs, mfu/generation: model FLOPs over Σ busy·peak (module docstring)."""
         stages = {"update": ([], []), "logprobs": ([], [])}  # (flops, busy·peak) per span
         for kind, lane, name, start, seconds, args in events:
             role = lane.partition("/")[0]
-            if kind != SPAN or role not in self.roles or name not in ("update", *NO_GRAD_PASSES):
+            if kind != SPAN or role not in self.roles or name not in PASSES:
                 continue
             arch, head, share, passes = self.roles[role]
             stage = "update" if name == "update" else "logprobs"
@@ -115,7 +124,7 @@ class RunTimeline:
             stages[stage][0].append(flops)
             stages[stage][1].append(seconds * self.peaks[lane])
         figures = {f"mfu/{stage}": mfu(sum(flops), capacity) for stage, (flops, capacity) in stages.items() if flops}
-        engines = [r for r in self.resources if r.useful == ("busy",)]
+        engines = [r for r in self.resources if r.useful == ENGINE_WORK]
         busy = [busy_seconds(events, r.lanes[0], window, r.useful) * self.peaks[r.lanes[0]] for r in engines]
         if engines and sum(busy) > 0:
             figures["mfu/generation"] = mfu(forward_flops(self.engine_arch, generated[0], generated[1], "lm"), busy)

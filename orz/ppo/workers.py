@@ -526,8 +526,9 @@ class MegatronWorker(FaultSite):
         from orz.models.checkpoint import HFCheckpoint
 
         meta = {"role": self.spec.name} | ({"scheduler_steps": self.scheduler.num_steps} if self.spec.train else {})
-        request = dist_checkpoint.save(self.model, root, meta, HFCheckpoint(self.spec.model_path).config,
-                                       asynchronous=asynchronous)
+        with RECORDER.span(self._lane, "save"):
+            request = dist_checkpoint.save(self.model, root, meta, HFCheckpoint(self.spec.model_path).config,
+                                           asynchronous=asynchronous)
         if request is not None:
             self._saves = self._saves or dist_checkpoint.PendingSaves()
             self._saves.add(request)

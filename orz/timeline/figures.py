@@ -38,6 +38,18 @@ def union_seconds(spans: list[tuple[float, float]], window: tuple[float, float])
     return total
 
 
+def gaps(spans: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    """The parts of `window` no (start, end) span covers, in order."""
+    out, reach = [], window[0]
+    for a, b in sorted(spans):
+        if a > reach and reach < window[1]:
+            out.append((reach, min(a, window[1])))
+        reach = max(reach, b)
+    if reach < window[1]:
+        out.append((reach, window[1]))
+    return out
+
+
 def busy_seconds(events: list[tuple], lane: str, window: tuple[float, float], useful: tuple[str, ...] = ()) -> float:
     """The union of `lane`'s spans (named in `useful`, or all) within `window`."""
     spans = [(start, start + seconds) for kind, l, name, start, seconds, _ in events

@@ -78,7 +78,7 @@ class Timeline:
         """resume: append to the file a run before this one wrote (else start it anew)."""
         self.path = Path(path)
         self.offsets: dict[str, float] = {}  # process -> how far its clock runs ahead of the trainer's
-        self._pending: list[tuple] = []
+        self.pending: list[tuple] = []
         self._ids: dict[str, tuple[int, int]] = {}  # lane (sub-lane included) -> (pid, tid)
         self._parties: dict[str, int] = {}
         self._open: dict[str, list[list[float]]] = {}  # lane -> per sub-lane, the ends of its open spans
@@ -98,12 +98,12 @@ class Timeline:
     def add(self, events: list[tuple], process: str = "") -> None:
         """Events from `process` (its clock offset measured; "" is the trainer's own)."""
         shift = self.offsets.get(process, 0.0)
-        self._pending += [(kind, lane, name, start - shift, seconds, args)
+        self.pending += [(kind, lane, name, start - shift, seconds, args)
                           for kind, lane, name, start, seconds, args in events]
 
     def flush(self, iteration: int) -> list[tuple]:
         """Appends what was added since the last flush, capped (the events returned, trainer's clock)."""
-        events, self._pending = capped(self._pending), []
+        events, self.pending = capped(self.pending), []
         events.sort(key=lambda e: (e[3], -e[4]))  # by start, the enclosing span first
         lines = []
         for kind, lane, name, start, seconds, args in events:
@@ -115,7 +115,7 @@ class Timeline:
 
     def close(self, clock=time.time) -> None:
         """A finished file, strict JSON: an instant "run ended", and the array closed (a resume reopens it)."""
-        if self._pending:
+        if self.pending:
             self.flush(-1)
         end = self._chrome(INSTANT, "trainer/run", "run ended", clock(), 0.0, {"iteration": -1})
         with self.path.open("a") as f:
