@@ -318,6 +318,7 @@ def main(argv: list[str]) -> dict:
         "wall_seconds": round(time.time() - start, 1),
         "outputs": str(cfg.trainer.output_dir),
         "plot": result["plot"],
+        "timeline": result["timeline"],  # its picture, timeline.png; timeline.json opens in Perfetto
     }
     if teacher is not None:
         rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
