@@ -134,7 +134,9 @@ def compare(run_dir: Path, cluster_file: str | None = None) -> dict:
         hardware = this_machine(rows, cfg, hardware, arch)
     means = Means(mean_prompt_tokens=max(1, round(statistics.median(r["prompt/length_mean"] for r in rows))),
                   mean_response_tokens=max(1, round(statistics.median(r["response/length_mean"] for r in rows))))
-    engine_bytes = FP32 if cfg.rollout.engine_dtype in ("float32", "auto") and hardware.gpu == MEASURED else BF16
+    # What the engines hold (orz.rollout.engine.engine_dtype): on CPU, "auto" is fp32 but for a hybrid (bf16).
+    on_cpu_auto = cfg.rollout.engine_dtype == "auto" and hardware.gpu == MEASURED and arch.linear_attention is None
+    engine_bytes = FP32 if cfg.rollout.engine_dtype == "float32" or on_cpu_auto else BF16
     plan_s = predicted(cfg, hardware, means, arch, name, engine_bytes)
     run_s, iterations = measured(events, cfg.trainer.max_staleness)
     return {"run": str(run_dir), "cluster": cluster_file or str(THIS_MACHINE),

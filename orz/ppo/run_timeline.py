@@ -93,16 +93,20 @@ class RunTimeline:
         if self.file is None:
             return {}
         began = time.perf_counter()
-        pending = {name: group.timeline_events_async() for name, group in groups.items()}
-        for name, refs in pending.items():
-            for rank, events in enumerate(ray.get(refs)):
-                self.file.add(events, process=f"{name}/rank {rank}")
-        self.file.add(RECORDER.drain())
+        self._gather(groups)
         self.file.add(self._idle(window))
         events = self.file.flush(iteration)
         figures = goodput(events, window, self.resources) | self._mfu(events, window, generated)
         # The timeline's own cost in this process: gathering every worker's events, writing, figures.
         return figures | {"perf/timeline_s": time.perf_counter() - began}
+
+    def _gather(self, groups: dict) -> None:
+        """Every worker's events and this process's, into the file's pending events."""
+        pending = {name: group.timeline_events_async() for name, group in groups.items()}
+        for name, refs in pending.items():
+            for rank, events in enumerate(ray.get(refs)):
+                self.file.add(events, process=f"{name}/rank {rank}")
+        self.file.add(RECORDER.drain())
 
     def _idle(self, window: tuple[float, float]) -> list[tuple]:
         """Each engine's `idle` spans: the step's seconds it neither generated nor took weights."""
@@ -130,11 +134,12 @@ class RunTimeline:
             figures["mfu/generation"] = mfu(forward_flops(self.engine_arch, generated[0], generated[1], "lm"), busy)
         return figures
 
-    def close(self, last: int = 3) -> Path | None:
-        """The file closed, and timeline.png of the last iterations beside it."""
+    def close(self, groups: dict, last: int = 3) -> Path | None:
+        """The file closed (with what came after the last iteration: its evaluation, the last
+        checkpoint, the export), and timeline.png of the last iterations beside it."""
         if self.file is None:
             return None
-        self.file.add(RECORDER.drain())
+        self._gather(groups)
         self.file.close(RECORDER.now)
         out = self.path.with_name("timeline.png")
         draw(self.path, out, last)

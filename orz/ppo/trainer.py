@@ -266,7 +266,7 @@ class RayPPOTrainer:
             with RECORDER.span("trainer/checkpoint", "export"):
                 self.actor.export_hf(str(self.out / "hf"))
         plot = self.logger.close()
-        timeline = self.timeline.close()
+        timeline = self.timeline.close(dict(self._named_groups()))
         if timeline is not None:
             self._plan_against_the_run()
         history = self.logger.history()
@@ -342,7 +342,7 @@ class RayPPOTrainer:
     def _plan_against_the_run(self) -> None:
         """plan_vs_run.json and its table: the planner's prediction of this run beside its medians."""
         try:
-            write_and_print(compare(self.out), self.out, console.print)
+            write_and_print(compare(self.out), self.out, lambda line: console.print(f"orz: {line}", highlight=False))
         except (ConfigError, ModelConfigError) as err:  # a model or layout the planner does not cover
             console.print(f"orz: no plan against the run: {err}")
 
