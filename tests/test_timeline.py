@@ -141,3 +141,19 @@ def test_the_picture_has_a_row_per_lane_of_the_last_iterations(tmp_path):
     assert shown == ["trainer/phases", "actor/rank 0", "engines/engine 0"]  # iteration 1's extra lane is not shown
     image = Image.open(tmp_path / "timeline.png")
     assert image.format == "PNG" and image.size == figure_size(3) != figure_size(4)
+
+
+def test_orz_plot_draws_both_pictures_and_refuses_a_directory_without_a_run(tmp_path, capsys):
+    from orz.plot import main as plot
+
+    assert plot([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"orz plot: {tmp_path} has no metrics.jsonl and no timeline.json (is it a run's output_dir? "
+        "trainer.timeline=false writes no timeline.json)")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": i / 4}) + "\n" for i in range(3)))
+    timeline = Timeline(tmp_path / "timeline.json", resume=False)
+    timeline.add([(SPAN, "trainer/phases", "step", 1.0, 2.0, {})])
+    timeline.flush(1)  # not closed: a run still going
+    assert plot([str(tmp_path), "--last", "1"]) == 0
+    assert Image.open(tmp_path / "curves.png").format == Image.open(tmp_path / "timeline.png").format == "PNG"
+    assert "(1 lanes, the last 1 iterations)" in capsys.readouterr().out
