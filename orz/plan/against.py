@@ -36,7 +36,7 @@ from orz.config import ExperimentConfig, load_config
 from orz.models.arch import ModelArch
 from orz.plan.estimate import plan
 from orz.plan.inputs import BF16, FP32, GIB, GPU, MEASURED, Cluster, PlanError
-from orz.plan.recipe import ClusterFile, Means, load_cluster, placement_of, resolve_model, workload_of
+from orz.plan.recipe import Means, load_cluster, placement_of, resolve_model, workload_of
 from orz.run.placement import Layout
 from orz.timeline.trace import lanes, load
 
@@ -92,7 +92,7 @@ def measured(events: list[dict], staleness: int) -> tuple[dict[str, float], int]
     return {p: statistics.median(row[p] for row in used) for p in PHASES}, len(used)
 
 
-def this_machine(rows: list[dict], cfg: ExperimentConfig, cluster: Cluster, arch: ModelArch) -> Cluster:
+def this_machine(rows: list[dict], cfg: ExperimentConfig, cluster: Cluster) -> Cluster:
     """gpu: measured filled from the run: a device per worker and engine (module docstring)."""
     if "perf/peak_flops_per_thread" not in rows[-1]:
         raise PlanError("the run recorded no measured peak (perf/peak_flops_per_thread: a CPU run with the "
@@ -131,9 +131,12 @@ def compare(run_dir: Path, cluster_file: str | None = None) -> dict:
     cluster = load_cluster(cluster_file or THIS_MACHINE)
     hardware = cluster.cluster
     if hardware.gpu == MEASURED:
-        hardware = this_machine(rows, cfg, hardware, arch)
-    means = Means(mean_prompt_tokens=max(1, round(statistics.median(r["prompt/length_mean"] for r in rows))),
-                  mean_response_tokens=max(1, round(statistics.median(r["response/length_mean"] for r in rows))))
+        hardware = this_machine(rows, cfg, hardware)
+    lengths = [(r["prompt/length_mean"], r["response/length_mean"]) for r in rows if "prompt/length_mean" in r]
+    if not lengths:  # rows written before orz recorded the prompts' length
+        raise PlanError(f"{run_dir}/metrics.jsonl holds no prompt/length_mean: a run from before the plan against it")
+    means = Means(mean_prompt_tokens=max(1, round(statistics.median(p for p, _ in lengths))),
+                  mean_response_tokens=max(1, round(statistics.median(r for _, r in lengths))))
     # What the engines hold (orz.rollout.engine.engine_dtype): on CPU, "auto" is fp32 but for a hybrid (bf16).
     on_cpu_auto = cfg.rollout.engine_dtype == "auto" and hardware.gpu == MEASURED and arch.linear_attention is None
     engine_bytes = FP32 if cfg.rollout.engine_dtype == "float32" or on_cpu_auto else BF16
