@@ -142,5 +142,8 @@ class RunTimeline:
         self._gather(groups)
         self.file.close(RECORDER.now)
         out = self.path.with_name("timeline.png")
-        draw(self.path, out, last)
+        try:
+            draw(self.path, out, last)
+        except ValueError:  # no iteration ran (a run resumed at its end, or of no iterations): no picture
+            return None
         return out

@@ -344,7 +344,10 @@ class RayPPOTrainer:
         try:
             write_and_print(compare(self.out), self.out, lambda line: console.print(f"orz: {line}", highlight=False))
         except (ConfigError, ModelConfigError) as err:  # a model or layout the planner does not cover
-            console.print(f"orz: no plan against the run: {err}")
+            console.print(f"orz: no plan against the run: {err}", highlight=False)
+        except Exception as err:  # noqa: BLE001 - a report after the run: it never fails a finished run
+            console.print(f"orz: no plan against the run ({type(err).__name__}: {err}); `orz plan --against "
+                          f"{self.out}` shows the traceback", highlight=False)
 
     def _arm_fault(self) -> None:
         """trainer.fault: the role raises in this iteration (orz/faults.py). With batches generated
