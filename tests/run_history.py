@@ -9,7 +9,7 @@ import psutil
 
 # Timings differ from run to run; everything else must not.
 NONDETERMINISTIC = ("timing/", "throughput/", "reward/verify_", "cpu_s", "sync_seconds", "wall_s", "perf/peak_memory",
-                    "goodput/", "mfu/", "perf/peak_flops", "perf/timeline")
+                    "goodput/", "mfu/", "perf/peak_flops", "perf/copy_gbps", "perf/timeline")
 
 
 def history(out) -> list[dict]:
