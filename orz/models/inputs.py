@@ -23,7 +23,6 @@ class ModelInputs:
     # loss's statistics (Megatron's padding_mask); None: the routers count every position
     padding: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # (B,) real tokens of each row: packed; None: padded rows
-    tokens: int = 0  # its real tokens, as the timeline's spans report them (FLOPs); 0: B·S
 
     @property
     def position_ids(self) -> torch.Tensor:

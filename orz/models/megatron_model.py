@@ -248,7 +248,7 @@ class MegatronModel:
         `loss_fn`, returns its metrics dicts (last stage) and, unless forward_only, accumulates
         gradients.
 
-        With a `lane`, each micro-batch's passes are timeline spans (args: its real tokens and width):
+        With a `lane`, each micro-batch's passes are timeline spans:
         "forward" (the model), "loss" (what the last stage computes from its output: log-probs, the
         loss) and, training, "backward": from there to the next micro-batch's forward or the end
         (with PP it holds the waits for the other stages too).
@@ -267,9 +267,7 @@ class MegatronModel:
                 if backward_from is not None:
                     RECORDER.add(self.lane, "backward", backward_from, start)
                 output, then = forward_step(data_iterator, model)
-                padded, batch = data_iterator.current
-                size = {"tokens": (batch or padded).tokens or padded.input_ids.numel(), "width": padded.input_ids.shape[1]}
-                RECORDER.add(self.lane, "forward", start, RECORDER.now(), **size)
+                RECORDER.add(self.lane, "forward", start, RECORDER.now())
                 backward_from = None if forward_only else RECORDER.now()
 
                 def after(*args, **kwargs):
@@ -278,7 +276,7 @@ class MegatronModel:
                     try:
                         return then(*args, **kwargs)
                     finally:
-                        RECORDER.add(self.lane, "loss", begun, RECORDER.now(), **size)
+                        RECORDER.add(self.lane, "loss", begun, RECORDER.now())
                         backward_from = None if forward_only else RECORDER.now()
                 return output, after
             return step
@@ -313,7 +311,7 @@ class MegatronModel:
         seq_length = pairs[0][0].input_ids.shape[1]  # ignored with PP: shapes travel (variable_seq_lengths)
         out = get_forward_backward_func()(
             forward_step_func=timed(forward_step) if self.lane else forward_step,
-            data_iterator=_Current(pairs),
+            data_iterator=iter(pairs),
             model=[self.model],
             num_microbatches=len(pairs),
             seq_length=seq_length,
@@ -430,20 +428,6 @@ class MegatronModel:
         mean = values.sum() / (len(self.arch.moe.layers) * num_microbatches)
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         return mean.item() / ps.get_data_parallel_world_size()
-
-
-class _Current:
-    """An iterator over micro-batches that remembers the one it gave last (`current`)."""
-
-    def __init__(self, items: list):
-        self._items, self.current = iter(items), None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.current = next(self._items)
-        return self.current
 
 
 @contextlib.contextmanager

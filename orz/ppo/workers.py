@@ -221,8 +221,7 @@ class MegatronWorker(FaultSite):
         moe = self.model.arch.moe is not None
         return [ModelInputs(mb.experience.sequences, mb, self._routes(mb.experience),
                             ~mb.experience.attention_mask.bool() if moe else None,
-                            mb.experience.sequence_lengths() if self.spec.cfg.pack else None,
-                            int(mb.experience.sequence_lengths().sum()))
+                            mb.experience.sequence_lengths() if self.spec.cfg.pack else None)
                 for mb in micro_batches]
 
     def _routes(self, exp: Experience) -> torch.Tensor | None:
