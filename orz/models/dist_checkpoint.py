@@ -22,7 +22,9 @@ the distributed optimizer, the states are saved in the model's shapes and load a
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_content_metadata
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from orz.models.arch import ModelConfigError
@@ -106,8 +109,9 @@ def save(megatron_model, directory: str | Path, meta: dict, hf_config: dict, sha
 
     # "mcore": Megatron's own background writer (its default, "nvrx", needs nvidia-resiliency-ext)
     background = {"async_sharded_save": True, "async_strategy": "mcore"} if asynchronous else {}
-    request = dist_checkpointing.save(_state(megatron_model, False, sharding, True, True), str(directory),
-                                      content_metadata={_SHARDING_KEY: sharding}, **background)
+    with contextlib.nullcontext() if asynchronous else _results_in_this_process():
+        request = dist_checkpointing.save(_state(megatron_model, False, sharding, True, True), str(directory),
+                                          content_metadata={_SHARDING_KEY: sharding}, **background)
     if asynchronous:  # untested here: GPU only (tests/gpu)
         request.add_finalize_fn(write_meta)
         return request
@@ -115,6 +119,20 @@ def save(megatron_model, directory: str | Path, meta: dict, hf_config: dict, sha
     write_meta()
     dist.barrier()
     return None
+
+
+@contextlib.contextmanager
+def _results_in_this_process():
+    """A synchronous save writes its files in this process (Megatron's `execute_sync`), yet Megatron
+    collects the writers' results through a `multiprocessing.Manager` queue made on the first save:
+    a spawned process that imports torch to unpickle them, ~4 s of every run's first checkpoint on
+    two cores. An in-process queue serves it; the Manager's stays for asynchronous saves."""
+    kept = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = kept
 
 
 class PendingSaves:
