@@ -93,18 +93,6 @@ class Timer:
         RECORDER.add("trainer/phases", phase, *self.spans[phase])
 
 
-def _import_megatron_core() -> None:
-    """Every tensor a Megatron worker sends back pickles its storage through megatron.core's
-    loader (megatron/core/__init__.py puts its own in torch.storage._load_from_bytes), so the
-    first one to arrive imports megatron.core in this process: 2.5-3 s that the timeline showed
-    inside the first iteration's passes. Imported in the background while the roles start instead."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed.*")
-        import megatron.core  # noqa: F401
-
-
 def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
     """How long two (start, end) spans ran at once."""
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
@@ -145,7 +133,6 @@ class RayPPOTrainer:
         if resume_from is not None:
             trained = {name: spec for name, spec in self._role_specs().items() if spec.train}
             checkpoints.recut_where_needed(resume_from, trained, WorkerGroup, console.print)
-        threading.Thread(target=_import_megatron_core, name="orz-import-megatron", daemon=True).start()
         self._setup_roles()
         self.measured_once = self.timeline.start(dict(self._named_groups()), self._role_specs(), cfg,
                                                  self.fleet.num_engines)

@@ -12,6 +12,7 @@ for save_async and load_async, the workers' Ray refs; the others wait for their 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import warnings
@@ -30,6 +31,13 @@ from orz.ppo.distillation import NO_TEACHER, topk_forward_kl
 from orz.ppo.experience import Experience, MicroBatch, MiniBatch
 from orz.run.role_spec import RoleSpec
 from orz.timeline.record import RECORDER
+
+
+def load_storage(data: bytes):
+    """The loader a worker's pickled tensors name (`setup` installs it): torch.load(weights_only=True),
+    as megatron.core's own, which `import megatron.core` puts in torch.storage and would make every
+    process that receives a worker's tensor (the trainer) import megatron.core, ~5 s of CPU."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def reset_peak_memory() -> None:
@@ -133,6 +141,8 @@ class MegatronWorker(FaultSite):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         from megatron.core import parallel_state as ps
+
+        torch.storage._load_from_bytes = load_storage
 
         from orz.models.checkpoint import HFCheckpoint
         from orz.models.megatron_model import MegatronModel

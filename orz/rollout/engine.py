@@ -6,6 +6,7 @@ here). On GPU it runs vLLM's own tensor parallelism over `tensor_parallel_size` 
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
 from dataclasses import asdict, dataclass, field
@@ -141,6 +142,9 @@ class VLLMEngine(FaultSite):
         args.update(engine_args or {})
         if on_cpu and "max_model_len" in args:  # without chunking, one step must fit a whole prompt
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))
+        # What is alive now (vLLM's and torch's modules) lives as long as the engine: frozen out of the
+        # collections that vLLM's start-up runs (gc.collect, 1–2 s of CPU on a tiny model without this).
+        gc.freeze()
         self.llm = LLM(**args)
         self.weight_version = 0
         self._interrupted: set[int] = set()  # sessions asked to stop (interrupt)
