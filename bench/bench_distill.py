@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/bench_distill.py [--iterations 15] [--seeds 0 1 2] [--eval-size 200] [--smoke]
 
-The teacher is the CPU demo's GRPO run from its pre-trained base (cached in --base-root) at seed 0,
-exported. Then, for each seed and from the same base, with the same prompts and samples per
-iteration: GRPO alone (the task reward), distillation alone (the teacher's per-token reverse KL,
-no reward) and distillation plus the task reward, each evaluated (held-out greedy accuracy) after
-every iteration. All runs share one Ray cluster in this process. Prints ONE JSON line: per arm,
+For each seed and from the CPU demo's pre-trained base (cached in --base-root), with the same
+prompts and samples per iteration: GRPO alone (the task reward), distillation alone (the teacher's
+per-token reverse KL, no reward) and distillation plus the task reward, each evaluated (held-out
+greedy accuracy) after every iteration. The teacher is the GRPO arm's run at seed 0, exported
+(the demo's GRPO run: the accuracy the others aim at is 90% of its last). All runs share one Ray cluster in this process. Prints ONE JSON line: per arm,
 the mean accuracy after each iteration over the seeds, the first iteration each seed reaches 90%
 of the teacher's accuracy (null: not within the run), and the seconds of each iteration (the
 teachers' forward included); then the target's two ratios (distillation over GRPO, in iterations
@@ -51,31 +51,32 @@ def _rows(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def _teacher(base, spec, out: Path, args) -> tuple[Path, float]:
-    """The GRPO-trained teacher (seed 0, exported) and its final held-out greedy accuracy."""
-    train(rl_config(base, spec, out, [*_common(args, out, "teacher", 0), f"trainer.iterations={args.teacher_iterations}",
-                                      "trainer.eval_every=0"]))
-    return out / "teacher" / "hf", _rows(out, "teacher")[-1]["eval/accuracy_greedy"]
-
-
 def _first_reaching(accuracies: list[float], target: float) -> int | None:
     """The first iteration (1-based; 0: before training) whose accuracy is at least `target`."""
     return next((i for i, a in enumerate(accuracies) if a >= target), None)
 
 
-def _arm(base, spec, out: Path, args, arm: str, teacher: Path, target: float) -> dict:
-    accuracies, reached, seconds = [], [], []
+def _arm(base, spec, out: Path, args, arm: str, teacher: Path | None) -> dict:
+    """The arm's accuracy after each iteration (0: before training) and seconds of each, per seed;
+    the GRPO arm (teacher None) exports its seed-0 run, the others' teacher."""
+    accuracies, seconds = [], []
     for seed in args.seeds:
         name = f"{arm}_seed{seed}"
-        extra = [] if ARMS[arm] is None else [*distill_settings(teacher), *ARMS[arm]]
-        train(rl_config(base, spec, out, [*_common(args, out, name, seed), *extra, "trainer.export_hf=false"]))
+        extra = [] if teacher is None else [*distill_settings(teacher), *ARMS[arm]]
+        export = teacher is None and seed == 0
+        train(rl_config(base, spec, out, [*_common(args, out, name, seed), *extra, f"trainer.export_hf={export}"]))
         rows = _rows(out, name)
         accuracies.append([row["eval/accuracy_greedy"] for row in rows])
-        reached.append(_first_reaching(accuracies[-1], target))
         seconds.append([row["timing/step"] for row in rows[1:]])
+    return {"accuracies": accuracies, "seconds": seconds}
+
+
+def _summary(runs: dict, target: float) -> dict:
+    accuracies, seconds = runs["accuracies"], runs["seconds"]
     by_iteration = [statistics.mean(a[i] for a in accuracies) for i in range(len(accuracies[0]))]
     per_iteration = [statistics.mean(s[i] for s in seconds) for i in range(len(seconds[0]))]
-    return {"accuracy_by_iteration": by_iteration, "iterations_to_target": reached,
+    return {"accuracy_by_iteration": by_iteration,
+            "iterations_to_target": [_first_reaching(a, target) for a in accuracies],
             "seconds_per_iteration": statistics.mean(per_iteration), "seconds_by_iteration": per_iteration,
             "mean_iterations_to_target": _first_reaching(by_iteration, target)}
 
@@ -85,13 +86,17 @@ def _seconds_to(arm: dict, iteration: int | None) -> float | None:
 
 
 def run(args) -> dict:
+    if 0 not in args.seeds:
+        raise SystemExit(f"--seeds {args.seeds}: must include 0, whose GRPO run is the teacher")
     threads = set_threads(1)
     base, spec = demo_base(args.base_root, args.smoke)
     with tempfile.TemporaryDirectory() as tmp, ray_session(num_cpus=8, address=args.ray_address):
         out = Path(tmp)
-        teacher, teacher_accuracy = _teacher(base, spec, out, args)
-        target = 0.9 * teacher_accuracy
-        arms = {arm: _arm(base, spec, out, args, arm, teacher, target) for arm in ARMS}
+        runs = {"grpo": _arm(base, spec, out, args, "grpo", None)}
+        teacher_accuracy = runs["grpo"]["accuracies"][args.seeds.index(0)][-1]
+        runs |= {arm: _arm(base, spec, out, args, arm, out / "grpo_seed0" / "hf") for arm in ARMS if arm != "grpo"}
+    target = 0.9 * teacher_accuracy
+    arms = {arm: _summary(arm_runs, target) for arm, arm_runs in runs.items()}
     grpo, distill = arms["grpo"]["mean_iterations_to_target"], arms["distill"]["mean_iterations_to_target"]
     ahead = all(d > g for d, g in zip(arms["distill"]["accuracy_by_iteration"][3:],
                                       arms["grpo"]["accuracy_by_iteration"][3:]))
@@ -99,7 +104,7 @@ def run(args) -> dict:
     return {
         "bench": "distill_vs_grpo",
         "settings": {"smoke": args.smoke, "iterations": args.iterations, "seeds": args.seeds,
-                     "heldout_problems": args.eval_size, "teacher_iterations": args.teacher_iterations,
+                     "heldout_problems": args.eval_size,
                      "precision": "float32", "engines": 1, "actor_workers": 1, "teacher_workers": 1},
         "teacher": {"heldout_accuracy": teacher_accuracy},
         "target_accuracy": target,
@@ -115,9 +120,8 @@ def run(args) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=iterations_arg, default=15)
-    parser.add_argument("--teacher-iterations", type=int, default=15)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
     parser.add_argument("--base-root", default="runs/demo", help="where the pre-trained base model is cached")
-    emit(run(parse_args(parser, smoke={"iterations": 3, "teacher_iterations": 2, "seeds": [0], "eval_size": 8})))
+    emit(run(parse_args(parser, smoke={"iterations": 2, "seeds": [0], "eval_size": 8})))
