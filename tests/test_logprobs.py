@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from orz.models.local_world import run_world
-from orz.models.logprobs import default_chunk_tokens, logprobs_from_logits, token_logprobs, top_k_logprobs
+from orz.models.logprobs import default_chunk_tokens, logprobs_from_logits, token_and_top_k_logprobs, token_logprobs
 
 N, H, V, PADDED = 13, 8, 11, 12  # V=11 padded to 12 for TP=2 (one padding row of the LM head)
 
@@ -133,7 +133,7 @@ def test_several_tokens_per_position_match_log_softmax_values_and_gradients():
         torch.testing.assert_close(mine.double(), ref, atol=1e-6, rtol=1e-6)
 
 
-def _tp2_several(rank, world, hidden, weight, ids, upstream):
+def _tp2_several(rank, world, hidden, weight, tokens, ids, upstream):
     from megatron.core import parallel_state as ps
 
     from orz.models.parallel import init_model_parallel
@@ -143,30 +143,36 @@ def _tp2_several(rank, world, hidden, weight, ids, upstream):
     group = ps.get_tensor_model_parallel_group()
     shard = torch.cat([weight, torch.zeros(PADDED - V, H)]).chunk(2)[rank].clone()
     several = _several(hidden, shard, ids, upstream, vocab_size=V, group=group, chunk_tokens=4)
-    return several, top_k_logprobs(hidden, shard, K, vocab_size=V, group=group, chunk_tokens=4)
+    return several, token_and_top_k_logprobs(hidden, shard, tokens, K, vocab_size=V, group=group, chunk_tokens=4)
 
 
 def test_tp2_several_tokens_and_the_top_k_match_the_whole_vocabulary():
-    """V = 11 over TP 2 (one padding row): the K ids' log-probs and gradients, and the top-k the
-    ranks agree on (each rank's candidates gathered), against log_softmax and topk of the whole."""
-    hidden, weight, _, _ = _inputs()
+    """V = 11 over TP 2 (one padding row): the K ids' log-probs and gradients, the top-k the ranks
+    agree on (each rank's candidates gathered) and the teacher's log-probs of the tokens (each on the
+    rank that holds its row), against log_softmax and topk of the whole."""
+    hidden, weight, tokens, _ = _inputs()
+    assert (tokens < PADDED // 2).any() and (tokens >= PADDED // 2).any()  # both ranks hold some
     ids, upstream = _ids_and_upstream()
-    ranks = run_world(_tp2_several, 2, hidden, weight, ids, upstream)
+    ranks = run_world(_tp2_several, 2, hidden, weight, tokens, ids, upstream)
     logp, grad_hidden, grad_weight = _several_reference(hidden, weight, ids, upstream)
-    top, top_ids = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1).topk(K, dim=-1)
-    for (values, g_hidden, _), (got_top, got_ids) in ranks:
+    whole_logp = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1)
+    top, top_ids = whole_logp.topk(K, dim=-1)
+    for (values, g_hidden, _), (got_token, got_top, got_ids) in ranks:
         torch.testing.assert_close(values.double(), logp, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(g_hidden.double(), grad_hidden, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got_token.double(), whole_logp.gather(-1, tokens[:, None])[:, 0], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got_top.double(), top, atol=1e-6, rtol=1e-6)
         assert torch.equal(got_ids, top_ids)
     whole = torch.cat([ranks[0][0][2], ranks[1][0][2]])
     torch.testing.assert_close(whole[:V].double(), grad_weight, atol=1e-6, rtol=1e-6)
 
 
-def test_the_top_k_at_one_rank_leaves_padding_rows_out():
-    hidden, weight, _, _ = _inputs()
+def test_the_token_and_top_k_log_probs_at_one_rank_leave_padding_rows_out():
+    hidden, weight, tokens, _ = _inputs()
     padded = torch.cat([weight, hidden.abs().sum(0, keepdim=True)])  # a padding row with the largest logit
-    top, ids = top_k_logprobs(hidden, padded, K, vocab_size=V, temperature=0.7, chunk_tokens=5)
-    want_top, want_ids = torch.log_softmax(hidden.double() @ weight.double().t() / 0.7, dim=-1).topk(K, dim=-1)
+    token, top, ids = token_and_top_k_logprobs(hidden, padded, tokens, K, vocab_size=V, temperature=0.7, chunk_tokens=5)
+    want = torch.log_softmax(hidden.double() @ weight.double().t() / 0.7, dim=-1)
+    want_top, want_ids = want.topk(K, dim=-1)
+    torch.testing.assert_close(token.double(), want.gather(-1, tokens[:, None])[:, 0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(top.double(), want_top, atol=1e-6, rtol=1e-6)
     assert torch.equal(ids, want_ids)

@@ -145,20 +145,26 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def top_k_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, vocab_size: int | None = None, group=None,
-                   temperature: float = 1.0, chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely tokens of π at each position: (N, k) log-probs, highest first, and (N, k)
-    global ids, in chunks as token_logprobs (no gradient: a teacher's). Each TP rank takes the top k
-    of its vocabulary slice; the k·TP candidates are gathered and the top k of them kept."""
+def token_and_top_k_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, k: int,
+                             vocab_size: int | None = None, group=None, temperature: float = 1.0,
+                             chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a teacher gives, from one pass over the logits in chunks as token_logprobs (no gradient):
+    (N,) log π(tokens), and the k most likely tokens of π at each position, (N, k) log-probs, highest
+    first, and (N, k) global ids. Each TP rank takes the top k of its vocabulary slice; the k·TP
+    candidates are gathered and the top k of them kept."""
     rank, world = _tp(group)
     local_vocab = weight.shape[0]
     vocab_start = rank * local_vocab
     chunk = chunk_tokens if chunk_tokens > 0 else default_chunk_tokens(local_vocab)
-    values, ids = [], []
+    picked, values, ids = [], [], []
     for start in range(0, hidden.shape[0], chunk):
         z = _scaled_logits(hidden[start:start + chunk], weight, vocab_start, vocab_size, temperature)
         m = _all_reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)
         log_z = m + _all_reduce((z - m[:, None]).exp_().sum(-1), group).log()
+        local = tokens[start:start + chunk] - vocab_start
+        owned = (local >= 0) & (local < local_vocab)
+        token_z = z.gather(-1, local.clamp(0, local_vocab - 1)[:, None])[:, 0]
+        picked.append(_all_reduce(torch.where(owned, token_z, 0.0), group) - log_z)
         top, index = z.topk(min(k, local_vocab), dim=-1)
         candidates = torch.stack([top, (index + vocab_start).float()])  # (2, c, k): ids < 2²⁴ are exact in float32
         if world > 1:
@@ -168,7 +174,7 @@ def top_k_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, vocab_siz
         top, index = candidates[0].topk(k, dim=-1)
         values.append(top - log_z[:, None])
         ids.append(candidates[1].gather(-1, index).long())
-    return torch.cat(values), torch.cat(ids)
+    return torch.cat(picked), torch.cat(values), torch.cat(ids)
 
 
 def logprobs_from_logits(

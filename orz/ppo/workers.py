@@ -283,15 +283,14 @@ class MegatronWorker(FaultSite):
         """(B, T, 1 + 2k): log π of each response token in the loss, then the k most likely tokens'
         log-probs and ids (in float32: exact below 2²⁴) at its position; π over the first vocab_size
         ids (the student's vocabulary: a teacher's extra rows are padding to it)."""
-        from orz.models.logprobs import token_logprobs, top_k_logprobs
+        from orz.models.logprobs import token_and_top_k_logprobs
 
         exp: Experience = batch.micro.experience
         rows, cols, at_hidden, tokens = self._response_positions(hidden, exp)
         weight, group, chunk = (self.model.lm_head_weight(), self.ps.get_tensor_model_parallel_group(),
                                 self.spec.model.logprob_chunk_tokens)
         vocab = min(self.model.arch.vocab_size, vocab_size)
-        logprobs, _ = token_logprobs(at_hidden, weight, tokens, vocab, group, temperature, chunk, False)
-        top, ids = top_k_logprobs(at_hidden, weight, k, vocab, group, temperature, chunk)
+        logprobs, top, ids = token_and_top_k_logprobs(at_hidden, weight, tokens, k, vocab, group, temperature, chunk)
         figures = torch.cat([logprobs[:, None], top, ids.float()], dim=1)
         return torch.zeros(*exp.response_mask.shape, 1 + 2 * k).index_put((rows, cols), figures)
 
