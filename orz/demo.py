@@ -47,6 +47,7 @@ from orz.config import ExperimentConfig, RolloutConfig, load_config
 from orz.data.synthetic import arithmetic_rows
 from orz.data.templates import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, ThinkAnswerTemplate
 from orz.logs import output_to
+from orz.ppo.metrics_logger import history
 
 INSTRUCTION = "Compute."
 TASKS = ("arithmetic", "tools", "distill")
@@ -275,8 +276,7 @@ def grpo_teacher(base: Path, spec: BaseModelSpec, root: Path) -> tuple[Path, flo
     if not (out / "hf" / "config.json").is_file():
         print("orz: the teacher is the GRPO demo's model: training it first")
         train(cfg)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return out / "hf", rows[-1]["eval/accuracy_greedy"]
+    return out / "hf", history(out / "metrics.jsonl")[-1]["eval/accuracy_greedy"]
 
 
 def main(argv: list[str]) -> dict:
@@ -320,13 +320,12 @@ def main(argv: list[str]) -> dict:
         "plot": result["plot"],
         "timeline": result["timeline"],  # its picture, timeline.png; timeline.json opens in Perfetto
     }
+    rows = history(Path(cfg.trainer.output_dir) / "metrics.jsonl")
     if teacher is not None:
-        rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
         kl = [row["distill/grpo/reverse_kl"] for row in rows if "distill/grpo/reverse_kl" in row]
         summary |= {"task": "distill", "teacher": str(teacher), "teacher_heldout_accuracy": teacher_accuracy,
                     "reverse_kl_first_iteration": kl[0], "reverse_kl_last_iteration": kl[-1]}
     if tools:
-        rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
         calls = [row["rollout/tool_calls"] for row in rows if "rollout/tool_calls" in row]
         summary |= {"task": "tools", "samples_per_iteration": cfg.trainer.prompts_per_iteration * cfg.rollout.n_samples,
                     "tool_calls_first_iteration": calls[0], "tool_calls_last_iteration": calls[-1],
