@@ -637,3 +637,22 @@ def test_the_engine_dtype_auto_is_the_models_on_gpu_and_bf16_only_for_a_hybrid_o
     assert [engine_dtype("auto", hybrid, gpu) for hybrid in (False, True) for gpu in (False, True)] == [
         "float32", "auto", "bfloat16", "auto"]
     assert engine_dtype("float32", True, True) == "float32" and engine_dtype("bfloat16", False, False) == "bfloat16"
+
+
+# A value each optimizer setting's range allows, other than its default.
+OPTIMIZER_VALUES = {"lr": "1e-3", "min_lr": "1e-7", "warmup_steps": "2", "lr_decay": "cosine", "weight_decay": "0.1",
+                    "clip_grad": "0.5", "adam_betas": "[0.9, 0.99]", "steps_per_iteration": "2",
+                    "use_distributed_optimizer": "true"}
+
+
+@pytest.mark.parametrize("role", ["ref", "reward.model", "teachers.t"])
+def test_an_optimizer_setting_on_a_frozen_role_is_refused_naming_it(role):
+    """The reference, the reward model and a teacher have no optimizer (nothing reads those
+    settings there): each one given to them is refused, naming it; the actor takes the same value."""
+    assert set(OPTIMIZER_VALUES) == set(run_rules.OPTIMIZER_KEYS)
+    teacher = ["teachers.t.path=Qwen3-8B"]  # a preset: no files to read
+    for key, value in OPTIMIZER_VALUES.items():
+        with pytest.raises(ConfigError, match=rf"^{re.escape(role)}.{key}=.*: {re.escape(role)} is frozen \(it has no "
+                                              rf"optimizer\), so an optimizer setting cannot take effect there"):
+            run_rules.check(load_config(None, [*teacher, f"{role}.{key}={value}"]))
+        run_rules.check(load_config(None, [*teacher, f"actor.{key}={value}"]))

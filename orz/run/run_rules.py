@@ -10,6 +10,7 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import replace
@@ -20,8 +21,8 @@ import torch
 
 from orz.algorithm_names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, check_band
 from orz.config import (
-    TRACKERS, AlgorithmConfig, ConfigError, ExperimentConfig, RolloutConfig, apply_overrides, field_problems,
-    stage_configs,
+    TRACKERS, AlgorithmConfig, ConfigError, ExperimentConfig, RoleConfig, RolloutConfig, apply_overrides,
+    field_problems, stage_configs,
 )
 from orz.data.datasets import DatasetFormatError, RunData
 from orz.data.templates import TEMPLATES, encode_prompt, make_template
@@ -115,7 +116,31 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if cfg.rollout.envs else []
     problems += _context_problems(cfg, arch, multi_turn, context)
     problems += _megatron_role_problems(cfg, arch, context, on_gpu) + teacher_problems(cfg, arch)
+    problems += frozen_role_problems(cfg, problems)
     return problems + _logger_problems(cfg.trainer.loggers)
+
+
+# What a trained role's optimizer and its schedule read: nothing of a frozen role reads them.
+OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay", "weight_decay", "clip_grad", "adam_betas",
+                  "steps_per_iteration", "use_distributed_optimizer")
+
+
+def frozen_role_problems(cfg: ExperimentConfig, named: list[str]) -> list[str]:
+    """An optimizer setting off its default on a frozen role (the reference, the reward model, a
+    teacher), which nothing would read; one that `named` already refuses (out of range) is left to it."""
+    frozen = {"ref": cfg.ref, "reward.model": cfg.reward.model, **{f"teachers.{name}": teacher
+                                                                   for name, teacher in cfg.teachers.items()}}
+    defaults = {f.name: f.default for f in dataclasses.fields(RoleConfig)}
+    problems = []
+    for role, settings in frozen.items():
+        for key in OPTIMIZER_KEYS:
+            value, given = defaults[key], getattr(settings, key)
+            setting = f"{role}.{key}="
+            if (tuple(given) if isinstance(value, tuple) else given) != value and not any(
+                    problem.startswith(setting) for problem in named):
+                problems.append(f"{setting}{given}: {role} is frozen (it has no optimizer), so an optimizer "
+                                f"setting cannot take effect there; remove it")
+    return problems
 
 
 def _policy_problems(cfg: ExperimentConfig) -> list[str]:
