@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from orz.config import load_config
 from orz.data.datasets import DatasetFormatError, parse_rows
 from orz.reward.router import RewardRouter, RouterConfig, reward_metrics
 
@@ -119,13 +120,15 @@ def test_custom_functions_weights_errors_and_timeouts(user_rewards):
     rows = _rows({"prompt": "q", "verifier": "verl", "answer": "42", "data_source": "verl"},
                  {"prompt": "q", "verifier": "crashes"}, {"prompt": "q", "verifier": "sleeps"},
                  {"prompt": "1+1?", "answer": "2"}, {"prompt": "q", "verifier": "numpy"})
-    cfg = RouterConfig(custom={"verl": "my_rewards:compute_score", "crashes": "my_rewards:crashes",
-                               "sleeps": "my_rewards:sleeps", "brevity": "my_rewards:brevity",
-                               "numpy": "my_rewards:numpy_score"},
-                       weights={"brevity": 0.5, "math": 2.0}, custom_timeout_s=3.0)
+    # The run's own keys (reward.custom_workers and custom_timeout_s off their defaults, 2 and 10 s)
+    reward = load_config(None, [
+        "reward.custom={verl: 'my_rewards:compute_score', crashes: 'my_rewards:crashes', sleeps: 'my_rewards:sleeps', "
+        "brevity: 'my_rewards:brevity', numpy: 'my_rewards:numpy_score'}", "reward.weights={brevity: 0.5, math: 2.0}",
+        "reward.custom_timeout_s=3", "reward.custom_workers=3"]).reward
     responses = ["it is 42", "x", "y", "<answer>2</answer> and a long tail of words", "a long response, not brief"]
     start = time.monotonic()
-    with RewardRouter(cfg, rows) as router:
+    with RewardRouter.from_config(reward, rows) as router:
+        assert (router.functions.pool.num_workers, router.functions.pool.item_timeout_s) == (3, 3.0)
         verdicts = router.score(responses, rows)
     assert time.monotonic() - start < 20  # the sleeper was killed at its timeout
     # verl: 1 + 0.5 brevity; crash: 0 + 0.5; timeout: 0 + 0.5; math: 2·1 + 0 (long response); numpy: 1 + 0
