@@ -9,6 +9,7 @@ bit-identical weights: the Adam moments (sharded over DP with ZeRO-1) and, in bf
 master weights are restored exactly.
 """
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -27,7 +28,7 @@ from orz.ppo.experience import MiniBatch, experience_from_rollouts
 from adam_step import beyond_adam_steps
 from worker_specs import worker_spec
 
-ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)
+ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.1, clip_high=0.28)  # clip_low off its default, 0.2
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,7 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
     role = LAYOUTS["dp1"][1]
     adam = torch.optim.Adam(hf.parameters(), lr=role.lr, betas=role.adam_betas, eps=1e-8)
     prompts, responses, advantages = _rollouts()
+    between_floors = 0  # tokens that clip_low clips and the default's floor would not
     for step, rows in enumerate((range(0, 8), range(8, 16))):
         token_losses = []
         for row in rows:
@@ -207,6 +209,8 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
             logp = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
             ratio = torch.exp(logp[len(prompts[row]) - 1:] - OLD_LOGPROB)
             a = advantages[row]
+            if a < 0:
+                between_floors += int(((ratio > 1 - AlgorithmConfig().clip_low) & (ratio < 1 - ALGO.clip_low)).sum())
             token_losses.append(torch.maximum(-a * ratio, -a * ratio.clamp(1 - ALGO.clip_low, 1 + ALGO.clip_high)))
         loss = torch.cat(token_losses).mean()
         adam.zero_grad()
@@ -216,10 +220,53 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
         metrics = reference["metrics"][step]
         assert _close(metrics["actor/pg_loss"], loss.item()), (step, metrics["actor/pg_loss"], loss.item())
         assert _close(metrics["actor/grad_norm"], grad_norm.item()), (step, metrics["actor/grad_norm"], grad_norm)
+    assert between_floors > 0  # the premise: algorithm.clip_low decides some tokens' loss
     expected = hf.state_dict()
     assert reference["weights"].keys() <= expected.keys()
     for name, w in reference["weights"].items():
         assert (expected[name] - w).abs().max() <= 1e-5, (name, (expected[name] - w).abs().max())
+
+
+def _schedule_and_decay(rank, world, model):
+    """The lr each of five steps ran at (warm-up 2, cosine to min_lr over 5 steps); the weights
+    after one step at lr 1e-3 without and with weight decay 0.5, and before it."""
+    spec = worker_spec(model, RoleConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, lr_decay="cosine", micro_batch_size=3),
+                       total_steps=5, seed=3)
+    w = MegatronWorker(spec, rank, world)
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    minibatches, lrs = _minibatches(), []
+    for step in range(5):
+        lrs.append({group["lr"] for group in w.model.optimizer.param_groups})
+        _step(w, world, minibatches[step % 2])
+    weights = {}
+    for decay in (0.0, 0.5):
+        w = _worker(rank, world, RoleConfig(lr=1e-3, weight_decay=decay, micro_batch_size=3), "float32", model)
+        weights["initial"] = dict(w.model.hf_tensors())
+        _step(w, world, minibatches[0])
+        weights[decay] = dict(w.model.hf_tensors())
+    return lrs, weights
+
+
+def test_the_lr_warms_up_decays_to_min_lr_and_weight_decay_shrinks_the_matrices_only(model):
+    """actor.warmup_steps, lr_decay, min_lr and weight_decay as Megatron's schedule and AdamW
+    define them, written out: lr_s = lr·s/warmup up to the warm-up (the first step at 0), then
+    min_lr + (lr − min_lr)·½(1 + cos(π·(s − warmup)/(steps − warmup))); decoupled decay moves each
+    matrix by −lr·wd·θ beside the same Adam step, and leaves the norms' vectors alone."""
+    lrs, weights = run_world(_schedule_and_decay, 1, model)[0]
+    lr, floor, warmup, steps = 1e-3, 1e-4, 2, 5
+    expected = [lr * s / warmup if s <= warmup else
+                floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+                for s in range(steps)]
+    assert [len(at) for at in lrs] == [1] * steps  # every param group at one lr
+    assert [at.pop() for at in lrs] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    initial, plain, decayed = weights["initial"], weights[0.0], weights[0.5]
+    assert any(not torch.equal(initial[n], plain[n]) for n in plain)  # the premise: the step moved them
+    for name, theta in initial.items():
+        moved_by_decay = decayed[name] - plain[name]
+        if theta.dim() == 2:
+            torch.testing.assert_close(moved_by_decay, -lr * 0.5 * theta, atol=1e-7, rtol=0)
+        else:
+            assert torch.equal(moved_by_decay, torch.zeros_like(theta)), name
 
 
 def _load(rank, world, role, model, ckpt):

@@ -60,7 +60,8 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
                                                                                   capsys):
     """Stage 1: lr 1e-3, 12 new tokens, '+' problems, PPO's loss; stage 2 (two iterations): lr
     5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's
-    config, not to the previous stage's: back to lr 1e-3 and 12 tokens). Resumed from iteration 1,
+    config, not to the previous stage's: back to lr 1e-3 and 12 tokens); evaluated at
+    trainer.eval_every=2, with trainer.eval_n=2 samples a problem beside the greedy one. Resumed from iteration 1,
     the boundary (that checkpoint holds stage 1's optimizer settings), and, killed (SIGKILL) in
     iteration 3, from iteration 2, inside stage 2."""
     stages = ("stages=[{iterations: 1, overrides: {}}, "
@@ -72,10 +73,14 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
         return [*tiny_run(out, "grpo"), stages, "trainer.keep_checkpoints=5",
                 "rollout.stop=[]",  # responses run to each stage's cap
                 "reward.custom={spaces: 'shaped_reward:space_share'}", "reward.weights={spaces: 1.0}",
-                "trainer.dump_per_token=true"]
+                "trainer.dump_per_token=true", "trainer.eval_every=2", "trainer.eval_n=2"]
 
     whole = tmp_path / "whole"
     train(load_config(None, overrides(whole)))
+    # Evaluated before training, every second iteration and after the last: greedy, and sampled twice a problem.
+    for key in ("eval/accuracy_greedy", "eval/avg_at_k"):
+        assert [row["step"] for row in _history(whole) if key in row] == [0, 2, 4], key
+    assert json.loads((whole / "eval/eval_iter_000002/report.json").read_text())["settings"]["n"] == 2
     history = _history(whole)[1:]
     assert [row["actor/lr"] for row in history] == [1e-3, 5e-4, 5e-4, 1e-3]
     lengths = [row["response/length_max"] for row in history]
@@ -150,11 +155,12 @@ def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_
     lower it once the actor has moved from the reference). With trainer.timeline=false the run
     writes no timeline and no figure derived from it."""
     out = tmp_path / "run"
-    beta, target, step, max_new = 0.5, 10.0, 1e-3, 12
+    beta, target, step, max_new, factor = 0.5, 10.0, 1e-3, 12, 0.5
     train(load_config(None, [*tiny_run(out, "grpo", iterations=2), f"algorithm.kl_coef={beta}", "algorithm.kl_kind=k3",
                              f"algorithm.entropy_target={target}", f"algorithm.entropy_step={step}",
                              "algorithm.entropy_max_coef=0.01", "algorithm.entropy_coef=0.0",
-                             "algorithm.overlong_buffer=10", "rollout.stop=[]", "actor.threads_alone=2",
+                             "algorithm.overlong_buffer=10", f"algorithm.overlong_factor={factor}", "rollout.stop=[]",
+                             "actor.threads_alone=2",
                              "trainer.dump_per_token=true", "trainer.timeline=false"]))
     first, second = _history(out)[1:]
     assert not (out / "timeline.json").exists() and not (out / "timeline.png").exists()
@@ -185,13 +191,13 @@ def test_kl_in_the_score_entropy_control_and_overlong_penalty(ray_cluster, tiny_
     for row in (first, second):
         coef = min(max(coef + (step if row["actor/entropy"] < target else -step), 0.0), 0.01)
         assert row["algorithm/entropy_coef"] == pytest.approx(coef)
-    # DAPO's overlong penalty: each score is 0/1 correctness plus min(−(L − 2)/10, 0).
+    # DAPO's overlong penalty: each score is 0/1 correctness plus min(−(L − 2)/10 · factor, 0).
     penalties = []
     for sample in _samples(out, 1) + _samples(out, 2):
-        penalties.append(min(-(sample["info/response_length"] - (max_new - 10)) / 10, 0.0))
+        penalties.append(min(-(sample["info/response_length"] - (max_new - 10)) / 10 * factor, 0.0))
         assert sample["scores"] - penalties[-1] == pytest.approx(round(sample["scores"] - penalties[-1]), abs=1e-5)
         assert round(sample["scores"] - penalties[-1]) in (0, 1)
-    assert min(penalties) <= -0.5  # the premise: samples deep in the buffer
+    assert min(penalties) <= -0.5 * factor  # the premise: samples deep in the buffer
 
 
 def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_cluster, tiny_run, tmp_path):

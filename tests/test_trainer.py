@@ -95,7 +95,7 @@ def test_grpo_stop_kill_and_resume_continue_identically(ray_cluster, arith_model
     # process); children would share it, and a SIGKILLed child's run would stay "in use" there.
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
     overrides = [*tiny_run(killed, "grpo"), "trainer.max_staleness=1", "trainer.loggers=[jsonl, wandb, mlflow]",
-                 joined(ray_cluster)]
+                 "trainer.project=resumes", joined(ray_cluster)]
     cmd = [sys.executable, "-m", "orz.train", *overrides]
     console = tmp_path / "console.txt"
 
@@ -197,13 +197,14 @@ def _check_a_start_from_another_run(whole, branch, on_the_cluster, tiny_run, cap
 
 def _check_one_tracker_run(out, history):
     """One MLflow run and one W&B run across the stop, the kill and both resumes; MLflow holds every
-    iteration's figures; the config and the run name logged."""
+    iteration's figures, in the experiment trainer.project names; the config and the run name logged."""
     from mlflow import MlflowClient
     from run_history import wandb_records
 
     ids = json.loads((out / "trackers.json").read_text())
     client = MlflowClient((out / "mlruns").as_uri())
-    (run,) = client.search_runs([client.get_experiment_by_name("orz").experiment_id])
+    assert client.get_experiment_by_name("orz") is None  # the default project's
+    (run,) = client.search_runs([client.get_experiment_by_name("resumes").experiment_id])
     assert run.info.run_id == ids["mlflow"] and run.info.run_name == "killed"
     assert run.data.params["actor.lr"] == "0.001"
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward/mean")}
@@ -264,6 +265,37 @@ def test_ppo_whose_tp2_actor_loses_a_worker_fails_its_iteration_and_resumes(ray_
     assert all("critic/vf_loss" in row for row in history[1:])
     assert all(row["mismatch/logp_abs_diff_max"] == 0 for row in history[1:])  # π_old is the engine's
     assert list(out.glob("checkpoints/iter_*/critic/orz_checkpoint.json"))
+
+
+def test_a_run_that_keeps_losing_workers_stops_after_trainer_max_restarts(monkeypatch, capsys):
+    """The restart policy alone, around a stand-in trainer whose every fit loses a worker (the real
+    loss and rebuild: the test above): trainer.max_restarts=2 rebuilds it twice, each time from the
+    last checkpoint, and lets the third loss end the run."""
+    import orz.ppo.trainer
+    from orz.train import _train_with_restarts
+
+    built = []
+
+    class LosesAWorker:
+        def __init__(self, cfg, resume_from, restarts, data):
+            built.append((resume_from, restarts))
+            self.iteration, self.last_checkpoint = len(built), Path(f"ckpt{len(built)}")
+
+        def fit(self, stop):
+            raise RuntimeError("the actor's rank 0 died")
+
+        def lost_workers(self):
+            return ["actor rank 0"]
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(orz.ppo.trainer, "RayPPOTrainer", LosesAWorker)
+    with pytest.raises(RuntimeError, match="rank 0 died"):
+        _train_with_restarts(load_config(None, ["trainer.max_restarts=2"]), None, None, threading.Event(), None, {})
+    assert built == [(None, 0), (Path("ckpt1"), 1), (Path("ckpt2"), 2)]
+    console = capsys.readouterr().out
+    assert "restart 1 of at most 2, from ckpt1" in console and "restart 2 of at most 2, from ckpt2" in console
 
 
 def test_a_run_stopped_while_starting_says_so_and_exits_143(ray_cluster, tiny_run, tmp_path):
@@ -333,7 +365,8 @@ def test_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path):
 
 def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_cluster, tiny_run, tmp_path):
     """trainer.fault raises inside the actor's worker, the vLLM engine and the reward router in
-    iteration 2 of `python -m orz.train` on the quiet console (three runs side by side on the
+    iteration 2 of `python -m orz.train` on the quiet console (the reward's run with
+    trainer.verbose=true, whose console shows the workers' output too; three runs side by side on the
     suite's Ray cluster, each started once the previous one has joined it): the terminal (not the
     logs) shows the traceback, where it was raised, and one `orz:` line naming the iteration, the
     phase and the last checkpoint; each run exits 1 without a restart (only a lost worker restarts
@@ -347,9 +380,10 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_
     for role in origins:
         out = tmp_path / role
         out.mkdir()
+        verbose = [f"trainer.verbose={role == 'reward'}"]  # the workers' output on the console, or in logs/
         proc = subprocess.Popen([sys.executable, "-m", "orz.train", *tiny_run(out, "grpo", iterations=2), "data.eval={}",
-                                 f"trainer.fault={role}@2", joined(ray_cluster)], stdout=(out / "stdout.txt").open("w"),
-                                stderr=(out / "stderr.txt").open("w"))
+                                 f"trainer.fault={role}@2", *verbose, joined(ray_cluster)],
+                                stdout=(out / "stdout.txt").open("w"), stderr=(out / "stderr.txt").open("w"))
         runs[role] = out, proc
         deadline = time.time() + 300  # one run joining at a time
         while "orz: starting roles" not in (out / "stdout.txt").read_text() and proc.poll() is None \
@@ -367,6 +401,7 @@ def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_
         assert failed.endswith(f"The last checkpoint: {out / 'checkpoints/iter_000001'}"), failed
         assert "died" not in stdout and "restart" not in stdout
         assert [row["step"] for row in _history(out)] == [0, 1]  # iteration 2 left no trace
+        assert ("(VLLMEngine pid=" in stdout + stderr) == (role == "reward")  # trainer.verbose
 
 
 def _check_quiet_console(console: str, log_dir: Path) -> None:
