@@ -127,6 +127,7 @@ def stale_run(ray_cluster, tiny_run, tmp_path_factory):
     train(load_config(None, [*tiny_run(out, "grpo"), "trainer.max_staleness=1", "trainer.dump_per_token=true",
                              f"stages={STAGES}", "reward.custom={spaces: 'shaped_reward:space_share'}",
                              "reward.weights={spaces: 1.0}", "trainer.save_every=0", "trainer.export_hf=false"]))
+    assert (out / "checkpoints").is_dir() and not (out / "hf").exists()  # trainer.export_hf=false
     dumps = [[json.loads(line) for line in (out / "samples" / f"iter_{i:06d}.jsonl").read_text().splitlines()]
              for i in range(1, 9)]
     return history(out)[1:], dumps

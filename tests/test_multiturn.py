@@ -975,10 +975,11 @@ def test_turn_limits_and_the_python_tool_take_the_rollouts_settings():
     from orz.rollout.python_tool import OUTPUT_CLOSE, OUTPUT_OPEN
 
     rollout = RolloutConfig(env="python", max_turns=2, max_new_tokens=3, max_observation_tokens=40, env_timeout_s=7.0,
-                            tool_timeout_s=0.5)
+                            tool_timeout_s=0.5, tool_open="<py>", tool_close="</py>")
     assert TurnLimits.of(rollout, 11) == TurnLimits(2, 3, 11, 40, 7.0)
     loop = make_loops(rollout, CodeScoringConfig(allow_weak_sandbox=True), {"python"}, char_tokenizer(["abc"]))["python"]()
-    assert loop.stop == ["</code>"]  # a turn ends where a block closes
+    assert loop.stop == ["</py>"]  # a turn ends where a block closes (rollout.tool_close)
     tool = loop.make()
+    assert (tool.form.open, tool.form.close) == ("<py>", "</py>")
     assert tool.limits.wall_s == 0.5
     assert tool.max_chars == 40 - len(OUTPUT_OPEN) - len(OUTPUT_CLOSE)

@@ -269,6 +269,32 @@ def test_the_lr_warms_up_decays_to_min_lr_and_weight_decay_shrinks_the_matrices_
             assert torch.equal(moved_by_decay, torch.zeros_like(theta)), name
 
 
+def _critic_step(rank, world, model):
+    """The critic's values V on the first mini-batch, then its step with V_old = V − 0.15 on the
+    even rows and V − 0.05 on the odd ones, the returns V + 1, at algorithm.value_clip=0.1."""
+    w = MegatronWorker(worker_spec(model, RoleConfig(lr=1e-3, micro_batch_size=3), name="critic", seed=3), rank, world)
+    w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    first = _minibatches()[0]
+    exp = first.experience
+    _, values = w.values(exp)
+    mask = exp.response_mask
+    offsets = torch.tensor([0.15 if row % 2 == 0 else 0.05 for row in range(len(mask))])[:, None] * mask
+    exp = replace(exp, values=(values - offsets) * mask, returns=(values + 1.0) * mask)
+    return mask, w.train_critic([MiniBatch.of(exp, rows=first.rows)], AlgorithmConfig(value_clip=0.1))
+
+
+def test_the_critic_clips_its_values_at_algorithm_value_clip(model):
+    """PPO's clipped value loss at c = 0.1 (algorithm.value_clip off its default, 0.2), by hand:
+    ½·max((V − R)², (V_old + clip(V − V_old, ±c) − R)²) with R − V = 1: on the rows whose V moved
+    0.15 from V_old the clipped error (1 + 0.05)² wins, on the rows that moved 0.05 (V − R)² = 1;
+    the token mean of those. At c = 0.2 no token would be clipped."""
+    mask, metrics = run_world(_critic_step, 1, model)[0]
+    clipped = mask[0::2].sum().item()
+    expected = 0.5 * (clipped * 1.05 ** 2 + (mask.sum().item() - clipped) * 1.0) / mask.sum().item()
+    assert metrics["critic/vf_clip_frac"] == pytest.approx(clipped / mask.sum().item(), abs=1e-6)  # the premise
+    assert metrics["critic/vf_loss"] == pytest.approx(expected, rel=1e-5)
+
+
 def _load(rank, world, role, model, ckpt):
     w = MegatronWorker(worker_spec(model, role, total_steps=2), rank, world)
     w.setup((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))

@@ -18,8 +18,9 @@ import psutil
 import pytest
 
 from orz.data.datasets import CodeTests
-from orz.config import CodeScoringConfig
+from orz.config import CodeScoringConfig, load_config
 from orz.reward.code import CodeReward, extract_code, outputs_match
+from orz.reward.router import RouterConfig
 from orz.reward.sandbox import Sandbox, SandboxLimits, _pids_of
 
 # Tight limits for the hostile batch (their timeouts overlap); generous ones where a busy machine
@@ -35,6 +36,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def fenced(source: str) -> str:
     return f"Here it is:\n```python\n{textwrap.dedent(source)}```\n"
+
+
+def test_the_runs_code_keys_reach_the_sandbox_and_the_judges():
+    """reward.code.wall_s, cpu_s and memory_mb become the sandbox's limits, max_parallel the
+    solutions judged at once (the tests above give their limits directly)."""
+    reward = load_config(None, ["reward.code.wall_s=3", "reward.code.cpu_s=2", "reward.code.memory_mb=300",
+                                "reward.code.max_parallel=3"]).reward
+    with CodeReward(RouterConfig.from_config(reward).code) as code:
+        limits = code.sandbox.limits
+        assert (limits.wall_s, limits.cpu_s, limits.memory_mb) == (3.0, 2, 300)
+        assert code._threads._max_workers == 3
 
 
 @pytest.fixture(scope="module")
