@@ -10,10 +10,9 @@ other workers (parallel sizes, a reference or critic appearing, the engines) is 
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -130,13 +129,13 @@ def frozen_role_problems(cfg: ExperimentConfig, named: list[str]) -> list[str]:
     teacher), which nothing would read; one that `named` already refuses (out of range) is left to it."""
     frozen = {"ref": cfg.ref, "reward.model": cfg.reward.model, **{f"teachers.{name}": teacher
                                                                    for name, teacher in cfg.teachers.items()}}
-    defaults = {f.name: f.default for f in dataclasses.fields(RoleConfig)}
+    defaults = {f.name: f.default for f in fields(RoleConfig)}
     problems = []
     for role, settings in frozen.items():
         for key in OPTIMIZER_KEYS:
-            value, given = defaults[key], getattr(settings, key)
+            default, given = defaults[key], getattr(settings, key)
             setting = f"{role}.{key}="
-            if (tuple(given) if isinstance(value, tuple) else given) != value and not any(
+            if (tuple(given) if isinstance(default, tuple) else given) != default and not any(
                     problem.startswith(setting) for problem in named):
                 problems.append(f"{setting}{given}: {role} is frozen (it has no optimizer), so an optimizer "
                                 f"setting cannot take effect there; remove it")
