@@ -28,7 +28,7 @@ from orz.ppo.experience import MiniBatch, experience_from_rollouts
 from adam_step import beyond_adam_steps
 from worker_specs import worker_spec
 
-ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.1, clip_high=0.28)  # clip_low off its default, 0.2
+ALGO = AlgorithmConfig(advantage="grpo", clip_low=0.2, clip_high=0.28)  # as tests/fixtures/checkpoint_* were made
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,6 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
     role = LAYOUTS["dp1"][1]
     adam = torch.optim.Adam(hf.parameters(), lr=role.lr, betas=role.adam_betas, eps=1e-8)
     prompts, responses, advantages = _rollouts()
-    between_floors = 0  # tokens that clip_low clips and the default's floor would not
     for step, rows in enumerate((range(0, 8), range(8, 16))):
         token_losses = []
         for row in rows:
@@ -209,8 +208,6 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
             logp = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
             ratio = torch.exp(logp[len(prompts[row]) - 1:] - OLD_LOGPROB)
             a = advantages[row]
-            if a < 0:
-                between_floors += int(((ratio > 1 - AlgorithmConfig().clip_low) & (ratio < 1 - ALGO.clip_low)).sum())
             token_losses.append(torch.maximum(-a * ratio, -a * ratio.clamp(1 - ALGO.clip_low, 1 + ALGO.clip_high)))
         loss = torch.cat(token_losses).mean()
         adam.zero_grad()
@@ -220,11 +217,35 @@ def test_dp1_steps_equal_transformers_with_the_clipped_loss_written_out(model, r
         metrics = reference["metrics"][step]
         assert _close(metrics["actor/pg_loss"], loss.item()), (step, metrics["actor/pg_loss"], loss.item())
         assert _close(metrics["actor/grad_norm"], grad_norm.item()), (step, metrics["actor/grad_norm"], grad_norm)
-    assert between_floors > 0  # the premise: algorithm.clip_low decides some tokens' loss
     expected = hf.state_dict()
     assert reference["weights"].keys() <= expected.keys()
     for name, w in reference["weights"].items():
         assert (expected[name] - w).abs().max() <= 1e-5, (name, (expected[name] - w).abs().max())
+
+
+def _first_step_at_clip_low(rank, world, model, clip_low):
+    """The actor's log-probs of the first mini-batch, then its step's metrics at that clip_low."""
+    w = _worker(rank, world, LAYOUTS["dp1"][1], "float32", model)
+    first = _minibatches()[0]
+    _, logprobs = w.logprobs(first.experience)
+    algo = AlgorithmConfig(advantage="grpo", clip_low=clip_low, clip_high=ALGO.clip_high)
+    return logprobs, w.train_actor([first], ActorSettings(algo, 1.0, 0.0, 0.0)).metrics
+
+
+def test_the_ratios_floor_is_algorithm_clip_low(model):
+    """algorithm.clip_low = 0.1, off its default 0.2: PPO's loss token by token from the actor's own
+    log-probs, max(−A·r, −A·clip(r, 1 − 0.1, 1 + clip_high)), r = π/π_old, its mean over the
+    response tokens; some tokens of a negative advantage lie between the two floors (the premise),
+    where the default's floor would give another loss."""
+    clip_low = 0.1
+    logprobs, metrics = run_world(_first_step_at_clip_low, 1, model, clip_low)[0]
+    exp = _minibatches()[0].experience
+    mask, advantages = exp.response_mask.bool(), exp.advantages
+    ratio = torch.exp(logprobs - OLD_LOGPROB)
+    between = mask & (advantages < 0) & (ratio > 1 - AlgorithmConfig().clip_low) & (ratio < 1 - clip_low)
+    assert between.any()  # the premise
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + ALGO.clip_high))
+    assert metrics["actor/pg_loss"] == pytest.approx(per_token[mask].mean().item(), rel=1e-5)
 
 
 def _schedule_and_decay(rank, world, model):

@@ -189,33 +189,30 @@ def test_an_interrupted_generation_finishes_with_the_new_weights(fleet, weights,
     fleet.sync(TensorSource(original), version=fleet.weight_version + 1)
 
 
-def _record_output_kinds(engine) -> None:
-    """In the engine's process: every request's output kind, as vLLM's engine receives it."""
-    add, engine.kinds = engine.llm.llm_engine.add_request, []
-
-    def recording(request_id, prompt, params, *args, **kwargs):
-        engine.kinds.append(params.output_kind.name)
-        return add(request_id, prompt, params, *args, **kwargs)
-
-    engine.llm.llm_engine.add_request = recording
-
-
-def _recorded_output_kinds(engine) -> list[str]:
-    del engine.llm.llm_engine.add_request  # the class's own again
-    return engine.kinds
-
-
 def test_only_an_interruptible_session_asks_vllm_for_each_steps_tokens(fleet):
     """vLLM's DELTA outputs (each step's new tokens; 9–12% of generation, docs/performance.md) only
     for a session that can be interrupted (partial rollout): every other request asks for its
     final output alone (FINAL_ONLY)."""
+    def record_output_kinds(engine):  # in the engine's process: each request's kind, as vLLM receives it
+        add, engine.kinds = engine.llm.llm_engine.add_request, []
+
+        def recording(request_id, prompt, params, *args, **kwargs):
+            engine.kinds.append(params.output_kind.name)
+            return add(request_id, prompt, params, *args, **kwargs)
+
+        engine.llm.llm_engine.add_request = recording
+
+    def recorded_output_kinds(engine):
+        del engine.llm.llm_engine.add_request  # the class's own again
+        return engine.kinds
+
     engine = fleet.engines[0]
-    ray.get(engine.__ray_call__.remote(_record_output_kinds))
+    ray.get(engine.__ray_call__.remote(record_output_kinds))
     try:
         generate(fleet, PROMPTS[:2], GREEDY)
         list(stream(fleet, PROMPTS[:2], GREEDY, interruptible=True))
     finally:
-        kinds = ray.get(engine.__ray_call__.remote(_recorded_output_kinds))
+        kinds = ray.get(engine.__ray_call__.remote(recorded_output_kinds))
     assert kinds == ["FINAL_ONLY"] * 2 + ["DELTA"] * 2
 
 
