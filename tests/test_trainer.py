@@ -360,7 +360,8 @@ def test_ctrl_c_leaves_no_process_of_the_run(tiny_run, tmp_path):
     latest = out / "checkpoints/latest"
     kept = (f"the last checkpoint is {latest.parent / latest.read_text()} (the same command resumes from it)"
             if latest.exists() else "no checkpoint was written (the same command starts over)")
-    assert re.fullmatch(rf"orz: stopped by Ctrl-C \(SIGINT\) after \d+ iterations; {re.escape(kept)}", stopped), stopped
+    after = r"(1 iteration|\d+ iterations)"  # wherever the Ctrl-C lands: 1 on a fast machine
+    assert re.fullmatch(rf"orz: stopped by Ctrl-C \(SIGINT\) after {after}; {re.escape(kept)}", stopped), stopped
 
 
 def test_an_exception_inside_a_role_reaches_the_terminal_with_its_traceback(ray_cluster, tiny_run, tmp_path):
