@@ -7,7 +7,6 @@ Links inside fenced code blocks are not links. http(s) and mailto links are not 
 `path#anchor` only the file part is. A citation names a test function (or class) defined in that
 file, at its top level or in a class; a parametrised test is cited without its `[...]`.
 """
-import ast
 import re
 from pathlib import Path
 
@@ -67,15 +66,10 @@ def test_a_broken_link_is_found(tmp_path):
 
 
 def defined_tests(path: Path) -> set[str]:
-    """The names of the test functions and classes a test file defines (a class's methods too)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        if isinstance(node, ast.ClassDef):
-            names |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
-    return names
+    """The names of the test functions and classes a test file defines (a class's methods too), read
+    line by line: CPython 3.11.7's ast.parse fails now and then in a long pytest process
+    ("AST constructor recursion depth mismatch", seen once in a whole suite)."""
+    return set(re.findall(r"^(?:    )?(?:def|class) (\w+)", path.read_text(encoding="utf-8"), re.MULTILINE))
 
 
 def missing_citations(text: str, tests_dir: Path) -> list[str]:
