@@ -6,7 +6,8 @@ For each seed and from the CPU demo's pre-trained base (cached in --base-root), 
 prompts and samples per iteration: GRPO alone (the task reward), distillation alone (the teacher's
 per-token reverse KL, no reward) and distillation plus the task reward, each evaluated (held-out
 greedy accuracy) after every iteration. The teacher is the GRPO arm's run at seed 0, exported
-(the demo's GRPO run: the accuracy the others aim at is 90% of its last). All runs share one Ray cluster in this process. Prints ONE JSON line: per arm,
+(the demo's GRPO run: the accuracy the others aim at is 90% of its last). All runs share one
+Ray cluster in this process. Prints ONE JSON line: per arm,
 the mean accuracy after each iteration over the seeds, the first iteration each seed reaches 90%
 of the teacher's accuracy (null: not within the run), and the seconds of each iteration (the
 teachers' forward included); then the target's two ratios (distillation over GRPO, in iterations
