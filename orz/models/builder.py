@@ -24,7 +24,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from orz.models.arch import ModelArch
 from orz.models.attention import SDPAttention
 from orz.models.norms import PlainRMSNorm, RMSNorm
-from orz.models.spec import ModelSpec
+from orz.models.lora import adapted, freeze_base, init_adapters
+from orz.models.spec import LoraSpec, ModelSpec
 
 
 def use_transformer_engine() -> bool:
@@ -138,12 +139,14 @@ def _moe_config(arch: ModelArch, aux_loss_coef: float, dispatcher: str) -> dict:
     )
 
 
-def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = False) -> ModuleSpec:
+def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = False,
+               lora: LoraSpec | None = None) -> ModuleSpec:
     """TE's layers where TE runs; else Megatron's local layers with torch's fused attention.
     `moe`: the MLP is a router and experts, one SwiGLU per local expert (SequentialMLP) on both
     paths, as the config says (`moe_grouped_gemm=False`): TE's grouped GEMM keeps the experts'
     weights under other names (`weight0`…), which orz's conversion does not map.
-    `linear_attention`: a Gated DeltaNet in place of self-attention (`gated_delta_net_spec`)."""
+    `linear_attention`: a Gated DeltaNet in place of self-attention (`gated_delta_net_spec`).
+    `lora`: its targets (dense attention and MLP layers, local layers only) carry adapters."""
     experts = arch.moe.num_experts if moe else None
     te = use_transformer_engine()
     if te:  # untested here: no GPU
@@ -157,6 +160,13 @@ def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = Fals
         layer.self_attention.submodules.core_attention = SDPAttention
     if linear_attention:
         spec.submodules.input_layernorm, spec.submodules.self_attention = gated_delta_net_spec(te)
+    if lora is not None:
+        if te or moe or linear_attention:
+            raise NotImplementedError("LoRA adapters are built on the local dense layers only (CPU)")
+        mlp = spec.submodules.mlp  # Megatron's dense MLP spec: partial(MLP.as_mlp_submodule, submodules=...)
+        attention, mlp = spec.submodules.self_attention.submodules, mlp.keywords["submodules"]
+        for target in lora.targets:
+            setattr(attention if hasattr(attention, target) else mlp, target, adapted(target, lora))
     return spec
 
 
@@ -173,12 +183,16 @@ def gated_delta_net_spec(te: bool) -> tuple[type, ModuleSpec]:
         in_proj=column, out_norm=PlainRMSNorm, out_proj=row))
 
 
-def block_spec(arch: ModelArch, cfg: TransformerConfig) -> TransformerBlockSubmodules:
+def first_layer(arch: ModelArch, cfg: TransformerConfig) -> int:
+    """The global index of this pipeline stage's first layer."""
+    return parallel_state.get_pipeline_model_parallel_rank() * (arch.num_layers // cfg.pipeline_model_parallel_size)
+
+
+def block_spec(arch: ModelArch, cfg: TransformerConfig, lora: LoraSpec | None = None) -> TransformerBlockSubmodules:
     """This stage's layers (for a MoE each dense or sparse; for a hybrid each GDN or attention) and the final norm."""
-    per_stage = arch.num_layers // cfg.pipeline_model_parallel_size
-    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
-    layers = [layer_spec(arch, arch.is_moe_layer(i), arch.is_linear_attention_layer(i))
-              for i in range(first, first + per_stage)]
+    first = first_layer(arch, cfg)
+    layers = [layer_spec(arch, arch.is_moe_layer(i), arch.is_linear_attention_layer(i), lora)
+              for i in range(first, first + arch.num_layers // cfg.pipeline_model_parallel_size)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if use_transformer_engine() else RMSNorm)
 
 
@@ -189,11 +203,12 @@ def _stage_flags() -> dict:
     )
 
 
-def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int, tied: bool) -> GPTModel:
+def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int, tied: bool,
+         lora: LoraSpec | None = None) -> GPTModel:
     scaling = arch.rope_scaling
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec(arch, cfg),
+        transformer_layer_spec=block_spec(arch, cfg, lora),
         vocab_size=arch.padded_vocab_size(cfg.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=True,
@@ -217,11 +232,16 @@ def _gpt(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: 
     return model
 
 
-def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1) -> GPTModel:
+def build_actor(arch: ModelArch, cfg: TransformerConfig, make_vocab_size_divisible_by: int = 1,
+                lora: LoraSpec | None = None) -> GPTModel:
     """This rank's stage of the policy: a GPTModel whose last stage returns its final hidden states
     (B, S, H), not logits. The LM head keeps its weight (`lm_head_weight`), from which log-probs
-    are taken in chunks of tokens (orz/models/logprobs.py): the (B, S, V/TP) logits never exist."""
-    model = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=arch.tie_word_embeddings)
+    are taken in chunks of tokens (orz/models/logprobs.py): the (B, S, V/TP) logits never exist.
+    With `lora`, only its adapters take gradients (orz/models/lora.py)."""
+    model = _gpt(arch, cfg, make_vocab_size_divisible_by, tied=arch.tie_word_embeddings, lora=lora)
+    if lora is not None:
+        freeze_base(model)
+        init_adapters(model, first_layer(arch, cfg))
     if model.post_process:
         if model.output_layer.sequence_parallel:  # it would all-gather the sequence first (GPU; not built)
             raise NotImplementedError("the deferred LM head takes hidden states without sequence parallelism")

@@ -12,7 +12,7 @@ averages over DP (it sums), so accumulated gradients are exactly those of the wh
 import contextlib
 from dataclasses import replace
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,13 +32,14 @@ from orz.models.convert import (
     OUTPUT,
     VALUE_HEAD,
     Layout,
-    ParamRule,
     hf_shape,
     hf_to_megatron,
     param_rules,
     to_hf,
+    to_megatron,
 )
 from orz.models.inputs import ModelInputs
+from orz.models.lora import ADAPTER_NAMES, LoraColumnParallelLinear, adapter_layers
 from orz.models.routing import MoeRoutes
 from orz.models.spec import ModelSpec, Sizes
 from orz.timeline.record import RECORDER
@@ -87,8 +88,10 @@ class MegatronModel:
         # Micro-batches differ in rows and width (token budgets, the last row split): with PP the
         # stages exchange each activation's shape before sending it (cheap: 3 integers).
         self.config.variable_seq_lengths = pp > 1
-        build = build_value_model if spec.value_head else build_actor
-        module = build(arch, self.config, spec.vocab_divisible_by)
+        if spec.value_head:
+            module = build_value_model(arch, self.config, spec.vocab_divisible_by)
+        else:
+            module = build_actor(arch, self.config, spec.vocab_divisible_by, spec.lora)
         self.padded_vocab = arch.padded_vocab_size(tp, spec.vocab_divisible_by)
         self.layout = rank_layout(arch, spec.value_head, self.padded_vocab)
         self.module = module
@@ -156,6 +159,28 @@ class MegatronModel:
                 own[VALUE_HEAD + ".bias"].zero_()  # HF's score head has no bias
         self.refresh_masters()
 
+    def load_adapter(self, peft: Mapping[str, torch.Tensor]) -> None:
+        """Sets this rank's adapters from PEFT-named tensors (those `adapter_tensors` yields): a fused
+        layer's A from its first HF module's (all must be equal: one A is shared), B cut as the weight is."""
+        layers = dict(adapter_layers(self.module))
+        with torch.no_grad():
+            for rule in param_rules(self.arch, self.layout):
+                layer = layers.get(rule.megatron.removesuffix(".weight"))
+                if layer is None or not rule.megatron.endswith(".weight"):
+                    continue
+                a, b = ([peft[f"base_model.model.{hf.removesuffix('.weight')}.{m}.weight"] for hf in rule.hf]
+                        for m in ADAPTER_NAMES)
+                if isinstance(layer, LoraColumnParallelLinear):
+                    if any(not torch.equal(other, a[0]) for other in a[1:]):
+                        raise ModelConfigError(f"{rule.hf}: one Megatron layer holds these HF modules, whose "
+                                               "adapters must share one lora_A")
+                    layer.lora_A.copy_(a[0])
+                    layer.lora_B.copy_(to_megatron(rule, b, self.arch, self.layout))
+                else:
+                    layer.lora_A.copy_(to_megatron(rule, a, self.arch, self.layout))
+                    layer.lora_B.copy_(b[0])
+        self.refresh_masters()
+
     def refresh_masters(self) -> None:
         """A bf16 model's optimizer keeps fp32 master copies, made when it was built, from the
         random initialisation: weights loaded since must become the masters too, or the first
@@ -190,10 +215,39 @@ class MegatronModel:
                     for e, experts in enumerate(experts_of):  # EP rank e's shards: group ranks e·etp + etp_rank
                         ep_rule = experts[rule.megatron]
                         hf = to_hf(ep_rule, shards[e * etp:(e + 1) * etp], self.arch) if here else None
-                        yield from self._to_first_rank(ep_rule, hf, stage, dense_source)
+                        yield from self._hf_tensors_to_first_rank(ep_rule.hf, hf, stage, dense_source)
                 elif dense_source:
                     hf = to_hf(rule, self._gather(own[rule.megatron], tp_group), self.arch) if here else None
-                    yield from self._to_first_rank(rule, hf, stage, dense_source)
+                    yield from self._hf_tensors_to_first_rank(rule.hf, hf, stage, dense_source)
+
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight`, (r, in);
+        `lora_B`, (out, r)), gathered over TP and PP, yielded on the role's first rank: a collective,
+        as `hf_tensors`. A fused layer's one A is every HF module's A, its B cut into theirs."""
+        tp_group = ps.get_tensor_model_parallel_group()
+        source = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        layers = dict(adapter_layers(self.module))
+        r = self.spec.lora.rank
+        for stage in range(self.layout.pp):
+            for rule in param_rules(self.arch, replace(self.layout, tp_rank=0, pp_rank=stage)):
+                module_name = rule.megatron.removesuffix(".weight")
+                if not (source and rule.megatron.endswith(".weight")
+                        and module_name.rsplit(".", 1)[-1] in self.spec.lora.targets):
+                    continue
+                tensors = None
+                if self.layout.pp_rank == stage:
+                    layer = layers[module_name]
+                    a, b = (self._gather(m.detach(), tp_group) for m in (layer.lora_A, layer.lora_B))
+                    if isinstance(layer, LoraColumnParallelLinear):  # A replicated, B split like the weight
+                        pairs = zip([a[0]] * len(rule.hf), to_hf(rule, b, self.arch))
+                    else:  # A split like the weight (by input), B replicated
+                        pairs = zip(to_hf(rule, a, self.arch), [b[0]])
+                    tensors = [t for pair in pairs for t in pair]
+                names = [f"base_model.model.{hf.removesuffix('.weight')}.{m}.weight"
+                         for hf in rule.hf for m in ADAPTER_NAMES]
+                shapes = [shape for out, into in map(lambda n: hf_shape(n, self.arch)[:2], rule.hf)
+                          for shape in ((r, into), (out, r))]
+                yield from self._to_first_rank(names, shapes, tensors, stage, source)
 
     @staticmethod
     def _gather(local: torch.Tensor, group) -> list[torch.Tensor]:
@@ -205,22 +259,27 @@ class MegatronModel:
         dist.all_gather(shards, local, group=group)
         return shards
 
-    def _to_first_rank(self, rule: ParamRule, hf: list[torch.Tensor] | None, stage: int,
-                       dense_source: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """Moves `rule`'s HF tensors from `stage`'s first rank to the role's first rank (stage 0)
-        and yields them there."""
-        first = dense_source and self.layout.tp_rank == 0
+    def _hf_tensors_to_first_rank(self, names: tuple[str, ...], hf: list[torch.Tensor] | None, stage: int,
+                                  source: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        shapes = [hf_shape(name, self.arch) for name in names]
+        return self._to_first_rank(names, shapes, hf, stage, source)
+
+    def _to_first_rank(self, names: list[str], shapes: list[tuple[int, ...]], tensors: list[torch.Tensor] | None,
+                       stage: int, source: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Moves `stage`'s tensors `names` (of `shapes`, held by the stage's first rank) to the
+        role's first rank (stage 0), and yields them there by name."""
+        first = source and self.layout.tp_rank == 0
         if stage > 0 and first:
             pp_group = ps.get_pipeline_model_parallel_group()
             if self.layout.pp_rank == stage:
-                for tensor in hf:
+                for tensor in tensors:
                     dist.send(tensor.contiguous(), group_dst=0, group=pp_group)
             elif self.layout.pp_rank == 0:
-                hf = [torch.empty(hf_shape(n, self.arch), dtype=self.config.params_dtype) for n in rule.hf]
-                for tensor in hf:
+                tensors = [torch.empty(shape, dtype=self.config.params_dtype) for shape in shapes]
+                for tensor in tensors:
                     dist.recv(tensor, group_src=stage, group=pp_group)
         if first and self.layout.pp_rank == 0:
-            yield from zip(rule.hf, hf)
+            yield from zip(names, tensors)
 
     # ---- GPU memory between phases (untested here: no GPU) ----------------------------------
     def offload(self) -> None:

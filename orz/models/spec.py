@@ -64,6 +64,26 @@ class OptimSpec:
     use_distributed_optimizer: bool = False  # ZeRO-1: fp32 masters and Adam moments sharded over DP
 
 
+# The linear layers an adapter may sit beside, in Megatron's names (HF's in docs/lora.md):
+# column-parallel (output split over TP) and row-parallel (input split).
+LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # q, k, v / gate, up
+LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")  # o / down
+LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """Low-rank adapters beside frozen linear layers: y = W·x + (alpha/rank)·B·A·x (orz/models/lora.py)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     sizes: Sizes = Sizes()
@@ -77,6 +97,7 @@ class ModelSpec:
     routing_replay: bool = False  # the routers take given routes, and report what they chose (models/routing.py)
     logprob_chunk_tokens: int = 0  # tokens whose logits are held at once in log-prob passes; 0: the default
     optim: OptimSpec | None = None  # None: a frozen model (forward only)
+    lora: LoraSpec | None = None  # adapters, the only trained weights; None: every weight trains
 
     @property
     def trained(self) -> bool:

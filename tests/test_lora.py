@@ -1,0 +1,131 @@
+"""LoRA on the Megatron actor against `peft` on the same tiny HF model and the same adapter: logits,
+the adapters' gradients, the first forward, the frozen base, the export in PEFT's layout, at TP 2,
+PP 2 and DP 2 (TP 1)."""
+import pytest
+import torch
+from orz.models.local_world import run_world
+
+from reference_models import reference_models
+
+RANK, ALPHA = 4, 8.0  # scaling 2: a dropped alpha/rank shows
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHARED_A = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one Megatron layer each: one A
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, dp) in one world of 2
+
+
+def _peft_model(path: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+
+
+def _nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """−Σ log p(next token) / the number of predicted tokens."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])
+    return -logprobs.sum() / tokens[:, 1:].numel()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The base, a random adapter (B nonzero; fused modules' A shared), peft's logits and gradients."""
+    tokens, models = reference_models(tmp_path_factory, {"qwen3": dict(
+        family="qwen3", vocab_size=101, tie_word_embeddings=True, head_dim=32, num_layers=2)}, seq=12)
+    tokens = torch.cat([tokens, tokens[:1].flip(1)])  # 4 rows: 2 per DP replica
+    path, _, base_logits = models["qwen3"]
+    base_logits = _peft_model(path).base_model.model(tokens).logits.detach()
+    model = _peft_model(path)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            for group in SHARED_A:
+                modules = [getattr(layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else
+                                   layer.mlp, name) for name in group]
+                for module in modules:
+                    module.lora_A["default"].weight.copy_(modules[0].lora_A["default"].weight)
+            for name, param in layer.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.2, generator=generator)
+    adapter = {name.replace(".default", ""): p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    logits = model(tokens).logits
+    _nll(logits, tokens).backward()
+    grads = {name.replace(".default", ""): p.grad.clone() for name, p in model.named_parameters() if "lora_" in name}
+    return dict(path=path, tokens=tokens, base_logits=base_logits, adapter=adapter, logits=logits.detach(), grads=grads)
+
+
+def _lora_at_layouts(rank, world, layouts, path, tokens, adapter):
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.lora import adapter_layers, adapters_off
+    from orz.models.megatron_model import MegatronModel, ModelInputs
+    from orz.models.parallel import init_model_parallel
+    from orz.models.spec import LoraSpec, ModelSpec, OptimSpec, Sizes
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for tp, pp, dp in layouts:
+        sizes = Sizes(tp=tp, pp=pp, dp=dp)
+        init_model_parallel(sizes)
+        ckpt = HFCheckpoint(path)
+        model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=OptimSpec(lr=1e-3),
+                                                   lora=LoraSpec(rank=RANK, alpha=ALPHA)))
+        model.load_hf(ckpt)
+        rows = tokens.chunk(dp)[ps.get_data_parallel_rank()]
+        first = model.full_logits(rows)
+        with adapters_off(model.module):
+            base = model.full_logits(rows)
+        model.load_adapter(adapter)
+        logits = model.full_logits(rows)
+        with adapters_off(model.module):
+            off = model.full_logits(rows)
+
+        def nll(hidden, batch):
+            loss = -model.next_token_logprobs(hidden, batch.input_ids).sum() / tokens[:, 1:].numel()
+            return loss, {}
+
+        model.model.zero_grad_buffer()
+        model.run([ModelInputs(rows)], nll, forward_only=False)
+        trained = {name for name, p in model.module.named_parameters() if p.requires_grad}
+        in_optimizer = sum(len(g["params"]) for g in model.optimizer.param_groups)
+        exported = {name: t.clone() for name, t in model.adapter_tensors()}
+        with torch.no_grad():  # the gradients, exported as the adapters are
+            for _, layer in adapter_layers(model.module):
+                layer.lora_A.copy_(layer.lora_A.main_grad)
+                layer.lora_B.copy_(layer.lora_B.main_grad)
+        grads = dict(model.adapter_tensors())
+        out[tp, pp, dp] = dict(first=first, base=base, logits=logits, off=off, exported=exported, grads=grads,
+                               trained=trained, in_optimizer=in_optimizer)
+    return out
+
+
+def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
+    ref = reference
+    ranks = run_world(_lora_at_layouts, 2, LAYOUTS, ref["path"], ref["tokens"], ref["adapter"])
+    for tp, pp, dp in LAYOUTS:
+        results = [r[tp, pp, dp] for r in ranks]
+        holders = [r for r in results if r["logits"] is not None]  # the last stage's TP rank 0, per replica
+        assert len(holders) == dp
+        logits = torch.cat([r["logits"] for r in holders])
+        # The first forward (B = 0) is the base's exactly, and the base's is transformers'.
+        assert all(torch.equal(r["first"], r["base"]) for r in holders)
+        assert (torch.cat([r["base"] for r in holders]) - ref["base_logits"]).abs().max() < 1e-4
+        # With the adapter: peft's logits; with it off: the base's again.
+        assert (logits - ref["logits"]).abs().max() < 1e-4, (tp, pp, dp)
+        assert (torch.cat([r["off"] for r in holders]) - ref["base_logits"]).abs().max() < 1e-4
+        # Only the adapters train: 2 matrices × 4 layers per transformer layer, over this rank's stage.
+        for r in results:
+            assert r["trained"] and all(name.rsplit(".", 1)[1] in ("lora_A", "lora_B") for name in r["trained"])
+            assert r["in_optimizer"] == len(r["trained"]) == 2 * 4 * 2 // pp
+        # The export, on rank 0 only: peft's tensors bit for bit; the gradients: peft's, a shared A's
+        # the sum of its modules'.
+        exported, grads = results[0]["exported"], results[0]["grads"]
+        assert all(r["exported"] == {} for r in results[1:])
+        assert exported.keys() == ref["adapter"].keys()
+        for name, tensor in ref["adapter"].items():
+            assert torch.equal(exported[name], tensor), name
+        for name, want in ref["grads"].items():
+            if "lora_A" in name:
+                group = next((g for g in SHARED_A if any(f".{m}." in name for m in g)), None)
+                want = sum(ref["grads"][name.replace(f".{m0}.", f".{m}.")] for m in group
+                           for m0 in group if f".{m0}." in name) if group else want
+            assert (grads[name] - want).abs().max() <= 1e-4 * want.abs().max(), (tp, pp, dp, name)
