@@ -3,7 +3,12 @@ the adapters' gradients, the first forward, the frozen base, the export in PEFT'
 PP 2 and DP 2 (TP 1)."""
 import pytest
 import torch
+from orz.models.checkpoint import HFCheckpoint
 from orz.models.local_world import run_world
+from orz.rollout.driver import generate
+from orz.rollout.engine import SamplingConfig
+from orz.rollout.fleet import EngineFleet, FleetConfig
+from orz.rollout.weight_sync import TensorSource
 
 from reference_models import reference_models
 
@@ -11,6 +16,8 @@ RANK, ALPHA = 4, 8.0  # scaling 2: a dropped alpha/rank shows
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHARED_A = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one Megatron layer each: one A
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, dp) in one world of 2
+PROMPTS = [[1, 4, 5, 16, 6, 7, 18], [1, 6, 6, 16, 9], [1, 12, 17, 8]]
+PROMPT_IDS = [1, 4, 5, 16, 6, 7, 18, 9, 12]
 
 
 def _peft_model(path: str):
@@ -129,3 +136,80 @@ def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
                 want = sum(ref["grads"][name.replace(f".{m0}.", f".{m}.")] for m in group
                            for m0 in group if f".{m0}." in name) if group else want
             assert (grads[name] - want).abs().max() <= 1e-4 * want.abs().max(), (tp, pp, dp, name)
+
+
+def _trained_adapter(rank, world, path, tokens):
+    """A TP 2 LoRA actor after two Adam steps on `tokens`: its adapter (PEFT names), its merged
+    weights and its base weights, as the engines and exports take them."""
+    from orz.models.checkpoint import HFCheckpoint
+    from orz.models.megatron_model import MegatronModel, ModelInputs
+    from orz.models.parallel import init_model_parallel
+    from orz.models.spec import LoraSpec, ModelSpec, OptimSpec, Sizes
+
+    sizes = Sizes(tp=2)
+    init_model_parallel(sizes)
+    ckpt = HFCheckpoint(path)
+    model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=OptimSpec(lr=0.05, clip_grad=100.0),
+                                               lora=LoraSpec(rank=RANK, alpha=ALPHA)))
+    model.load_hf(ckpt)
+
+    def nll(hidden, batch):
+        return -model.next_token_logprobs(hidden, batch.input_ids).sum() / tokens[:, 1:].numel(), {}
+
+    grad_norms = [model.train_step([ModelInputs(tokens)], nll)["grad_norm"] for _ in range(2)]
+    return dict(adapter={n: t.clone() for n, t in model.adapter_tensors()}, merged=dict(model.hf_tensors(merged=True)),
+                base=dict(model.hf_tensors()), grad_norms=grad_norms)
+
+
+def test_the_engine_serves_the_synced_adapter_as_peft_and_the_merged_model_compute(ray_cluster, arith_qwen3, tmp_path):
+    """After a LoRA update at TP 2, the adapter alone is synced (its bytes: Σ r·(in + out) over the
+    HF modules, fp32), the engine serves it, and its log-probs of what it sampled equal peft's on the
+    exported adapter directory and transformers' on the merged weights; the base is untouched."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from orz.models.checkpoint import save_hf
+    from orz.models.peft_format import adapter_config, write_adapter
+    from orz.models.spec import LoraSpec
+
+    ckpt = HFCheckpoint(arith_qwen3)
+    tokens = torch.tensor([PROMPT_IDS * 3])
+    actor = run_world(_trained_adapter, 2, arith_qwen3, tokens)[0]
+    assert min(actor["grad_norms"]) > 0  # the premise: the adapter trained
+    for name, tensor in actor["base"].items():  # the base stays the base
+        assert torch.equal(tensor, ckpt.get(name)), name
+    config = adapter_config(LoraSpec(rank=RANK, alpha=ALPHA), arith_qwen3)
+    exported = write_adapter(tmp_path / "adapter", actor["adapter"].items(), config)
+    save_hf(tmp_path / "merged", actor["merged"].items(), ckpt.config, extra_files_from=arith_qwen3)
+    arch = ckpt.arch
+    shapes = [(arch.num_heads * arch.head_dim, arch.hidden_size)] + [(arch.num_kv_heads * arch.head_dim, arch.hidden_size)] * 2 \
+        + [(arch.hidden_size, arch.num_heads * arch.head_dim)] + [(arch.intermediate_size, arch.hidden_size)] * 2 \
+        + [(arch.hidden_size, arch.intermediate_size)]
+    adapter_bytes = arch.num_layers * sum(RANK * (into + out) for out, into in shapes) * 4
+
+    fleet = EngineFleet(arith_qwen3, FleetConfig(num_engines=1, engine_args={"max_model_len": 256}, kv_cache_gib=1,
+                                                 adapter=config))
+    try:
+        fleet.sync(TensorSource(actor["adapter"]), version=1)
+        sent_bytes = sum(t.numel() * t.element_size() for t in actor["adapter"].values())
+        assert fleet.sent_digests.keys() == actor["adapter"].keys() and sent_bytes == adapter_bytes
+        samples = generate(fleet, PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=10, n=2, seed=3))
+    finally:
+        fleet.shutdown()
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(arith_qwen3, dtype=torch.float32), exported)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(arith_qwen3, dtype=torch.float32)
+    moved = 0.0
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        got = torch.tensor(sample.logprobs)
+        for reference in (served, merged):
+            assert torch.allclose(got, _response_logprobs(reference, ids, len(sample.prompt_ids)), atol=1e-3)
+        moved = max(moved, (got - _response_logprobs(base, ids, len(sample.prompt_ids))).abs().max().item())
+    assert moved > 0.05  # the premise: the trained adapter moved the log-probs beyond the bound, 50×
+
+
+def _response_logprobs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    with torch.no_grad():
+        logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+    return logprobs[prompt_len - 1:].gather(1, ids[0, prompt_len:, None])[:, 0]

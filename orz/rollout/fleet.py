@@ -51,6 +51,7 @@ class FleetConfig:
     log_dir: str = ""  # each engine's stdout/stderr go to log_dir/engine-<seed>.log; "" keeps them
     sleep_mode: bool = False  # colocated: engines can sleep between rollouts (vLLM's sleep mode, GPU only)
     batch_invariant: bool = False  # vLLM's batch-invariant kernels (GPU only; untested here)
+    adapter: dict | None = None  # the syncs carry this LoRA adapter (its PEFT config), served as one
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int, *, sleep_mode: bool = False,
@@ -152,7 +153,7 @@ class EngineFleet:
             engine_args["enable_sleep_mode"] = True
         cls = ray.remote(concurrency_groups={"control": 1})(VLLMEngine)  # interrupt, beside a generation
         actor = cls.options(**self.bundles.options(i, self.cfg.cpus_per_engine, env))
-        return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir)
+        return actor.remote(self.model_dir, engine_args, self.seed + i, self.cfg.log_dir, self.cfg.adapter)
 
     # ---- colocated turns ---------------------------------------------------------------------
     def sleep(self) -> None:

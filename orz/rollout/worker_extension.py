@@ -5,6 +5,7 @@ each of an engine's TP workers is its own process and member of the weight-sync 
 import torch
 
 from orz.models.parallel import join_store
+from orz.models.peft_format import write_adapter
 from orz.rollout.weight_sync import (
     ReceiveBuffers,
     destroy,
@@ -34,7 +35,9 @@ class WorkerExtension:
             destroy(group)
             self._orz_group = None
 
-    def _orz_reload(self, named, with_digests: bool) -> dict[str, str]:
+    def _orz_reload(self, named, with_digests: bool, adapter_dir: str = "", adapter: dict | None = None) -> dict[str, str]:
+        """Loads a sync's stream into the model, or, with `adapter_dir`, writes the LoRA adapter it
+        carries there as a PEFT directory (the first worker; the others drain their copy)."""
         received, expert_layers = {}, set()
 
         def tap():
@@ -45,6 +48,13 @@ class WorkerExtension:
                     expert_layers.add(name.split(".experts.")[0])  # e.g. model.layers.3.mlp
                 yield name, tensor
 
+        if adapter_dir:
+            if self.rank == 0:
+                write_adapter(adapter_dir, tap(), adapter)
+            else:
+                for _ in tap():
+                    pass
+            return received
         self.model_runner.reload_weights(weights_iterator=tap())
         self._orz_repack_tied_head()
         self._orz_repack_experts(expert_layers)
@@ -80,12 +90,12 @@ class WorkerExtension:
         if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
             head.quant_method.process_weights_after_loading(head)
 
-    def orz_receive_broadcast(self, with_digests: bool = True) -> dict[str, str]:
+    def orz_receive_broadcast(self, with_digests: bool = True, adapter_dir: str = "", adapter: dict | None = None):
         """Loads one sync from the group; returns digests of the tensors as received."""
-        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_buffers), with_digests)
+        return self._orz_reload(receive_broadcast(self._orz_group, self._orz_buffers), with_digests, adapter_dir, adapter)
 
-    def orz_receive_object_store(self, refs, with_digests: bool = True) -> dict[str, str]:
-        return self._orz_reload(receive_object_store(refs), with_digests)
+    def orz_receive_object_store(self, refs, with_digests: bool = True, adapter_dir: str = "", adapter: dict | None = None):
+        return self._orz_reload(receive_object_store(refs), with_digests, adapter_dir, adapter)
 
     def orz_held_weights(self) -> dict[str, torch.Tensor]:
         """What this worker's model holds of its language model, un-fused back to the checkpoint's
