@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from orz.algorithm_names import ADVANTAGE_ESTIMATORS, AGGREGATIONS, IS_LEVELS, KL_PENALTIES, POLICY_LOSSES
+from orz.models.spec import LORA_TARGETS
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,8 @@ TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # trainer.loggers; jsonl
 DISTILL_OBJECTIVES = ("reverse_kl", "topk_forward_kl")  # distill.objective
 STUDENT_LOGPROBS = ("old", "engine")  # distill.student_logprobs
 ANY_SOURCE = "*"  # distill.routes: the teacher of every data_source not named
+LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (its MaxLoRARanks)
 
 
 @dataclass
@@ -86,6 +89,17 @@ class ModelConfig:
     # π_old, the reference): memory O(chunk × vocabulary / TP) whatever the response length
     # (orz/models/logprobs.py). None: as many as 128 MiB of float32 logits per rank hold.
     logprob_chunk_tokens: int | None = at_least(1, default=None, note="or unset: 128 MiB of float32 logits per rank")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the actor (docs/lora.md): only they train; the reference is the actor
+    with them off. Targets are Megatron's layers (orz/models/spec.py: LORA_TARGETS)."""
+
+    rank: int = at_least(0, default=0, note="0: off, every weight trains")
+    alpha: float = above(0, default=32.0)  # the adapter's output is scaled by alpha / rank
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    export_merged: bool = False  # trainer.export_hf also writes the merged model (beside the adapter)
 
 
 @dataclass
@@ -125,6 +139,7 @@ class RoleConfig:
     # restarting at each row; with micro_batch_tokens the budget counts real tokens.
     pack: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1 over DP: optimizer states sharded over the DP ranks (CPU and GPU)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the actor's only (a trained critic's is refused)
 
 
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}  # rollout.logprobs_mode -> vLLM's
@@ -150,6 +165,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     transport: str = field(default="collective", metadata=one_of(TRANSPORTS))  # of the weight sync
     sync_check: str = field(default="received", metadata=one_of(SYNC_CHECKS))  # digest check after each sync
+    # With actor.lora: the engines serve the adapter itself (each sync sends it alone) or, "merged",
+    # take the merged weights W + (alpha/r)·B·A (summed in fp32, cast once to the engines' dtype)
+    lora_sync: str = field(default="adapter", metadata=one_of(LORA_SYNCS))
     request_timeout_s: float = above(0, default=1800.0)  # see FleetConfig; raise it for very long generations
     # a weight sync an engine has not finished by then restarts that engine
     sync_timeout_s: float = above(0, default=600.0)

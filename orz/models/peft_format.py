@@ -29,6 +29,6 @@ def write_adapter(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.contiguous() for name, t in tensors}, out / WEIGHTS)
+    save_file({name: t.clone() for name, t in tensors}, out / WEIGHTS)  # a fused layer's modules share one A
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out

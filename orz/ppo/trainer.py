@@ -41,6 +41,7 @@ from orz.evaluation.runner import Evaluator, eval_settings
 from orz.faults import Fault
 from orz.models.arch import ModelConfigError
 from orz.models.checkpoint import HF_FILES, HFCheckpoint, keep_hf_files
+from orz.models.peft_format import adapter_config
 from orz.plan.against import compare, write_and_print
 from orz.ppo import checkpoints
 from orz.run import placement, run_rules
@@ -164,8 +165,11 @@ class RayPPOTrainer:
                                       + r.cpus_per_engine, gpu_share=layout.gpu_share) if layout.colocate else None
         longest = max(run_rules.context_length(staged, bool(envs_used(staged.rollout, self.data.train(staged.data))))
                       for _, staged in stage_configs(cfg))
+        lora = role_spec(cfg, "actor").model.lora
         fleet_cfg = FleetConfig.from_config(r, longest, sleep_mode=cfg.trainer.colocate, log_dir=self.log_dir,
-                                            batch_invariant=cfg.trainer.batch_invariant)
+                                            batch_invariant=cfg.trainer.batch_invariant,
+                                            adapter=adapter_config(lora, cfg.model.path)
+                                            if lora and r.lora_sync == "adapter" else None)
         console.print(f"[bold]orz:[/] rollout engines in {self.engine_dtype or 'the model’s own dtype'} "
                       f"(rollout.engine_dtype={r.engine_dtype})")
 
@@ -183,6 +187,10 @@ class RayPPOTrainer:
         self.fleet = fleet
         self.actor = groups["actor"]
         self.critic, self.ref, self.reward_model = (groups.get(name) for name in ("critic", "ref", "reward_model"))
+        # The KL term's reference log-probs: the reference role's, or a LoRA actor's with its adapters off
+        self.ref_logprobs_async = self.ref.logprobs_async if self.ref else (
+            lambda shared, temperature: self.actor.logprobs_async(shared, temperature, adapters=False)
+        ) if cfg.algorithm.kl_coef > 0 else None
         self.teachers = Teachers({role: groups[role] for role in placement.teacher_roles(cfg)}, cfg.distill,
                                  HFCheckpoint(cfg.model.path).arch.vocab_size)
         self.weight_source = GroupSource(self.actor)
@@ -251,7 +259,7 @@ class RayPPOTrainer:
         self.finish_checkpoint()
         if cfg.export_hf:
             with RECORDER.span("trainer/checkpoint", "export"):
-                self.actor.export_hf(str(self.out / "hf"))
+                self._export()
         plot = self.logger.close()
         timeline = self.timeline.close(dict(self._named_groups()))
         if timeline is not None:
@@ -386,9 +394,10 @@ class RayPPOTrainer:
         algo = self.algo
         shared = ray.put(experience)
         temperature = self.stage_cfg.rollout.temperature
-        old_first = self.ref is not None or _masks_mismatch(algo) or bool(self.teachers)
+        kl = self.ref_logprobs_async
+        old_first = kl is not None or _masks_mismatch(algo) or bool(self.teachers)
         old = self.actor.logprobs_async(shared, temperature) if old_first and not algo.rollout_logprobs_as_old else None
-        ref_logprobs = self.ref.logprobs_async(shared, temperature) if self.ref else None
+        ref_logprobs = kl(shared, temperature) if kl else None
         teachers = self.teachers.launch(experience, temperature)
         values = self.critic.values_async(shared) if self.critic else None
         as_old = experience.rollout_logprobs if algo.rollout_logprobs_as_old else None
@@ -454,7 +463,7 @@ class RayPPOTrainer:
         steps = self.stage_cfg.actor.steps_per_iteration
         minibatches = kept.minibatches(-(-rows // steps), seed=seed + 1, norm_len=norm_len)
         entropy_coef = self.entropy_ctl.value if self.entropy_ctl else algo.entropy_coef
-        kl_coef = self.kl_ctl.value if self.ref and not algo.kl_in_reward else 0.0
+        kl_coef = self.kl_ctl.value if self.ref_logprobs_async and not algo.kl_in_reward else 0.0
         settings = ActorSettings(algo, self.stage_cfg.rollout.temperature, entropy_coef, kl_coef,
                                  self.teachers.loss_coef)
         metrics, read_old = self.actor.train_actor_async(minibatches, settings).get(like=experience.response_mask)
@@ -522,6 +531,17 @@ class RayPPOTrainer:
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------
+    def _export(self) -> None:
+        """The final actor as an HF directory (out/hf); a LoRA actor's as its adapter, a PEFT directory
+        (out/adapter), and on request (actor.lora.export_merged) its merged model in out/hf."""
+        lora = self.run_cfg.actor.lora
+        if not lora.rank:
+            self.actor.export_hf(str(self.out / "hf"))
+            return
+        self.actor.export_adapter(str(self.out / "adapter"))
+        if lora.export_merged:
+            self.actor.export_hf(str(self.out / "hf"), merged=True)
+
     def save_checkpoint(self) -> Path:
         """checkpoints/iter_N of the trained roles, the trainer's state and the batches generated ahead."""
         state = {

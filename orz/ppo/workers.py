@@ -336,10 +336,14 @@ class MegatronWorker(FaultSite):
         rows = self._no_grad(shard, per_micro_batch, what)
         return (shard.source_rows, rows) if self._reports else None
 
-    def logprobs(self, experience: Experience, temperature: float = 1.0):
-        """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None."""
-        return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0],
-                             "log-probs")
+    def logprobs(self, experience: Experience, temperature: float = 1.0, adapters: bool = True):
+        """(dp_rank, (B_shard, T) log π of the response tokens) on reporting ranks, else None.
+        adapters=False: a LoRA actor's base model (the reference of a LoRA run)."""
+        from orz.models.lora import adapters_off
+
+        with contextlib.nullcontext() if adapters else adapters_off(self.model.module):
+            return self._forward(experience, lambda hidden, b: self._token_logprobs(hidden, b, temperature, False)[0],
+                                 "log-probs")
 
     def teacher_logprobs(self, experience: Experience, temperature: float, k: int, vocab_size: int):
         """(dp_rank, (B_shard, T, 1 + 2k) _teacher_figures) on reporting ranks, else None."""
@@ -477,10 +481,11 @@ class MegatronWorker(FaultSite):
         self.model.onload()
 
     # ---- weights out -------------------------------------------------------------------------
-    def _with_hf_tensors(self, use):
-        """use(stream of HF tensors) on rank 0; the other ranks only take part in the gather. If
-        `use` fails part-way, rank 0 still drains the stream, so no rank is left in a gather."""
-        tensors = self.model.hf_tensors()
+    def _with_hf_tensors(self, use, tensors=None):
+        """use(stream of HF tensors: `tensors`, or the model's) on rank 0; the other ranks only take
+        part in the gather. If `use` fails part-way, rank 0 still drains the stream, so no rank is
+        left in a gather."""
+        tensors = self.model.hf_tensors() if tensors is None else tensors
         try:
             return use(tensors) if self.rank == 0 else None
         finally:
@@ -500,13 +505,19 @@ class MegatronWorker(FaultSite):
         """Rank 0 joins the engines' weight group (hosted above) and broadcasts; the others help
         gather."""
         return self._with_hf_tensors(lambda tensors: self._sender.send(
-            spec, self._as_engines_hold(tensors), bucket_bytes, self._staging, with_digests))
+            spec, self._as_engines_hold(tensors), bucket_bytes, self._staging, with_digests), self._synced())
 
     def put_weights(self, bucket_bytes: int, with_digests: bool):
         from orz.rollout.weight_sync import to_object_store_buckets
 
         return self._with_hf_tensors(lambda tensors: to_object_store_buckets(
-            self._as_engines_hold(tensors), bucket_bytes, with_digests))
+            self._as_engines_hold(tensors), bucket_bytes, with_digests), self._synced())
+
+    def _synced(self):
+        """What a sync sends: the weights; a LoRA actor's adapter alone, or its merged weights."""
+        if self.spec.lora_sync == "adapter":
+            return self.model.adapter_tensors()
+        return self.model.hf_tensors(merged=self.spec.lora_sync == "merged")
 
     def _as_engines_hold(self, tensors):
         """The stream as the engines load it: the checkpoint's names (`model.language_model.*` in a
@@ -517,12 +528,22 @@ class MegatronWorker(FaultSite):
         named = ((saved_name(name, self.hf_config), tensor) for name, tensor in tensors)
         return as_engines_hold(named, self.spec.engine_dtype) if self.spec.engine_dtype else named
 
-    def export_hf(self, out_dir: str) -> str | None:
+    def export_hf(self, out_dir: str, merged: bool = False) -> str | None:
+        """The model as an HF directory; `merged`: a LoRA actor's, with its adapters merged in."""
         from orz.models.checkpoint import save_hf, with_untrained
 
         source = self.spec.model_path
         return self._with_hf_tensors(lambda tensors: str(save_hf(
-            out_dir, with_untrained(tensors, self.hf_config, source), self.hf_config, extra_files_from=source)))
+            out_dir, with_untrained(tensors, self.hf_config, source), self.hf_config, extra_files_from=source)),
+            self.model.hf_tensors(merged=merged))
+
+    def export_adapter(self, out_dir: str) -> str | None:
+        """A LoRA actor's adapter as a PEFT directory (orz/models/peft_format.py) for its base model."""
+        from orz.models.peft_format import adapter_config, write_adapter
+
+        config = adapter_config(self.spec.model.lora, self.spec.model_path)
+        return self._with_hf_tensors(lambda tensors: str(write_adapter(out_dir, tensors, config)),
+                                     self.model.adapter_tensors())
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, root: str, asynchronous: bool = False) -> None:
@@ -673,9 +694,10 @@ class WorkerGroup:
         ray.get(self._started)
 
     # ---- the role's calls: `*_async` return at once (a Pending*, or refs), the others wait ----
-    def logprobs_async(self, experience: ray.ObjectRef, temperature: float) -> PendingRows:
-        """(B, T) log π of the response tokens, in row order, once `.get()`."""
-        return PendingRows(self._call("logprobs", experience, temperature))
+    def logprobs_async(self, experience: ray.ObjectRef, temperature: float, adapters: bool = True) -> PendingRows:
+        """(B, T) log π of the response tokens, in row order, once `.get()`; adapters=False: a LoRA
+        actor's base model."""
+        return PendingRows(self._call("logprobs", experience, temperature, adapters))
 
     def teacher_logprobs_async(self, experience: ray.ObjectRef, temperature: float, k: int,
                                vocab_size: int) -> PendingRows:
@@ -738,8 +760,11 @@ class WorkerGroup:
     def onload(self) -> None:
         ray.get(self._call("onload"))
 
-    def export_hf(self, out_dir: str) -> None:
-        ray.get(self._call("export_hf", out_dir))
+    def export_hf(self, out_dir: str, merged: bool = False) -> None:
+        ray.get(self._call("export_hf", out_dir, merged))
+
+    def export_adapter(self, out_dir: str) -> None:
+        ray.get(self._call("export_adapter", out_dir))
 
     def send_weights(self, spec, bucket_bytes: int, with_digests: bool) -> dict[str, str]:
         """Every rank gathers its shards; rank 0 broadcasts to the engines' group: its digests."""

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from orz.config import RolloutConfig
+from orz.config import VLLM_LORA_RANKS, RolloutConfig
 from orz.faults import FaultSite
 from orz.models.arch import ModelConfigError, read_arch, read_hf_config, wrapper_of
 
@@ -73,15 +73,8 @@ class SamplingConfig:
 
 
 def lora_rank_bound(rank: int) -> int:
-    """The smallest of vLLM's allowed `max_lora_rank` values that holds `rank`."""
-    from typing import get_args
-
-    from vllm.config.lora import MaxLoRARanks
-
-    allowed = [r for r in get_args(MaxLoRARanks) if r >= rank]
-    if not allowed:
-        raise ModelConfigError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {max(get_args(MaxLoRARanks))}")
-    return min(allowed)
+    """The smallest of vLLM's `max_lora_rank` values that holds `rank` (lora_rules refuses a larger rank)."""
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 @dataclass

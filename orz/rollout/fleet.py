@@ -55,9 +55,10 @@ class FleetConfig:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int, *, sleep_mode: bool = False,
-                    log_dir: str = "", batch_invariant: bool = False) -> FleetConfig:
+                    log_dir: str = "", batch_invariant: bool = False, adapter: dict | None = None) -> FleetConfig:
         """The fleet of a run's `rollout` section. max_model_len: what its context must hold when
-        rollout.max_model_len is 0 (the longest prompt + response of any stage)."""
+        rollout.max_model_len is 0 (the longest prompt + response of any stage). adapter: the PEFT
+        config of a LoRA actor's adapter, which the engines serve (rollout.lora_sync=adapter)."""
         r = rollout
         engine_args = {"max_model_len": r.max_model_len or max_model_len, "max_num_seqs": r.max_num_seqs,
                        "logprobs_mode": LOGPROBS_MODES[r.logprobs_mode]}
@@ -70,7 +71,7 @@ class FleetConfig:
         return cls(num_engines=r.num_engines, engine_tp=r.engine_tp, cpus_per_engine=r.cpus_per_engine,
                    engine_args=engine_args, kv_cache_gib=r.kv_cache_gib, transport=r.transport, sync_check=r.sync_check,
                    request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s, log_dir=log_dir,
-                   sleep_mode=sleep_mode, batch_invariant=batch_invariant)
+                   sleep_mode=sleep_mode, batch_invariant=batch_invariant, adapter=adapter)
 
 
 class WeightSyncError(RuntimeError):

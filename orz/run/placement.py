@@ -39,13 +39,14 @@ def teacher_roles(cfg: ExperimentConfig) -> dict[str, str]:
 
 def roles(cfg: ExperimentConfig) -> dict[str, RoleConfig]:
     """The actor always; the critic when the estimator needs one; the reference when there is a KL
-    term (its log-probs enter the reward, the score or the loss: never built for nothing); the
+    term (its log-probs enter the reward, the score or the loss: never built for nothing) and the
+    actor has no LoRA adapters (then the reference is the actor with its adapters off); the
     reward model when one is set; every teacher (frozen, like the reference)."""
     needs_critic = estimator(cfg.algorithm).needs_critic
     out = {"actor": cfg.actor}
     if needs_critic:
         out["critic"] = cfg.critic
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not cfg.actor.lora.rank:
         out["ref"] = cfg.ref
     if cfg.reward.model.path:
         out["reward_model"] = cfg.reward.model

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from orz.config import ExperimentConfig, RoleConfig, stage_configs
-from orz.models.spec import ModelSpec, OptimSpec, Sizes
+from orz.models.spec import LoraSpec, ModelSpec, OptimSpec, Sizes
 from orz.run.placement import roles, teacher_roles
 
 TRAINED = ("actor", "critic")  # the roles with an optimizer; the reference, reward model and teachers are frozen
@@ -30,6 +30,7 @@ class RoleSpec:
     seed: int = 0
     log_dir: str = ""  # this worker's stdout/stderr go to log_dir/<name>-<rank>.log; "" keeps them
     engine_dtype: str = ""  # the actor's: what the engines hold (rollout.engine_dtype), synced weights cast to it
+    lora_sync: str = ""  # a LoRA actor's: what a sync sends, "adapter" or "merged" (rollout.lora_sync)
 
     @property
     def train(self) -> bool:
@@ -66,7 +67,9 @@ def model_spec(cfg: ExperimentConfig, name: str, role: RoleConfig) -> ModelSpec:
                      deterministic=cfg.trainer.batch_invariant, vocab_divisible_by=m.vocab_divisible_by,
                      value_head=name in VALUE_HEADS, moe_aux_loss_coef=m.moe_aux_loss_coef,
                      moe_dispatcher=m.moe_dispatcher, routing_replay=name == "actor" and cfg.rollout.routing_replay,
-                     logprob_chunk_tokens=m.logprob_chunk_tokens or 0, optim=optim)
+                     logprob_chunk_tokens=m.logprob_chunk_tokens or 0, optim=optim,
+                     lora=LoraSpec(rank=role.lora.rank, alpha=role.lora.alpha, targets=tuple(role.lora.targets))
+                     if name == "actor" and role.lora.rank else None)
 
 
 def role_spec(cfg: ExperimentConfig, name: str, log_dir: str = "", engine_dtype: str = "",
@@ -76,5 +79,6 @@ def role_spec(cfg: ExperimentConfig, name: str, log_dir: str = "", engine_dtype:
     role = roles(stage_configs(cfg)[0][1])[name]
     spec = RoleSpec(name=name, model_path=model_path(cfg, name), model=model_spec(cfg, name, role), cfg=role,
                     total_steps=optimizer_steps(cfg, name) if name in TRAINED else 1, seed=cfg.trainer.seed,
-                    log_dir=log_dir, engine_dtype=engine_dtype if name == "actor" else "")
+                    log_dir=log_dir, engine_dtype=engine_dtype if name == "actor" else "",
+                    lora_sync=cfg.rollout.lora_sync if name == "actor" and role.lora.rank else "")
     return spec.at(sizes) if sizes else spec

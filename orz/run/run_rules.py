@@ -34,6 +34,7 @@ from orz.reward.router import MODEL, RouterConfig, refuse_unknown_verifiers
 from orz.rollout.envs import PYTHON, env_names, envs_used, load_env_class
 from orz.rollout.python_tool import DELIMITERS, delimiters, prompt_tools
 from orz.run.placement import Layout, estimator, role_problems, roles
+from orz.run.lora_rules import lora_problems
 from orz.run.teacher_rules import teacher_archs, teacher_problems
 
 # Keys (shell patterns) a stage may override; each takes effect at the stage's first iteration.
@@ -115,6 +116,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if cfg.rollout.envs else []
     problems += _context_problems(cfg, arch, multi_turn, context)
     problems += _megatron_role_problems(cfg, arch, context, on_gpu) + teacher_problems(cfg, arch)
+    problems += lora_problems(cfg, arch, on_gpu)
     problems += frozen_role_problems(cfg, problems)
     return problems + _logger_problems(cfg.trainer.loggers)
 

@@ -1,0 +1,46 @@
+"""What a LoRA run must satisfy (docs/lora.md), checked before any worker starts: adapters on the
+actor only, on layers that exist and that vLLM can serve, with settings that take effect.
+
+    lora_problems(cfg, arch, on_gpu)   # one line per problem, naming the key
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from orz.config import VLLM_LORA_RANKS, ExperimentConfig, LoraConfig, RolloutConfig
+from orz.models.spec import LORA_TARGETS
+
+
+def lora_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
+    lora = cfg.actor.lora
+    problems = [f"{name}.lora.rank={role.lora.rank}: adapters are built for the actor only (a critic's LoRA is "
+                "not built; a frozen role trains nothing); remove it"
+                for name, role in (("critic", cfg.critic), ("ref", cfg.ref), ("reward.model", cfg.reward.model),
+                                   *((f"teachers.{n}", t) for n, t in cfg.teachers.items()))
+                if role.lora.rank > 0]
+    if lora.rank == 0:
+        unused = [f"actor.lora.{f.name}" for f in fields(LoraConfig)
+                  if f.name != "rank" and getattr(lora, f.name) != getattr(LoraConfig(), f.name)]
+        if cfg.rollout.lora_sync != RolloutConfig.lora_sync:
+            unused.append("rollout.lora_sync")
+        return problems + ([f"{', '.join(unused)} set while actor.lora.rank=0 (LoRA off): set a rank, or unset them"]
+                           if unused else [])
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    if unknown or not lora.targets:
+        problems.append(f"actor.lora.targets={lora.targets}: {unknown or 'none given'}; this model's layers that take "
+                        f"an adapter are {list(LORA_TARGETS)} (Megatron's names: q/k/v, o, gate/up, down)")
+    adapter = cfg.rollout.lora_sync == "adapter"
+    if adapter and lora.rank > max(VLLM_LORA_RANKS):
+        problems.append(f"actor.lora.rank={lora.rank} is above the engines' LoRA rank bound ({max(VLLM_LORA_RANKS)}, "
+                        "vLLM's largest max_lora_rank): lower it, or set rollout.lora_sync=merged")
+    if adapter and cfg.rollout.sync_check == "held":
+        problems.append("rollout.sync_check=held reads the engines' base weights back, and with "
+                        "rollout.lora_sync=adapter a sync carries the adapter only: use sync_check=received")
+    if arch is not None and (arch.moe or arch.linear_attention):
+        kind = "a mixture of experts" if arch.moe else "a Gated DeltaNet hybrid"
+        problems.append(f"actor.lora.rank={lora.rank}: {cfg.model.path} is {kind}, whose adapters (experts, GDN "
+                        "projections) are not built; LoRA runs on dense Llama/Qwen2/Qwen3 models")
+    if on_gpu:
+        problems.append(f"actor.lora.rank={lora.rank}: Transformer Engine fuses the input norm into linear_qkv and "
+                        "linear_fc1, and the adapters there are not built (they run on Megatron's local layers, CPU)")
+    return problems
