@@ -241,7 +241,8 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     train(load_config(None, overrides(out)))
     rows = history(out)[1:]
     assert all(row["actor/grad_norm"] > 0 for row in rows)
-    assert rows[0]["actor/kl_ref"] == 0.0 and all(row["actor/kl_ref"] > 0 for row in rows[1:])
+    # k1 = log π − log π_ref per token: exactly 0 while B = 0, then a trained adapter's own share
+    assert rows[0]["actor/kl_ref"] == 0.0 and all(row["actor/kl_ref"] != 0.0 for row in rows[1:])
     rewards = [row["reward/mean"] for row in rows]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.02, rewards  # measured 0.0145 -> 0.08
     logs = {p.name.split("-")[0] for p in (out / "logs").iterdir()}
@@ -263,3 +264,42 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     resumed = history(branch)
     assert [row["step"] for row in resumed] == [5, 6]
     assert all(deterministic(row) == deterministic(whole[row["step"]]) for row in resumed)
+
+
+@pytest.mark.parametrize("overrides,arch,on_gpu,expected", [
+    (["actor.lora.rank=-1"], None, False, "actor.lora.rank=-1"),
+    (["actor.lora.rank=8", "actor.lora.alpha=0"], None, False, "actor.lora.alpha=0"),
+    (["actor.lora.rank=8", "actor.lora.targets=[linear_qkv, q_proj]"], None, False,
+     "actor.lora.targets=['linear_qkv', 'q_proj']: ['q_proj']; this model's layers that take an adapter are "
+     "['linear_qkv', 'linear_fc1', 'linear_proj', 'linear_fc2']"),
+    (["actor.lora.rank=1024"], None, False, "actor.lora.rank=1024 is above the engines' LoRA rank bound (512"),
+    (["actor.lora.rank=8", "critic.lora.rank=8", "algorithm.advantage=gae"], None, False,
+     "critic.lora.rank=8: adapters are built for the actor only"),
+    (["actor.lora.rank=8", "rollout.sync_check=held"], None, False, "rollout.sync_check=held reads the engines' base"),
+    (["actor.lora.rank=8"], "Qwen3-30B-A3B", False, "is a mixture of experts, whose adapters"),
+    (["actor.lora.rank=8"], "Qwen3.5-27B", False, "is a Gated DeltaNet hybrid, whose adapters"),
+    (["actor.lora.rank=8"], "Qwen3-8B", True, "Transformer Engine fuses the input norm"),
+    (["actor.lora.alpha=8", "rollout.lora_sync=merged"], None, False,
+     "actor.lora.alpha, rollout.lora_sync set while actor.lora.rank=0 (LoRA off)"),
+])
+def test_lora_settings_that_cannot_take_effect_are_refused_naming_the_key(tmp_path, overrides, arch, on_gpu, expected):
+    from orz.config import ConfigError, load_config
+    from orz.models.presets import MODELS
+    from orz.run import run_rules
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match="") as err:
+        run_rules.check(cfg, MODELS[arch] if arch else None, on_gpu=on_gpu)
+    assert expected in str(err.value)
+
+
+def test_a_rank_within_vllms_bound_is_taken_and_the_bound_is_vllms_own():
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from orz.config import VLLM_LORA_RANKS
+    from orz.rollout.engine import lora_rank_bound
+
+    assert VLLM_LORA_RANKS == get_args(MaxLoRARanks)
+    assert [lora_rank_bound(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
