@@ -125,7 +125,7 @@ def _checked(cfg: ExperimentConfig):
     from orz.faults import Fault
     from orz.models.checkpoint import HFCheckpoint
     from orz.ppo import checkpoints
-    from orz.run import placement, resume, run_rules
+    from orz.run import lora_rules, placement, resume, run_rules
 
     try:
         Fault.parse(cfg.trainer.fault)
@@ -139,6 +139,7 @@ def _checked(cfg: ExperimentConfig):
         trained = {"actor": arch} | ({"critic": HFCheckpoint(cfg.model.critic_path or cfg.model.path).arch}
                                      if "critic" in placement.roles(cfg) else {})
         problems = run_rules.checkpoint_problems(start.checkpoint, trained)
+        problems = problems or lora_rules.base_problems(start.checkpoint, cfg)
         if problems:
             raise ConfigError("\n".join(problems))
         saved = checkpoints.saved_state(start.checkpoint)["config"]

@@ -76,7 +76,7 @@ def _lora_at_layouts(rank, world, layouts, path, tokens, adapter):
         sizes = Sizes(tp=tp, pp=pp, dp=dp)
         init_model_parallel(sizes)
         ckpt = HFCheckpoint(path)
-        model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=OptimSpec(lr=1e-3),
+        model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=OptimSpec(lr=1e-3, clip_grad=1e6),
                                                    lora=LoraSpec(rank=RANK, alpha=ALPHA)))
         model.load_hf(ckpt)
         rows = tokens.chunk(dp)[ps.get_data_parallel_rank()]
@@ -92,18 +92,17 @@ def _lora_at_layouts(rank, world, layouts, path, tokens, adapter):
             loss = -model.next_token_logprobs(hidden, batch.input_ids).sum() / tokens[:, 1:].numel()
             return loss, {}
 
-        model.model.zero_grad_buffer()
-        model.run([ModelInputs(rows)], nll, forward_only=False)
+        exported = {name: t.clone() for name, t in model.adapter_tensors()}
+        grad_norm = model.train_step([ModelInputs(rows)], nll)["grad_norm"]  # clip_grad 1e6: grads unscaled
         trained = {name for name, p in model.module.named_parameters() if p.requires_grad}
         in_optimizer = sum(len(g["params"]) for g in model.optimizer.param_groups)
-        exported = {name: t.clone() for name, t in model.adapter_tensors()}
         with torch.no_grad():  # the gradients, exported as the adapters are
             for _, layer in adapter_layers(model.module):
                 layer.lora_A.copy_(layer.lora_A.main_grad)
                 layer.lora_B.copy_(layer.lora_B.main_grad)
         grads = dict(model.adapter_tensors())
         out[tp, pp, dp] = dict(first=first, base=base, logits=logits, off=off, exported=exported, grads=grads,
-                               trained=trained, in_optimizer=in_optimizer)
+                               trained=trained, in_optimizer=in_optimizer, grad_norm=grad_norm)
     return out
 
 
@@ -132,12 +131,16 @@ def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
         assert exported.keys() == ref["adapter"].keys()
         for name, tensor in ref["adapter"].items():
             assert torch.equal(exported[name], tensor), name
+        squares = 0.0  # Σ g² over Megatron's parameters: each B once, each shared A once
         for name, want in ref["grads"].items():
-            if "lora_A" in name:
-                group = next((g for g in SHARED_A if any(f".{m}." in name for m in g)), None)
+            group = next((g for g in SHARED_A if any(f".{m}." in name for m in g)), None)
+            if "lora_A" in name and group:
                 want = sum(ref["grads"][name.replace(f".{m0}.", f".{m}.")] for m in group
-                           for m0 in group if f".{m0}." in name) if group else want
+                           for m0 in group if f".{m0}." in name)
             assert (grads[name] - want).abs().max() <= 1e-4 * want.abs().max(), (tp, pp, dp, name)
+            squares += float(want.square().sum()) if "lora_B" in name or not group or f".{group[0]}." in name else 0.0
+        # The optimizer's norm counts a TP-split matrix over every rank, a replicated one once.
+        assert all(r["grad_norm"] == pytest.approx(squares ** 0.5, rel=1e-4) for r in results), (tp, pp, dp)
 
 
 def _trained_adapter(rank, world, path, tokens):
@@ -223,11 +226,18 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     starts (the KL's reference is the actor with its adapters off: 0 at the first iteration, where
     B = 0, and not after), the adapters train and the reward rises, the engines serve each version's
     adapter (their log-probs of their own samples are the actor's π_old), the run ends with a PEFT
-    adapter that peft loads and the merged model, and a resume from iteration 4 repeats the rest exactly."""
+    adapter that peft loads and the merged model. Its checkpoints hold the adapters (and their
+    optimizer) for a base named by path and fingerprint: a resume from iteration 4 repeats the rest
+    exactly, at TP 2 within 1e-5, and onto another base is refused."""
+    import shutil
+
+    from megatron.core.dist_checkpointing import load_tensors_metadata
     from peft import PeftModel
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from orz.config import load_config
+    from orz.config import ConfigError, load_config
+    from orz.models.checkpoint import read_megatron_meta, weights_fingerprint
     from orz.train import run as train
     from run_history import deterministic, history
 
@@ -258,12 +268,36 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     ids = torch.tensor([PROMPT_IDS])
     with torch.no_grad():
         assert (served(ids).logits - merged(ids).logits).abs().max() < 1e-4
-    branch = tmp_path / "branch"
-    train(load_config(None, [*overrides(branch), f"trainer.resume_from={out / 'checkpoints' / 'iter_000004'}"]))
+    # The checkpoint holds the adapters and their optimizer only, and names its base by a fingerprint.
+    saved = out / "checkpoints" / "iter_000004"
+    keys = load_tensors_metadata(str(saved / "actor")).keys()
+    assert keys and all("lora_" in key for key in keys if "decoder.layers" in key), sorted(keys)[:5]
+    assert not [key for key in keys if "embedding" in key or "final_layernorm" in key]
+    assert read_megatron_meta(saved / "actor")["lora_base"] == {"path": arith_model,
+                                                                "fingerprint": weights_fingerprint(arith_model)}
     whole = {row["step"]: row for row in history(out)}
+    branch = tmp_path / "branch"
+    train(load_config(None, [*overrides(branch), f"trainer.resume_from={saved}"]))
     resumed = history(branch)
     assert [row["step"] for row in resumed] == [5, 6]
     assert all(deterministic(row) == deterministic(whole[row["step"]]) for row in resumed)
+    # At TP 2 the adapters are re-cut (B of linear_qkv/fc1 by rows, A of linear_proj/fc2 by columns):
+    # the same samples, the update's figures within 1e-5 (sums in another order).
+    tp2 = tmp_path / "tp2"
+    train(load_config(None, [*overrides(tp2), "trainer.iterations=5", "actor.tp=2", f"trainer.resume_from={saved}"]))
+    again = history(tp2)[0]
+    assert again["step"] == 5 and again["reward/mean"] == whole[5]["reward/mean"]
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/kl_ref"):
+        assert again[key] == pytest.approx(whole[5][key], rel=1e-5, abs=1e-9), key
+    # Onto another base (the same architecture, other weights) the adapters are refused before start.
+    other = tmp_path / "other_base"
+    shutil.copytree(arith_model, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({name: t + 0.01 for name, t in weights.items()}, other / "model.safetensors")
+    with pytest.raises(ConfigError, match=f"trained on the base model {arith_model}, whose weights differ from "
+                                          f"this run's model.path={other}"):
+        train(load_config(None, [*overrides(tmp_path / "refused"), f"model.path={other}",
+                                 f"trainer.resume_from={saved}"]))
 
 
 @pytest.mark.parametrize("overrides,arch,on_gpu,expected", [

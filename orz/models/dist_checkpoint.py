@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from orz.models.arch import ModelConfigError
+from orz.models.lora import ADAPTER_NAMES
 from orz.models.checkpoint import (
     FAST,
     MEGATRON_META,
@@ -72,6 +73,8 @@ def optimizer_kind(megatron_model) -> str | None:
 def _state(megatron_model, loading: bool, sharding: str, with_optimizer: bool, with_rng: bool) -> dict:
     """The sharded state dict of the model, its optimizer and this rank's RNG."""
     model = megatron_model.module.sharded_state_dict()
+    if megatron_model.spec.lora is not None:  # the frozen base is its HF directory's (lora_base in the meta)
+        model = {key: value for key, value in model.items() if key.rsplit(".", 1)[-1] in ADAPTER_NAMES}
     state = {"model": model}
     if with_optimizer and megatron_model.optimizer is not None:
         # Keys without the chain's `chained_i.` prefix, so that the model-shaped cuts are the same
@@ -200,7 +203,7 @@ def load(megatron_model, directory: str | Path, with_optimizer: bool = True, adj
     state = _state(megatron_model, True, sharding, kind is not None, with_rng=meta["layout"] == mine)
     _check_shapes(state, directory)
     loaded = dist_checkpointing.load(state, str(directory))
-    megatron_model.module.load_state_dict(loaded["model"])
+    _load_model_state(megatron_model, loaded["model"])
     if kind is None:
         megatron_model.refresh_masters()
     elif meta["chained"] == len(chain(megatron_model.optimizer)):
@@ -213,6 +216,16 @@ def load(megatron_model, directory: str | Path, with_optimizer: bool = True, adj
     if "rng" in loaded:
         torch.set_rng_state(loaded["rng"])
     return meta
+
+
+def _load_model_state(megatron_model, state: dict) -> None:
+    """The loaded weights into the model: all of them, or a LoRA model's adapters (its base stays
+    as loaded from the HF directory)."""
+    missing, unexpected = megatron_model.module.load_state_dict(state, strict=megatron_model.spec.lora is None)
+    adapters_missing = [key for key in missing if key.rsplit(".", 1)[-1] in ADAPTER_NAMES]
+    if adapters_missing or unexpected:
+        raise ModelConfigError(f"a LoRA checkpoint without adapters {adapters_missing[:3]} or with other weights "
+                               f"{unexpected[:3]}")
 
 
 @torch.no_grad()  # the fp32 masters are leaves that require grad

@@ -22,11 +22,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -38,12 +39,16 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 class _Adapter:
     """What both parallel kinds share: the two matrices, their scaling and the switch."""
 
-    def _add_adapter(self, lora: LoraSpec, in_local: int, out_local: int) -> None:
+    def _add_adapter(self, lora: LoraSpec, in_local: int, out_local: int, split: str) -> None:
+        """`split`: the matrix split over TP ("lora_B" by rows, or "lora_A" by columns), marked as
+        Megatron marks its split weights, so that the gradient norm sums it over TP ranks (and
+        counts the replicated one once)."""
         if self.config.sequence_parallel:
             raise NotImplementedError("LoRA adapters take the full sequence (sequence parallelism is not built)")
         dtype = self.config.params_dtype
         self.lora_A = torch.nn.Parameter(torch.zeros(lora.rank, in_local, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, lora.rank, dtype=dtype))
+        set_tensor_model_parallel_attributes(getattr(self, split), is_parallel=True, dim=int(split == "lora_A"), stride=1)
         self.lora_scaling = lora.scaling
         self.lora_on = True
 
@@ -57,10 +62,12 @@ class _Adapter:
 class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
     """A column-parallel layer with an adapter: A replicated, B split by output rows."""
 
-    def __init__(self, input_size: int, output_size: int, *, lora: LoraSpec, **kwargs):
+    def __init__(self, input_size: int, output_size: int, *, lora: LoraSpec, fc1: bool = False, **kwargs):
+        """fc1: a SwiGLU's linear_fc1, whose rank r holds [gate_r; up_r] (B's rows too)."""
         super().__init__(input_size, output_size, **kwargs)
         assert not self.gather_output, "the adapter adds to this rank's output rows"
-        self._add_adapter(lora, input_size, self.output_size_per_partition)
+        self._add_adapter(lora, input_size, self.output_size_per_partition, split="lora_B")
+        self.swiglu = fc1 and self.config.gated_linear_unit
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -70,7 +77,15 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
         return output + self.lora_scaling * F.linear(low, self.lora_B), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return self._sharded(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0, "lora_B": 0})
+        """B split by rows; a SwiGLU's B as Megatron cuts its fc1 weight ([gate_r; up_r] per rank,
+        its MLP's `apply_swiglu_sharded_factory`), so that it loads at another TP."""
+        state = self._sharded(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0, "lora_B": 0})
+        if self.swiglu:
+            key = f"{prefix}lora_B"
+            state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets,
+                                                      metadata.get("singleton_local_shards", False),
+                                                      tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
+        return state
 
 
 class LoraRowParallelLinear(_Adapter, RowParallelLinear):
@@ -78,7 +93,7 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, lora: LoraSpec, **kwargs):
         super().__init__(input_size, output_size, **kwargs)
-        self._add_adapter(lora, self.input_size_per_partition, output_size)
+        self._add_adapter(lora, self.input_size_per_partition, output_size, split="lora_A")
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -93,8 +108,9 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
 
 def adapted(target: str, lora: LoraSpec) -> ModuleSpec:
     """The layer spec of `target` with an adapter, in place of Megatron's plain linear layer."""
-    kind = LoraColumnParallelLinear if target in LORA_COLUMN_TARGETS else LoraRowParallelLinear
-    return ModuleSpec(module=kind, params={"lora": lora})
+    if target in LORA_COLUMN_TARGETS:
+        return ModuleSpec(module=LoraColumnParallelLinear, params={"lora": lora, "fc1": target == "linear_fc1"})
+    return ModuleSpec(module=LoraRowParallelLinear, params={"lora": lora})
 
 
 def adapter_layers(module: torch.nn.Module):

@@ -552,9 +552,13 @@ class MegatronWorker(FaultSite):
         step count (its settings come from the stage's config: `configure`). asynchronous (GPU,
         trainer.async_save): the files are written in the background until `finish_saves`."""
         from orz.models import dist_checkpoint
-        from orz.models.checkpoint import HFCheckpoint
+        from orz.models.checkpoint import HFCheckpoint, weights_fingerprint
 
         meta = {"role": self.spec.name} | ({"scheduler_steps": self.scheduler.num_steps} if self.spec.train else {})
+        if self.spec.model.lora is not None:  # the adapters' base: loaded from its HF directory on resume
+            if not hasattr(self, "_base_fingerprint"):
+                self._base_fingerprint = weights_fingerprint(self.spec.model_path)
+            meta["lora_base"] = {"path": self.spec.model_path, "fingerprint": self._base_fingerprint}
         with RECORDER.span(self._lane, "save"):
             request = dist_checkpoint.save(self.model, root, meta, HFCheckpoint(self.spec.model_path).config,
                                            asynchronous=asynchronous)

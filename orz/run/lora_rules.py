@@ -2,10 +2,12 @@
 actor only, on layers that exist and that vLLM can serve, with settings that take effect.
 
     lora_problems(cfg, arch, on_gpu)   # one line per problem, naming the key
+    base_problems(ckpt, cfg)           # a checkpoint's adapters against this run's base model
 """
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 from orz.config import VLLM_LORA_RANKS, ExperimentConfig, LoraConfig, RolloutConfig
 from orz.models.spec import LORA_TARGETS
@@ -44,3 +46,20 @@ def lora_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
         problems.append(f"actor.lora.rank={lora.rank}: Transformer Engine fuses the input norm into linear_qkv and "
                         "linear_fc1, and the adapters there are not built (they run on Megatron's local layers, CPU)")
     return problems
+
+
+def base_problems(ckpt: Path, cfg: ExperimentConfig) -> list[str]:
+    """A resume whose actor checkpoint holds adapters for another base than model.path (by the
+    fingerprint of its weights), or holds LoRA where the run has none, or the reverse."""
+    from orz.models.checkpoint import read_megatron_meta, weights_fingerprint
+
+    saved = read_megatron_meta(ckpt / "actor").get("lora_base")
+    rank = cfg.actor.lora.rank
+    if bool(saved) != bool(rank):
+        held = f"LoRA adapters for {saved['path']}" if saved else "the whole actor (no adapters)"
+        return [f"{ckpt / 'actor'} holds {held}, and this run has actor.lora.rank={rank}: resume with the "
+                "setting it was saved with"]
+    if saved and saved["fingerprint"] != weights_fingerprint(cfg.model.path):
+        return [f"{ckpt / 'actor'}: its adapters were trained on the base model {saved['path']}, whose weights "
+                f"differ from this run's model.path={cfg.model.path}; resume on the base they were trained on"]
+    return []
