@@ -38,11 +38,12 @@ from orz.models.checkpoint import (
     read_megatron_meta,
     require_untrained_source,
     save_hf,
+    weights_fingerprint,
     with_untrained,
 )
 from orz.models.convert import Layout, param_rules
 from orz.models.local_world import run_world
-from orz.models.spec import ModelSpec, Sizes, smallest_dp
+from orz.models.spec import LoraSpec, ModelSpec, Sizes, smallest_dp
 
 ROLES_WITH_CHECKPOINTS = ("actor", "critic")
 
@@ -79,26 +80,40 @@ def hf2mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, vocab_divisibl
     return Path(out_dir)
 
 
-def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like):
+def _mcore2hf_rank(rank, world, mcore_dir, out_dir, like, merged):
     from orz.models import dist_checkpoint
     from orz.models.megatron_model import MegatronModel
     from orz.models.parallel import init_model_parallel
+    from orz.models.peft_format import adapter_config, write_adapter
 
     meta = read_megatron_meta(mcore_dir)
     init_model_parallel()
+    lora = LoraSpec(**(meta["lora"] | {"targets": tuple(meta["lora"]["targets"])})) if "lora" in meta else None
     # The saved vocabulary padding (a multiple of itself at TP 1), so that every shape matches.
     model = MegatronModel(arch_from_dict(meta["hf_config"], Path(mcore_dir)),
-                          ModelSpec(dtype=meta["dtype"], vocab_divisible_by=meta["padded_vocab"]))
+                          ModelSpec(dtype=meta["dtype"], vocab_divisible_by=meta["padded_vocab"], lora=lora))
+    if lora is not None:  # the adapters' checkpoint holds them alone: the base is its HF directory's
+        model.load_hf(HFCheckpoint(meta["lora_base"]["path"]))
     dist_checkpoint.load(model, mcore_dir, with_optimizer=False)
-    tensors = with_untrained(model.hf_tensors(), meta["hf_config"], like)
+    if lora is not None and not merged:
+        return str(write_adapter(out_dir, model.adapter_tensors(), adapter_config(lora, meta["lora_base"]["path"])))
+    tensors = with_untrained(model.hf_tensors(merged=merged), meta["hf_config"], like)
     return str(save_hf(out_dir, tensors, meta["hf_config"], extra_files_from=like))
 
 
-def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
+def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None, merged: bool = False) -> Path:
     """A complete HF directory from any Megatron directory orz wrote; `like` (an HF dir) supplies
     the tokenizer and other files (default: those kept for it: hf2mcore's beside it, a trainer
-    checkpoint's in its run directory). Refused, before anything is written, where there are none."""
+    checkpoint's in its run directory). Refused, before anything is written, where there are none.
+    A LoRA actor's checkpoint gives its adapter as a PEFT directory, or with `merged` the merged model;
+    its base must still be where it was trained, with the same weights (by their fingerprint)."""
     meta = read_megatron_meta(mcore_dir)  # refuses any other format, naming it, before a process starts
+    if merged and "lora" not in meta:
+        raise ModelConfigError(f"{mcore_dir}: --merged merges a LoRA checkpoint's adapters, and this one has none")
+    base = meta.get("lora_base")
+    if base and (not Path(base["path"]).is_dir() or weights_fingerprint(base["path"]) != base["fingerprint"]):
+        raise ModelConfigError(f"{mcore_dir}: its adapters were trained on {base['path']}, which is gone or holds "
+                               "other weights now; put that base model back there")
     like = like or kept_hf_files(mcore_dir)
     if meta["value_head"]:
         raise ModelConfigError(f"{mcore_dir}: a value model's checkpoint (critic): its scalar head has no HF "
@@ -108,7 +123,7 @@ def mcore2hf(mcore_dir: str, out_dir: str, like: str | None = None) -> Path:
                                "written before 2026-12-07 references none); pass --like <the HF directory it was "
                                "trained from>, whose tokenizer, generation config and chat template are copied")
     require_untrained_source(meta["hf_config"], like, str(mcore_dir))
-    return Path(run_world(_mcore2hf_rank, 1, str(mcore_dir), str(out_dir), like, timeout=3600)[0])
+    return Path(run_world(_mcore2hf_rank, 1, str(mcore_dir), str(out_dir), like, merged, timeout=3600)[0])
 
 
 def _upgrade_rank(rank, world, spec, old_dir, new_dir):
@@ -208,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mcore", required=True, help="hf2mcore's output, or <run>/checkpoints/iter_N/actor")
     p.add_argument("--out", required=True)
     p.add_argument("--like", help="HF directory to copy tokenizer files from")
+    p.add_argument("--merged", action="store_true", help="a LoRA checkpoint: the merged model, not the adapter")
     p = sub.add_parser("upgrade", help="a checkpoint orz wrote before 2026-12-05 -> Megatron's format, in place")
     p.add_argument("checkpoint", help="<run>/checkpoints/iter_N")
     p = sub.add_parser("verify", help="logits of Megatron(TP, PP) vs transformers, as JSON")
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf2mcore":
             print(hf2mcore(args.hf, args.out, args.tp, args.pp, args.vocab_divisible_by, args.ep, args.etp))
         elif args.command == "mcore2hf":
-            print(mcore2hf(args.mcore, args.out, args.like))
+            print(mcore2hf(args.mcore, args.out, args.like, args.merged))
         elif args.command == "upgrade":
             print("\n".join(map(str, upgrade(args.checkpoint))))
         else:

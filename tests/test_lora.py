@@ -237,6 +237,7 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     from transformers import AutoModelForCausalLM
 
     from orz.config import ConfigError, load_config
+    from orz.convert import mcore2hf
     from orz.models.checkpoint import read_megatron_meta, weights_fingerprint
     from orz.train import run as train
     from run_history import deterministic, history
@@ -268,6 +269,13 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     ids = torch.tensor([PROMPT_IDS])
     with torch.no_grad():
         assert (served(ids).logits - merged(ids).logits).abs().max() < 1e-4
+    # Any LoRA checkpoint exports as the run did: its adapter, or the merged model (`orz convert mcore2hf`).
+    last = out / "checkpoints" / "iter_000006" / "actor"
+    again = load_file(mcore2hf(str(last), str(tmp_path / "adapter"), None) / "adapter_model.safetensors")
+    assert again.keys() == load_file(out / "adapter" / "adapter_model.safetensors").keys()
+    assert all(torch.equal(t, load_file(out / "adapter" / "adapter_model.safetensors")[n]) for n, t in again.items())
+    merged_again = load_file(mcore2hf(str(last), str(tmp_path / "merged"), None, merged=True) / "model.safetensors")
+    assert all(torch.equal(t, load_file(out / "hf" / "model.safetensors")[n]) for n, t in merged_again.items())
     # The checkpoint holds the adapters and their optimizer only, and names its base by a fingerprint.
     saved = out / "checkpoints" / "iter_000004"
     keys = load_tensors_metadata(str(saved / "actor")).keys()

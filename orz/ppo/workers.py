@@ -16,7 +16,7 @@ import io
 import os
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import ray
 import torch
@@ -559,6 +559,7 @@ class MegatronWorker(FaultSite):
             if not hasattr(self, "_base_fingerprint"):
                 self._base_fingerprint = weights_fingerprint(self.spec.model_path)
             meta["lora_base"] = {"path": self.spec.model_path, "fingerprint": self._base_fingerprint}
+            meta["lora"] = asdict(self.spec.model.lora)
         with RECORDER.span(self._lane, "save"):
             request = dist_checkpoint.save(self.model, root, meta, HFCheckpoint(self.spec.model_path).config,
                                            asynchronous=asynchronous)
