@@ -91,7 +91,7 @@ SIGNAL_LEAD ?= 1800
 LAYOUT ?=
 ARGS ?=
 SLURM_RECIPES := orz-7b-ppo orz-7b-grpo orz-32b-ppo skywork-or1-grpo qwen3-8b-grpo qwen3-8b-distill qwen3-30b-a3b-grpo \
-	qwen3-5-27b-grpo
+	qwen3-5-27b-grpo qwen3-32b-lora-grpo
 SLURM_RUN = $(if $(CLUSTER),--cluster $(CLUSTER)) playground/$(subst -,_,$@).py 'model.path=$(MODEL)' \
 	'data.train=[$(DATA)]' $(ARGS)
 

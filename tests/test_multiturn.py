@@ -331,7 +331,10 @@ def _async_partial(tiny_run, tool_model, rows, teacher):
     """Overrides of a multi-turn run, asynchronous and partial, with the overlong penalty: Echo's
     rows and a user's agent loop's (Reviser), three turns, two sequences decoded at a time (so that
     the update interrupts the batch ahead mid-turn), a checkpoint every iteration; a teacher's
-    reverse-KL term added to the task reward's advantages (docs/distillation.md)."""
+    reverse-KL term added to the task reward's advantages (docs/distillation.md); the actor trained
+    through rank-8 LoRA adapters, which the engines serve (docs/lora.md): the tests below that
+    compare the engine's log-probs with π_old on the actor's own tokens, continued conversations
+    included, and resume the run, check that the adapter of every version arrived and came back."""
     def overrides(out):
         return [*tiny_run(out, "grpo", iterations=3, model=tool_model), f"data.train=[{rows}]", "data.eval={}",
                 f"data.prompt_max_tokens={PROMPT_MAX}", "rollout.stop=[]", f"rollout.max_new_tokens={TURN}",
@@ -341,7 +344,8 @@ def _async_partial(tiny_run, tool_model, rows, teacher):
                 "reward.weights={digits: 1.0, math: 0.0, echo: 0.5, revise: 0.25}", "trainer.max_staleness=1", "rollout.partial=true",
                 f"algorithm.overlong_buffer={BUFFER}", "trainer.dump_per_token=true", "trainer.export_hf=false",
                 "trainer.keep_checkpoints=1", "trainer.keep_every=2", f"teachers.other.path={teacher}",
-                "distill.task_reward=true", "distill.student_logprobs=engine", "distill.coef=0.5"]
+                "distill.task_reward=true", "distill.student_logprobs=engine", "distill.coef=0.5",
+                "actor.lora.rank=8", "actor.lora.alpha=16", "actor.lr=5e-3", "actor.lora.targets=[linear_qkv, linear_fc2]"]
 
     return overrides
 
@@ -404,6 +408,12 @@ def test_conversations_continued_across_the_update_train_with_the_overlong_penal
             penalised += penalty < 0
     assert mixed > 0, "no model turn was continued across the update"  # the premise
     assert 0 < penalised < 48  # the premise: the penalty bound, and not on every sample
+    # The actor trained adapters on linear_qkv and linear_fc2 only (actor.lora.targets), as its checkpoint holds.
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    adapted = {key.split(".")[-2] for key in load_tensors_metadata(str(out / "checkpoints/iter_000003/actor"))
+               if key.endswith(("lora_A", "lora_B"))}
+    assert adapted == {"linear_qkv", "linear_fc2"}, adapted
 
 
 @pytest.mark.slow

@@ -289,7 +289,7 @@ def test_every_large_recipe_names_its_cluster():
     large = {p.stem for p in (REPO / "playground").glob("*.py") if p.stem not in ("__init__",) and "tiny" not in p.stem}
     assert large == set(_planned_recipes()) == {"orz_7b_ppo", "orz_7b_grpo", "orz_32b_ppo", "skywork_or1_grpo",
                                                 "qwen3_8b_grpo", "qwen3_8b_distill", "qwen3_30b_a3b_grpo",
-                                                "qwen3_5_27b_grpo"}
+                                                "qwen3_5_27b_grpo", "qwen3_32b_lora_grpo"}
     # ... and each has its Make target beside the others (`make qwen3-8b-grpo NODES=4 ...`)
     makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")  # the list continues over lines
     targets = next(line for line in makefile.splitlines() if line.startswith("SLURM_RECIPES"))
@@ -307,6 +307,33 @@ def test_every_large_recipe_fits_the_cluster_its_docstring_names(recipe, capsys,
     assert all(r["total"] <= r["limit"] for stage in out["stages"] for r in stage["memory_gib"].values())
     if recipe == "skywork_or1_grpo":  # its three context stages, each planned at its own length
         assert [stage["stage"] for stage in out["stages"]] == ["stage 0", "stage 1", "stage 2"]
+
+
+def test_lora_plans_qwen3_32b_on_one_node_where_full_weights_need_three(capsys, monkeypatch):
+    """The LoRA recipe's actor (TP4, rank 32 on every linear layer): a frozen bf16 base, the
+    adapters' bf16 copy, fp32 grads and 12 bytes of optimizer each (by hand: lora_params per layer
+    at TP4), no reference role; 8 GPUs. The same recipe at full weights does not fit there, nor at
+    TP8 on 2 nodes; at TP8 DP2 with ZeRO-1 it does, on 20 GPUs (3 nodes)."""
+    monkeypatch.chdir(REPO)
+    recipe = ["--cluster", "configs/clusters/h100_1x8.yaml", "--recipe", "playground/qwen3_32b_lora_grpo.py",
+              "model.path=Qwen3-32B"]
+    stage = _memory(capsys, *recipe)
+    arch = MODELS["Qwen3-32B"]
+    h, d, a, g, f, r = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate_size, 32
+    per_layer = (r * h + r * d * (a + 2 * g) // 4) + (r * a * d // 4 + h * r) + (r * h + r * 2 * f // 4) + (r * f // 4 + h * r)
+    adapters = arch.num_layers * per_layer
+    actor = stage["memory_gib"]["actor"]
+    assert set(stage["memory_gib"]) == {"actor", "rollout"} and stage["gpus"] == 8 and stage["fits"]
+    assert sum(role["gpus"] for role in stage["memory_gib"].values()) == 8
+    base = stage_params(arch, 4, 1, "lm", 1)[0]
+    assert (actor["weights"], actor["grads"], actor["optimizer"]) == (
+        round(2 * (base + adapters) / GIB, 1), round(4 * adapters / GIB, 1), round(12 * adapters / GIB, 1))
+    full = ["actor.lora.rank=0", "actor.lora.alpha=32"]
+    assert not _memory(capsys, *recipe, *full)["fits"]
+    assert not _memory(capsys, *recipe, *full, "actor.tp=8", "actor.use_distributed_optimizer=true", "--nodes", "2")["fits"]
+    three = _memory(capsys, *recipe, *full, "actor.tp=8", "actor.dp=2", "actor.use_distributed_optimizer=true",
+                    "--nodes", "3")
+    assert three["fits"] and sum(role["gpus"] for role in three["memory_gib"].values()) == 20
 
 
 def test_seven_b_actor_numbers_by_hand(capsys):

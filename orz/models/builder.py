@@ -146,9 +146,11 @@ def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = Fals
     paths, as the config says (`moe_grouped_gemm=False`): TE's grouped GEMM keeps the experts'
     weights under other names (`weight0`…), which orz's conversion does not map.
     `linear_attention`: a Gated DeltaNet in place of self-attention (`gated_delta_net_spec`).
-    `lora`: its targets (dense attention and MLP layers, local layers only) carry adapters."""
+    `lora`: its targets (dense attention and MLP layers) carry adapters, on Megatron's local layers on
+    GPU too (untested here): TE fuses the input norm into linear_qkv and linear_fc1, whose input an
+    adapter needs."""
     experts = arch.moe.num_experts if moe else None
-    te = use_transformer_engine()
+    te = use_transformer_engine() and lora is None  # adapters sit on Megatron's local layers (docs/lora.md)
     if te:  # untested here: no GPU
         spec = get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     else:
@@ -161,8 +163,8 @@ def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = Fals
     if linear_attention:
         spec.submodules.input_layernorm, spec.submodules.self_attention = gated_delta_net_spec(te)
     if lora is not None:
-        if te or moe or linear_attention:
-            raise NotImplementedError("LoRA adapters are built on the local dense layers only (CPU)")
+        if moe or linear_attention:
+            raise NotImplementedError("LoRA adapters are built on dense attention and MLP layers only")
         mlp = spec.submodules.mlp  # Megatron's dense MLP spec: partial(MLP.as_mlp_submodule, submodules=...)
         attention, mlp = spec.submodules.self_attention.submodules, mlp.keywords["submodules"]
         for target in lora.targets:
@@ -193,7 +195,8 @@ def block_spec(arch: ModelArch, cfg: TransformerConfig, lora: LoraSpec | None = 
     first = first_layer(arch, cfg)
     layers = [layer_spec(arch, arch.is_moe_layer(i), arch.is_linear_attention_layer(i), lora)
               for i in range(first, first + arch.num_layers // cfg.pipeline_model_parallel_size)]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if use_transformer_engine() else RMSNorm)
+    te = use_transformer_engine() and lora is None
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if te else RMSNorm)
 
 
 def _stage_flags() -> dict:

@@ -18,7 +18,7 @@ holding experts r·E/EP + i as `local_experts.i`, each a SwiGLU split over the E
 dense one (fc1 as [gate_r; up_r], fc2 by columns).
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -313,12 +313,11 @@ def hf_rows(rule: ParamRule, arch: ModelArch) -> list[int]:
 
 def hf_to_megatron(
     get_hf: Callable[[str], torch.Tensor], arch: ModelArch, layout: Layout
-) -> dict[str, torch.Tensor]:
-    """The state dict of one Megatron rank; `get_hf(name)` reads one HF tensor (lazily)."""
-    return {
-        rule.megatron: to_megatron(rule, [get_hf(n) for n in rule.hf], arch, layout)
-        for rule in param_rules(arch, layout)
-    }
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict of one Megatron rank, one (name, tensor) at a time; `get_hf(name)` reads one
+    HF tensor (lazily)."""
+    for rule in param_rules(arch, layout):
+        yield rule.megatron, to_megatron(rule, [get_hf(n) for n in rule.hf], arch, layout)
 
 
 def first_different_tensor(saved: ModelArch, mine: ModelArch) -> str | None:

@@ -69,12 +69,15 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
         self._add_adapter(lora, input_size, self.output_size_per_partition, split="lora_B")
         self.swiglu = fc1 and self.config.gated_linear_unit
 
-    def forward(self, input_, *args, **kwargs):
-        output, bias = super().forward(input_, *args, **kwargs)
-        if not self.lora_on:
-            return output, bias
-        low = copy_to_tensor_model_parallel_region(F.linear(input_, self.lora_A), group=self.tp_group)
-        return output + self.lora_scaling * F.linear(low, self.lora_B), bias
+    def forward(self, input_):
+        """Megatron's column-parallel forward (its input's gradient summed over TP), through autograd's
+        own linear: Megatron's keeps the input for a weight gradient that a frozen weight never takes."""
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(copy_to_tensor_model_parallel_region(input_, group=self.tp_group), self.weight, bias)
+        if self.lora_on:
+            low = copy_to_tensor_model_parallel_region(F.linear(input_, self.lora_A), group=self.tp_group)
+            output = output + self.lora_scaling * F.linear(low, self.lora_B)
+        return output, self.bias if self.skip_bias_add else None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """B split by rows; a SwiGLU's B as Megatron cuts its fc1 weight ([gate_r; up_r] per rank,
@@ -95,12 +98,16 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
         super().__init__(input_size, output_size, **kwargs)
         self._add_adapter(lora, self.input_size_per_partition, output_size, split="lora_A")
 
-    def forward(self, input_, *args, **kwargs):
-        output, bias = super().forward(input_, *args, **kwargs)
-        if not self.lora_on:
-            return output, bias
-        low = reduce_from_tensor_model_parallel_region(F.linear(input_, self.lora_A), group=self.tp_group)
-        return output + self.lora_scaling * F.linear(low, self.lora_B), bias
+    def forward(self, input_):
+        """Megatron's row-parallel forward (its output summed over TP), through autograd's own linear
+        (as the column-parallel one)."""
+        output = reduce_from_tensor_model_parallel_region(F.linear(input_, self.weight), group=self.tp_group)
+        if self.lora_on:
+            low = reduce_from_tensor_model_parallel_region(F.linear(input_, self.lora_A), group=self.tp_group)
+            output = output + self.lora_scaling * F.linear(low, self.lora_B)
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias
+        return output + self.bias, None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return self._sharded(prefix, sharded_offsets, metadata, {"weight": 1, "lora_A": 1})

@@ -49,14 +49,14 @@ _PADDING = object()  # the result of a micro-batch that only pads (see MegatronM
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
 
 
-def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int) -> Layout:
+def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int, te: bool) -> Layout:
     return Layout(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         padded_vocab=padded_vocab,
-        te=use_transformer_engine(),
+        te=te,
         value_head=value_head,
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size(),
@@ -93,7 +93,7 @@ class MegatronModel:
         else:
             module = build_actor(arch, self.config, spec.vocab_divisible_by, spec.lora)
         self.padded_vocab = arch.padded_vocab_size(tp, spec.vocab_divisible_by)
-        self.layout = rank_layout(arch, spec.value_head, self.padded_vocab)
+        self.layout = rank_layout(arch, spec.value_head, self.padded_vocab, use_transformer_engine() and spec.lora is None)
         self.module = module
         self.routes = MoeRoutes(module, arch) if spec.routing_replay else None
         self.chosen_routes: list[torch.Tensor] = []  # (B, S, L, K) per real micro-batch of the last run
@@ -136,14 +136,13 @@ class MegatronModel:
         """Copies this rank's shard of an HF checkpoint into the model. A value head takes a
         sequence-classification checkpoint's scalar `score` head (a reward model; OpenRLHF also
         starts value models from one), and keeps its zero initialisation otherwise."""
-        expected = hf_to_megatron(ckpt.get, self.arch, self.layout)
         own = self.local_state()
-        trainable = {r.megatron for r in param_rules(self.arch, self.layout)}
-        missing = trainable - own.keys()
+        rules = param_rules(self.arch, self.layout)
+        missing = {r.megatron for r in rules} - own.keys()
         if missing:
             raise ModelConfigError(f"{ckpt.dir}: model has no parameters {sorted(missing)[:3]}")
         with torch.no_grad():
-            for name, tensor in expected.items():
+            for name, tensor in hf_to_megatron(ckpt.get, self.arch, self.layout):  # one at a time: never a 2nd copy
                 if own[name].shape != tensor.shape:
                     raise ModelConfigError(
                         f"{ckpt.dir}: {name} has shape {tuple(tensor.shape)} for this rank, "

@@ -107,6 +107,8 @@ class ModelParallel(Sizes):
 class TrainParallel(ModelParallel):
     recompute: bool = False  # model.recompute: keep only each layer's input, rerun it in backward
     use_distributed_optimizer: bool = False  # ZeRO-1: fp32 master weights and Adam states sharded over DP
+    lora_rank: int = 0  # actor.lora.rank: only adapters of this rank train; 0: every weight
+    lora_targets: tuple[str, ...] = ()  # actor.lora.targets
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,21 @@ def layer_params(arch: ModelArch, tp: int, layer: int = 0, ep: int = 1, etp: int
     return split // tp + replicated + expert_params(arch, layer, ep, etp)
 
 
+def lora_params(arch: ModelArch, tp: int, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters of one dense decoder layer on one GPU of a TP group (orz/models/lora.py):
+    an adapter on an (out × in) layer has A (r × in) and B (out × r), the split side divided by t:
+      linear_qkv   r·h + r·d·(a + 2g)/t        (A replicated, B split by rows)
+      linear_proj  r·a·d/t + h·r               (A split by columns, B replicated)
+      linear_fc1   r·h + r·2f/t
+      linear_fc2   r·f/t + h·r
+    (with the output gate, linear_qkv's q rows twice: + r·a·d/t)."""
+    h, d, a, g, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+    qkv_rows = d * ((2 if arch.attention_output_gate else 1) * a + 2 * g)
+    each = {"linear_qkv": rank * h + rank * qkv_rows // tp, "linear_proj": rank * a * d // tp + h * rank,
+            "linear_fc1": rank * h + rank * 2 * f // tp, "linear_fc2": rank * f // tp + h * rank}
+    return sum(each[t] for t in targets)
+
+
 def stage_layers(arch: ModelArch, pp: int) -> list[range]:
     """The layer indices of the first and the last pipeline stage (one stage when pp = 1)."""
     n = arch.num_layers // pp
@@ -248,6 +263,9 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
     A_i(T) = layer_activation_bytes of the stage's layer i; n = micro-batches in flight under 1F1B:
     pp on the first stage, 1 on the last (Korthikanti et al. §4.2); t_sp = t with sequence
     parallelism, else 1.
+    With LoRA (P_a = the stage's adapter parameters, lora_params): weights 2·(P + P_a), a frozen
+    base; grads 4·P_a; optimizer 12·P_a (/ (DP·CP) distributed). The activations are counted as
+    without LoRA (the adapters' rank-r activations are negligible beside them).
     """
     t, pp, tokens, local = par.tp, par.pp, par.micro_batch_tokens, par.cp_tokens
     layer_input = 2 * local * arch.hidden_size // (t if par.sequence_parallel else 1)
@@ -261,6 +279,12 @@ def train_memory(arch: ModelArch, par: TrainParallel, head: str) -> dict[str, in
         activations = kept + (max(each) if par.recompute else 0)
         if last and head == "lm":
             activations += logits_bytes(arch, tokens, t, training=True, chunk_tokens=par.logprob_chunk_tokens)
+        if par.lora_rank:  # a frozen bf16 base; the adapters carry the gradients and the optimizer
+            adapters = len(layers) * lora_params(arch, t, par.lora_rank, par.lora_targets)
+            optimizer = 12 * adapters // (par.dp * par.cp if par.use_distributed_optimizer else 1)
+            candidates.append(dict(weights=BF16 * (params + adapters), grads=FP32 * adapters, optimizer=optimizer,
+                                   activations=activations))
+            continue
         experts = sum(expert_params(arch, i, par.ep, par.etp) for i in layers)
         optimizer = (12 * (params - experts) // (par.dp * par.cp) + 12 * experts // par.expert_dp
                      if par.use_distributed_optimizer else 12 * params)

@@ -89,7 +89,9 @@ def placement_of(cfg: ExperimentConfig) -> Placement:
                     moe_dispatcher=spec.moe_dispatcher, logprob_chunk_tokens=spec.logprob_chunk_tokens)
         if not spec.trained:
             return ModelParallel(**held)
-        return TrainParallel(**held, recompute=spec.recompute, use_distributed_optimizer=spec.optim.use_distributed_optimizer)
+        lora = spec.lora
+        return TrainParallel(**held, recompute=spec.recompute, use_distributed_optimizer=spec.optim.use_distributed_optimizer,
+                             lora_rank=lora.rank if lora else 0, lora_targets=lora.targets if lora else ())
 
     r, rm = cfg.rollout, started.get("reward_model")
     return Placement(

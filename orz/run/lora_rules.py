@@ -1,7 +1,7 @@
 """What a LoRA run must satisfy (docs/lora.md), checked before any worker starts: adapters on the
 actor only, on layers that exist and that vLLM can serve, with settings that take effect.
 
-    lora_problems(cfg, arch, on_gpu)   # one line per problem, naming the key
+    lora_problems(cfg, arch)           # one line per problem, naming the key
     base_problems(ckpt, cfg)           # a checkpoint's adapters against this run's base model
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from orz.config import VLLM_LORA_RANKS, ExperimentConfig, LoraConfig, RolloutCon
 from orz.models.spec import LORA_TARGETS
 
 
-def lora_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
+def lora_problems(cfg: ExperimentConfig, arch) -> list[str]:
     lora = cfg.actor.lora
     problems = [f"{name}.lora.rank={role.lora.rank}: adapters are built for the actor only (a critic's LoRA is "
                 "not built; a frozen role trains nothing); remove it"
@@ -42,9 +42,6 @@ def lora_problems(cfg: ExperimentConfig, arch, on_gpu: bool) -> list[str]:
         kind = "a mixture of experts" if arch.moe else "a Gated DeltaNet hybrid"
         problems.append(f"actor.lora.rank={lora.rank}: {cfg.model.path} is {kind}, whose adapters (experts, GDN "
                         "projections) are not built; LoRA runs on dense Llama/Qwen2/Qwen3 models")
-    if on_gpu:
-        problems.append(f"actor.lora.rank={lora.rank}: Transformer Engine fuses the input norm into linear_qkv and "
-                        "linear_fc1, and the adapters there are not built (they run on Megatron's local layers, CPU)")
     return problems
 
 

@@ -116,7 +116,7 @@ def _run_problems(cfg: ExperimentConfig, arch, on_gpu: bool = False) -> list[str
     problems += multi_turn_problems(cfg) if multi_turn else env_problems(cfg) if cfg.rollout.envs else []
     problems += _context_problems(cfg, arch, multi_turn, context)
     problems += _megatron_role_problems(cfg, arch, context, on_gpu) + teacher_problems(cfg, arch)
-    problems += lora_problems(cfg, arch, on_gpu)
+    problems += lora_problems(cfg, arch)
     problems += frozen_role_problems(cfg, problems)
     return problems + _logger_problems(cfg.trainer.loggers)
 
