@@ -97,7 +97,7 @@ OUT_OF_RANGE = {
     **{f"{role}.{key}": value for role in ROLES for key, value in {
         "tp": 0, "pp": 0, "cp": 0, "dp": 0, "ep": 0, "etp": 0, "cpus_per_worker": 0, "lr": 0, "min_lr": -1e-7, "warmup_steps": -1,
         "weight_decay": -0.01, "clip_grad": 0, "adam_betas": [0.9, 1.0], "steps_per_iteration": 0,
-        "micro_batch_tokens": -1,
+        "micro_batch_tokens": -1, "lora.rank": -1, "lora.alpha": 0,
     }.items()},
     # checked with the roles that run: the actor always, the critic under gae (the default)
     "actor.micro_batch_size": 0, "critic.micro_batch_size": 0,
@@ -110,6 +110,8 @@ ALONE = {  # what else the value needs to be the config's only problem
     "distill.coef": ["teachers.t.path=Qwen3-8B"],
     "distill.top_k": ["teachers.t.path=Qwen3-8B", "distill.objective=topk_forward_kl"],
     "distill.objective": ["teachers.t.path=Qwen3-8B"], "distill.student_logprobs": ["teachers.t.path=Qwen3-8B"],
+    # LoRA's settings act only with a rank (docs/lora.md)
+    "actor.lora.alpha": ["actor.lora.rank=8"], "rollout.lora_sync": ["actor.lora.rank=8"],
 }
 # Numbers with no range of their own to check, and why.
 NO_RANGE = {
@@ -200,6 +202,7 @@ UNKNOWN_CHOICE = {
     "reward.code.extraction": ("first_fenced", "last_fenced, response"),
     "distill.objective": ("gkd", "reverse_kl, topk_forward_kl"),
     "distill.student_logprobs": ("sampled", "old, engine"),
+    "rollout.lora_sync": ("both", "adapter, merged"),
 }
 # Text settings that are not a choice among names, and what else checks them.
 FREE_TEXT = {
