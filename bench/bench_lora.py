@@ -101,7 +101,7 @@ def _adapter_tensors(model_dir: str) -> dict[str, torch.Tensor]:
     """A rank-16 adapter in PEFT's names and shapes for every linear layer of the model (random B)."""
     from orz.models.checkpoint import HFCheckpoint
     from orz.models.convert import Layout, hf_shape, param_rules
-    from orz.models.peft_format import HF_MODULES
+    from orz.models.peft_format import HF_MODULES, peft_name
 
     arch = HFCheckpoint(model_dir).arch
     g = torch.Generator().manual_seed(0)
@@ -111,9 +111,8 @@ def _adapter_tensors(model_dir: str) -> dict[str, torch.Tensor]:
         for name in rule.hf:
             if name.endswith(".weight") and name.split(".")[-2] in modules:
                 rows, cols = hf_shape(name, arch)
-                stem = f"base_model.model.{name.removesuffix('.weight')}"
-                out[f"{stem}.lora_A.weight"] = torch.randn(RANK, cols, generator=g) / cols ** 0.5
-                out[f"{stem}.lora_B.weight"] = torch.randn(rows, RANK, generator=g) * 1e-3
+                out[peft_name(name, "lora_A")] = torch.randn(RANK, cols, generator=g) / cols ** 0.5
+                out[peft_name(name, "lora_B")] = torch.randn(rows, RANK, generator=g) * 1e-3
     return out
 
 

@@ -33,6 +33,13 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def transformer_engine_layers(lora: LoraSpec | None) -> bool:
+    """Whether a model's layers are TE's: where TE runs, unless it has LoRA adapters, which sit on
+    Megatron's local layers (TE fuses the input norm into linear_qkv and linear_fc1, whose input an
+    adapter needs; untested here: no GPU)."""
+    return use_transformer_engine() and lora is None
+
+
 def transformer_config(arch: ModelArch, spec: ModelSpec = ModelSpec()) -> TransformerConfig:
     """The TransformerConfig that reproduces `arch` exactly (no dropout: RL fine-tuning), split and
     computed as `spec` says. Its dtype "auto" is bfloat16 on GPU and float32 on CPU; its
@@ -146,11 +153,9 @@ def layer_spec(arch: ModelArch, moe: bool = False, linear_attention: bool = Fals
     paths, as the config says (`moe_grouped_gemm=False`): TE's grouped GEMM keeps the experts'
     weights under other names (`weight0`…), which orz's conversion does not map.
     `linear_attention`: a Gated DeltaNet in place of self-attention (`gated_delta_net_spec`).
-    `lora`: its targets (dense attention and MLP layers) carry adapters, on Megatron's local layers on
-    GPU too (untested here): TE fuses the input norm into linear_qkv and linear_fc1, whose input an
-    adapter needs."""
+    `lora`: its targets (dense attention and MLP layers) carry adapters (transformer_engine_layers)."""
     experts = arch.moe.num_experts if moe else None
-    te = use_transformer_engine() and lora is None  # adapters sit on Megatron's local layers (docs/lora.md)
+    te = transformer_engine_layers(lora)
     if te:  # untested here: no GPU
         spec = get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     else:
@@ -195,8 +200,8 @@ def block_spec(arch: ModelArch, cfg: TransformerConfig, lora: LoraSpec | None = 
     first = first_layer(arch, cfg)
     layers = [layer_spec(arch, arch.is_moe_layer(i), arch.is_linear_attention_layer(i), lora)
               for i in range(first, first + arch.num_layers // cfg.pipeline_model_parallel_size)]
-    te = use_transformer_engine() and lora is None
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl if te else RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=layers,
+                                      layer_norm=LayerNormImpl if transformer_engine_layers(lora) else RMSNorm)
 
 
 def _stage_flags() -> dict:

@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from orz.models.arch import ModelConfigError
-from orz.models.lora import ADAPTER_NAMES
+from orz.models.lora import is_adapter
 from orz.models.checkpoint import (
     FAST,
     MEGATRON_META,
@@ -74,7 +74,7 @@ def _state(megatron_model, loading: bool, sharding: str, with_optimizer: bool, w
     """The sharded state dict of the model, its optimizer and this rank's RNG."""
     model = megatron_model.module.sharded_state_dict()
     if megatron_model.spec.lora is not None:  # the frozen base is its HF directory's (lora_base in the meta)
-        model = {key: value for key, value in model.items() if key.rsplit(".", 1)[-1] in ADAPTER_NAMES}
+        model = {key: value for key, value in model.items() if is_adapter(key)}
     state = {"model": model}
     if with_optimizer and megatron_model.optimizer is not None:
         # Keys without the chain's `chained_i.` prefix, so that the model-shaped cuts are the same
@@ -222,7 +222,7 @@ def _load_model_state(megatron_model, state: dict) -> None:
     """The loaded weights into the model: all of them, or a LoRA model's adapters (its base stays
     as loaded from the HF directory)."""
     missing, unexpected = megatron_model.module.load_state_dict(state, strict=megatron_model.spec.lora is None)
-    adapters_missing = [key for key in missing if key.rsplit(".", 1)[-1] in ADAPTER_NAMES]
+    adapters_missing = [key for key in missing if is_adapter(key)]
     if adapters_missing or unexpected:
         raise ModelConfigError(f"a LoRA checkpoint without adapters {adapters_missing[:3]} or with other weights "
                                f"{unexpected[:3]}")

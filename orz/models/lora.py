@@ -36,6 +36,11 @@ from orz.models.spec import LORA_COLUMN_TARGETS, LoraSpec
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter's (or state dict key's) dotted name is an adapter matrix."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
+
+
 class _Adapter:
     """What both parallel kinds share: the two matrices, their scaling and the switch."""
 
@@ -129,7 +134,7 @@ def freeze_base(module: torch.nn.Module) -> None:
     """Every weight but the adapters' stops taking gradients: Megatron's DDP gives frozen weights
     no gradient buffer and its optimizer no states."""
     for name, param in module.named_parameters():
-        param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER_NAMES)
+        param.requires_grad_(is_adapter(name))
 
 
 def init_adapters(module: torch.nn.Module, first_layer: int) -> None:

@@ -25,7 +25,14 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from orz.models import context_parallel
 from orz.models.arch import ModelArch, ModelConfigError
-from orz.models.builder import build_actor, build_value_model, lm_head_weight, transformer_config, use_transformer_engine
+from orz.models.builder import (
+    build_actor,
+    build_value_model,
+    lm_head_weight,
+    transformer_config,
+    transformer_engine_layers,
+    use_transformer_engine,
+)
 from orz.models.checkpoint import HFCheckpoint
 from orz.models.convert import (
     HF_SCORE,
@@ -40,6 +47,7 @@ from orz.models.convert import (
 )
 from orz.models.inputs import ModelInputs
 from orz.models.lora import ADAPTER_NAMES, LoraColumnParallelLinear, adapter_layers
+from orz.models.peft_format import peft_name
 from orz.models.routing import MoeRoutes
 from orz.models.spec import ModelSpec, Sizes
 from orz.timeline.record import RECORDER
@@ -47,6 +55,11 @@ from orz.timeline.record import RECORDER
 _PADDING = object()  # the result of a micro-batch that only pads (see MegatronModel._even_shapes)
 # A per-micro-batch loss: (model output of the last stage, its inputs) -> (loss, metrics)
 LossFn = Callable[[torch.Tensor, ModelInputs], tuple[torch.Tensor, dict]]
+
+
+def _dense_source() -> bool:
+    """Whether this rank gives its replica's dense weights: DP and CP replicas hold the same ones."""
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
 
 def rank_layout(arch: ModelArch, value_head: bool, padded_vocab: int, te: bool) -> Layout:
@@ -93,7 +106,7 @@ class MegatronModel:
         else:
             module = build_actor(arch, self.config, spec.vocab_divisible_by, spec.lora)
         self.padded_vocab = arch.padded_vocab_size(tp, spec.vocab_divisible_by)
-        self.layout = rank_layout(arch, spec.value_head, self.padded_vocab, use_transformer_engine() and spec.lora is None)
+        self.layout = rank_layout(arch, spec.value_head, self.padded_vocab, transformer_engine_layers(spec.lora))
         self.module = module
         self.routes = MoeRoutes(module, arch) if spec.routing_replay else None
         self.chosen_routes: list[torch.Tensor] = []  # (B, S, L, K) per real micro-batch of the last run
@@ -167,8 +180,7 @@ class MegatronModel:
                 layer = layers.get(rule.megatron.removesuffix(".weight"))
                 if layer is None or not rule.megatron.endswith(".weight"):
                     continue
-                a, b = ([peft[f"base_model.model.{hf.removesuffix('.weight')}.{m}.weight"] for hf in rule.hf]
-                        for m in ADAPTER_NAMES)
+                a, b = ([peft[peft_name(hf, m)] for hf in rule.hf] for m in ADAPTER_NAMES)
                 if isinstance(layer, LoraColumnParallelLinear):
                     if any(not torch.equal(other, a[0]) for other in a[1:]):
                         raise ModelConfigError(f"{rule.hf}: one Megatron layer holds these HF modules, whose "
@@ -199,7 +211,7 @@ class MegatronModel:
         joins their gathers.
         """
         tp_group = ps.get_tensor_model_parallel_group()
-        dense_source = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        dense_source = _dense_source()
         own = self.local_state()
         for name, layer in adapter_layers(self.module) if merged else ():
             weight = own[f"{name}.weight"]  # this rank's shard: B's rows (column) or A's columns (row) match it
@@ -229,7 +241,7 @@ class MegatronModel:
         `lora_B`, (out, r)), gathered over TP and PP, yielded on the role's first rank: a collective,
         as `hf_tensors`. A fused layer's one A is every HF module's A, its B cut into theirs."""
         tp_group = ps.get_tensor_model_parallel_group()
-        source = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        source = _dense_source()
         layers = dict(adapter_layers(self.module))
         r = self.spec.lora.rank
         for stage in range(self.layout.pp):
@@ -247,9 +259,8 @@ class MegatronModel:
                     else:  # A split like the weight (by input), B replicated
                         pairs = zip(to_hf(rule, a, self.arch), [b[0]])
                     tensors = [t for pair in pairs for t in pair]
-                names = [f"base_model.model.{hf.removesuffix('.weight')}.{m}.weight"
-                         for hf in rule.hf for m in ADAPTER_NAMES]
-                shapes = [shape for out, into in map(lambda n: hf_shape(n, self.arch)[:2], rule.hf)
+                names = [peft_name(hf, m) for hf in rule.hf for m in ADAPTER_NAMES]
+                shapes = [shape for out, into in (hf_shape(hf, self.arch) for hf in rule.hf)
                           for shape in ((r, into), (out, r))]
                 yield from self._to_first_rank(names, shapes, tensors, stage, source)
 

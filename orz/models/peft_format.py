@@ -15,6 +15,11 @@ HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_p
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
+def peft_name(hf_weight: str, matrix: str) -> str:
+    """`model.layers.0.self_attn.q_proj.weight`, "lora_A" -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return f"base_model.model.{hf_weight.removesuffix('.weight')}.{matrix}.weight"
+
+
 def adapter_config(lora: LoraSpec, base_model: str) -> dict:
     """PEFT's LoraConfig fields for `lora` (no dropout, no bias, plain alpha/r scaling)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
