@@ -264,6 +264,8 @@ def test_grpo_with_lora_through_orz_train_trains_the_adapter_against_its_own_bas
     for sample in map(json.loads, (out / "samples" / "iter_000003.jsonl").read_text().splitlines()):
         gap = max(abs(a - b) for a, b in zip(sample["rollout_logprobs"], sample["old_logprobs"]))
         assert gap < 1e-3, gap
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 16.0)  # actor.lora.rank and alpha reached the model
     served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(arith_model, dtype=torch.float32),
                                        out / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
