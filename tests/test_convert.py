@@ -3,8 +3,6 @@ and clear errors on bad input."""
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,16 +65,18 @@ def test_sharded_hf_input_and_output_load_in_transformers(tmp_path, llama):
     assert torch.equal(ref, out)
 
 
-def _verify(*args: str) -> dict:
-    """`python -m orz.convert verify ARGS`'s JSON report (its last line), after a clean exit."""
-    out = subprocess.run([sys.executable, "-m", "orz.convert", "verify", *args], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _verify(capsys, *args: str) -> dict:
+    """`orz convert verify ARGS`'s JSON report (its last line), after a clean exit (its `main`, in
+    this process: its ranks fork from the forkserver this module's other worlds already started)."""
+    capsys.readouterr()
+    code = main(["verify", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    return json.loads(out.out.strip().splitlines()[-1])
 
 
-def test_cli_verify_reports_logit_difference(llama):
-    report = _verify("--hf", str(llama), "--tp", "2", "--pp", "1")
+def test_cli_verify_reports_logit_difference(llama, capsys):
+    report = _verify(capsys, "--hf", str(llama), "--tp", "2", "--pp", "1")
     assert report["tp"] == 2 and report["max_abs_logit_diff"] < 1e-4
 
 
@@ -219,6 +219,6 @@ def test_expert_parallel_on_a_dense_model_is_refused(tmp_path, llama, capsys):
     assert code == 2 and "ep=2, etp=1: expert parallelism needs a mixture-of-experts model" in capsys.readouterr().err
 
 
-def test_cli_verify_at_ep2_builds_the_smallest_world(qwen3_moe):
-    report = _verify("--hf", str(qwen3_moe), "--tp", "1", "--ep", "2")
+def test_cli_verify_at_ep2_builds_the_smallest_world(qwen3_moe, capsys):
+    report = _verify(capsys, "--hf", str(qwen3_moe), "--tp", "1", "--ep", "2")
     assert (report["ep"], report["dp"]) == (2, 2) and report["max_abs_logit_diff"] < 1e-4

@@ -24,7 +24,7 @@ from orz.train import run as train
 from adam_step import beyond_adam_steps
 from jsonl_files import write_jsonl
 from run_history import check_export_of_the_checkpoint, check_resumed, deterministic as _deterministic, \
-    history as _history, joined, kill_run
+    history as _history, joined, kill_run, resume_problems
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +62,8 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
     5e-4, 6 tokens, CISPO; stage 3: '*' problems, GSPO (a stage's overrides apply to the run's
     config, not to the previous stage's: back to lr 1e-3 and 12 tokens); evaluated at
     trainer.eval_every=2, with trainer.eval_n=2 samples a problem beside the greedy one. Resumed from iteration 1,
-    the boundary (that checkpoint holds stage 1's optimizer settings), and, killed (SIGKILL) in
-    iteration 3, from iteration 2, inside stage 2."""
+    the boundary (that checkpoint holds stage 1's optimizer settings), by `orz train` in another
+    process, which is killed (SIGKILL) in iteration 3 and resumed from iteration 2, inside stage 2."""
     stages = ("stages=[{iterations: 1, overrides: {}}, "
               "{iterations: 2, overrides: {actor.lr: 5.0e-4, rollout.max_new_tokens: 6, algorithm.policy_loss: cispo}}, "
               "{iterations: 1, overrides: {data.synthetic_ops: '*', algorithm.policy_loss: gspo, "
@@ -98,21 +98,25 @@ def test_three_stages_apply_lr_length_and_data_and_resume_at_and_after_a_boundar
                   "gspo": -sum(sum(s["advantages"]) / len(s["advantages"]) for s in samples) / len(samples)}
         assert row["actor/pg_loss"] == pytest.approx(losses.pop(used), abs=1e-5), (iteration, used)
         assert all(abs(row["actor/pg_loss"] - other) > 1e-4 for other in losses.values()), (iteration, losses)
-    _resumed_matches(whole, overrides, 1, tmp_path / "from_1", capsys)
 
-    killed = tmp_path / "killed"
-    latest = killed / "checkpoints/latest"
+    killed = tmp_path / "killed"  # whole as it was at the boundary, resumed in a process that is then killed
+    _resume_copy(whole, killed, 1)
+    at_boundary = (killed / "metrics.jsonl").read_bytes()
+    latest, console = killed / "checkpoints/latest", tmp_path / "console.txt"
     tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # shaped_reward
     proc = subprocess.Popen([sys.executable, "-m", "orz.train", *overrides(killed), joined(ray_cluster)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            stdout=console.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": tests})
     deadline = time.time() + 600
-    while not (latest.exists() and latest.read_text() >= "iter_000002"):
+    while latest.read_text() < "iter_000002":
         assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
         time.sleep(0.1)
     kill_run(proc)
     assert latest.read_text() == "iter_000002"  # killed in iteration 3, the second of stage 2
+    problems = resume_problems(killed, at_boundary, console.read_text(), 1)
+    assert not problems, "\n".join(problems)
     before = (killed / "metrics.jsonl").read_bytes()
+    assert _deterministic(_history(killed)[2]) == _deterministic(_history(whole)[2])  # resumed at the boundary
     capsys.readouterr()
     train(load_config(None, overrides(killed)))
     check_resumed(killed, before, capsys.readouterr().out, 2, whole)
@@ -246,37 +250,9 @@ def test_kl_in_the_loss_adaptive_kl_is_correction_and_dynamic_sampling(ray_clust
     assert sum(row["rollout/groups_dropped"] for row in rows) > 0  # the premise: the filter had work
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path, capsys):
-    """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
-    trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
-    holds batches generated ahead (saved every 2 iterations, resumed from the earlier one)
-    continues to the uninterrupted run's metrics. At k=1 the actor's passes are packed and its
-    log-probs taken in chunks of 7 tokens, which the resume repeats exactly too."""
-    def overrides(out):  # k=1 also packs the actor's passes and takes log-probs 7 tokens at a time
-        packed = ["actor.pack=true", "actor.micro_batch_tokens=256", "model.logprob_chunk_tokens=7"] if k == 1 else []
-        return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.save_every=2",
-                "trainer.keep_checkpoints=5", *packed]
-
-    whole = tmp_path / "whole"
-    train(load_config(None, overrides(whole)))
-    rows = _history(whole)[1:]
-    assert [row["rollout/sample_weight_version"] for row in rows] == [max(0, i - k) for i in range(4)]
-    assert [row["rollout/staleness_max"] for row in rows] == [min(i, k) for i in range(4)]
-    assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
-    assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
-    assert rows[1]["timing/overlap_rollout_train"] > 0
-    assert any(row["actor/grad_norm"] > 0 for row in rows)  # the premise of the resume check: it trained
-    assert all((row["perf/padding_frac"] == 0) == (k == 1) for row in rows)  # packed: no slot pads
-    assert all(row["perf/peak_memory_gib/actor_update"] > 0.1 for row in rows)
-    _resumed_matches(whole, overrides, 2, tmp_path, capsys)
-
-
-def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, tiny_run, tmp_path, monkeypatch):
-    """timing/overlap_rollout_train is measured from when things ran: a run whose batch ahead is
-    made to finish before the actor's passes start reports 0 (and its passes as the engines' idle
-    time), where a duration-based figure would report the shorter of the two; the run above,
-    unhindered, reports more than 0."""
+def _first_batch_ahead_done_before_the_passes(monkeypatch) -> list:
+    """Makes iteration 1's passes wait until the batch generated ahead beside them (staleness ≥ 1)
+    is built; the events, one per batch ahead, are returned."""
     import threading
 
     from orz.ppo.trainer import RayPPOTrainer
@@ -297,8 +273,8 @@ def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, t
 
     def step_waiting_for_it(self, show=lambda phase: None):
         def show_after_it(phase):  # the passes start (their timers) right after this announcement
-            if phase == "log-probs and values":
-                assert ahead and ahead[-1].wait(300)
+            if phase == "log-probs and values" and len(ahead) == 1:
+                assert ahead[0].wait(300)
             show(phase)
 
         return step(self, show_after_it)
@@ -306,11 +282,45 @@ def test_overlap_counts_the_seconds_engines_and_actor_ran_at_once(ray_cluster, t
     monkeypatch.setattr(RayPPOTrainer, "_share_cores", share_cores_then_mark)
     monkeypatch.setattr(RayPPOTrainer, "_prefetch", prefetch_then_tell)
     monkeypatch.setattr(RayPPOTrainer, "step", step_waiting_for_it)
-    train(load_config(None, [*tiny_run(tmp_path, "grpo", iterations=2), "trainer.max_staleness=1"]))
-    first = _history(tmp_path)[1]
-    assert len(ahead) == 1  # the premise: iteration 1 generated batch 2 ahead, beside its passes
-    assert first["timing/overlap_rollout_train"] == 0
-    assert first["timing/idle_engines"] == pytest.approx(first["timing/forward"] + first["timing/update"], rel=1e-9)
+    return ahead
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_bounded_staleness_schedule_and_exact_resume(k, ray_cluster, tiny_run, tmp_path, capsys, monkeypatch):
+    """trainer.max_staleness=k: batch i comes from weights max(0, i − k), generated while the actor
+    trained on batch i − k; the IS correction is on by default; a resume from a checkpoint that
+    holds batches generated ahead (saved every 2 iterations, resumed from the earlier one)
+    continues to the uninterrupted run's metrics. At k=1 the actor's passes are packed and its
+    log-probs taken in chunks of 7 tokens, which the resume repeats exactly too.
+
+    timing/overlap_rollout_train is measured from when things ran: at k=1 iteration 1's passes wait
+    until the batch ahead is built, and it reports 0 (and its passes as the engines' idle time), where
+    a duration-based figure would report the shorter of the two; unhindered, iteration 2 reports more
+    than 0."""
+    def overrides(out):  # k=1 also packs the actor's passes and takes log-probs 7 tokens at a time
+        packed = ["actor.pack=true", "actor.micro_batch_tokens=256", "model.logprob_chunk_tokens=7"] if k == 1 else []
+        return [*tiny_run(out, "grpo", iterations=4), f"trainer.max_staleness={k}", "trainer.save_every=2",
+                "trainer.keep_checkpoints=5", *packed]
+
+    whole = tmp_path / "whole"
+    ahead = _first_batch_ahead_done_before_the_passes(monkeypatch) if k == 1 else []
+    train(load_config(None, overrides(whole)))
+    monkeypatch.undo()
+    rows = _history(whole)[1:]
+    assert [row["rollout/sample_weight_version"] for row in rows] == [max(0, i - k) for i in range(4)]
+    assert [row["rollout/staleness_max"] for row in rows] == [min(i, k) for i in range(4)]
+    assert [row["rollout/weight_version"] for row in rows] == [1, 2, 3, 4]
+    assert all(0 < row["actor/is_weight_mean"] <= 2.0 for row in rows)
+    if k == 1:
+        assert len(ahead) == 3  # the premise: iterations 1-3 each generated the next batch beside their passes
+        assert rows[0]["timing/overlap_rollout_train"] == 0
+        assert rows[0]["timing/idle_engines"] == pytest.approx(rows[0]["timing/forward"] + rows[0]["timing/update"],
+                                                               rel=1e-9)
+    assert rows[1]["timing/overlap_rollout_train"] > 0
+    assert any(row["actor/grad_norm"] > 0 for row in rows)  # the premise of the resume check: it trained
+    assert all((row["perf/padding_frac"] == 0) == (k == 1) for row in rows)  # packed: no slot pads
+    assert all(row["perf/peak_memory_gib/actor_update"] > 0.1 for row in rows)
+    _resumed_matches(whole, overrides, 2, tmp_path, capsys)
 
 
 def test_a_sample_more_versions_behind_than_max_staleness_is_refused():

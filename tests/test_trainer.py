@@ -435,8 +435,9 @@ LOGP_GAP = {"qwen3": ("max", 1e-3), "llama31": ("max", 1e-3), "qwen3_moe": ("max
 @pytest.mark.parametrize("family", ["qwen3", "llama31", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids(
         family, arith_qwen3, arith_llama31, arith_qwen3_moe, arith_qwen3_5_vl, arith_qwen3_5_moe, arith_qwen3_next,
-        ray_cluster, tiny_run, tmp_path):
-    """`python -m orz.train` on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
+        ray_cluster, tiny_run, tmp_path, monkeypatch, capsys):
+    """`orz train` (its `main`, in this process: a driver's own start would cost each of the 11 runs
+    ~17 s of CPU) on a tiny Qwen3 (q/k norms, tied, head_dim ≠ hidden/heads; actor at
     tp=2, pp=2), a tiny llama3-scaled Llama, a tiny Qwen3-MoE (actor at dp=2, ep=2, packed) and tiny
     Qwen3.5 hybrids on bf16 engines: the dense one inside its vision-language wrapper, as Qwen3.5 is
     released (tied; actor at tp=2), the MoE with a shared expert (dp=2, ep=2) and Qwen3-Next (its
@@ -459,11 +460,12 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
     overrides = [*tiny_run(out, "grpo", iterations=2, model=start), "rollout.sync_check=held", "algorithm.entropy_coef=0",
                  "reward.custom={digits: 'shaped_reward:digit_share'}", "reward.weights={digits: 1.0, math: 0.0}",
                  *ACTOR[family], joined(ray_cluster)]
-    tests = os.path.dirname(__file__)  # shaped_reward.py, for the command's processes
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides], capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    tests = os.path.dirname(__file__)  # shaped_reward.py, for the reward's processes
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    capsys.readouterr()
+    code = main(overrides)
+    run = capsys.readouterr()
+    assert code == 0, run.out[-3000:] + run.err[-3000:]
     history = _check_run(out, model, 2)
     for row in history[1:]:
         assert 0 < row["reward/mean"] < 1  # the premise: scores differ
@@ -474,7 +476,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
     statistic, gap = LOGP_GAP[family]
     assert history[2][f"mismatch/logp_abs_diff_{statistic}"] < gap  # (the fp32 MoE's routes have no near-ties here)
     if family == "llama31":  # converted once for the engines, its tokenizer kept: the same model (logprobs above)
-        assert f"model.path={start} is a Megatron checkpoint: converting it once into {out / 'model_hf'}" in run.stdout
+        assert f"model.path={start} is a Megatron checkpoint: converting it once into {out / 'model_hf'}" in run.out
         assert sorted(p.name for p in (out / "model_hf").iterdir()) == sorted(p.name for p in Path(model).iterdir())
     else:  # a wrapper's vision tower comes from its HF directory (a trainer's checkpoint holds the language model)
         check_export_of_the_checkpoint(out, tmp_path / "exported", model, like=model if family == "qwen3_5" else None)
@@ -482,18 +484,18 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
         assert all(row["actor/moe_aux_loss"] > 0 for row in history[1:])
         assert all(row["perf/padding_frac"] == 0 and row["actor/micro_batches"] > 1 for row in history[1:])  # packed
         assert "experts over EP 2 × ETP 1, token dispatcher alltoall" in (out / "logs/actor-1.log").read_text()
-        _check_resume_elsewhere(out, overrides, env, history, "actor.ep=1", "ep", 2)
+        _check_resume_elsewhere(out, overrides, capsys, history, "actor.ep=1", "ep", 2)
     if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        assert "orz: rollout engines in bfloat16 (rollout.engine_dtype=auto)" in run.stdout
+        assert "orz: rollout engines in bfloat16 (rollout.engine_dtype=auto)" in run.out
     if family == "qwen3_5":
-        _check_resume_elsewhere(out, overrides, env, history, "actor.tp=2", "tp", 2, rel=0)
-        _check_resume_elsewhere(out, overrides, env, history, "actor.tp=1", "tp", 2)
+        _check_resume_elsewhere(out, overrides, capsys, history, "actor.tp=2", "tp", 2, rel=0)
+        _check_resume_elsewhere(out, overrides, capsys, history, "actor.tp=1", "tp", 2)
     if family == "qwen3_5_moe":  # the MoE hybrid: exact at its own layout, its experts re-sharded at EP 1
-        _check_resume_elsewhere(out, overrides, env, history, "actor.ep=2", "ep", 2, rel=0)
-        _check_resume_elsewhere(out, overrides, env, history, "actor.ep=1", "ep", 2)
+        _check_resume_elsewhere(out, overrides, capsys, history, "actor.ep=2", "ep", 2, rel=0)
+        _check_resume_elsewhere(out, overrides, capsys, history, "actor.ep=1", "ep", 2)
 
 
-def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, rel=1e-5):
+def _check_resume_elsewhere(out, overrides, capsys, history, change, size, saved, rel=1e-5):
     """The same command with `change` (another EP: each EP rank wrote its own experts, gathered now
     into each rank's whole experts; another TP: the hybrid's GDN heads and conv channels re-cut),
     after `orz rollback --to 1` (iteration 2's checkpoint and row moved aside, whole), resumes from
@@ -510,9 +512,10 @@ def _check_resume_elsewhere(out, overrides, env, history, change, size, saved, r
     aside = max((out / "set_aside").iterdir())
     assert (aside / "checkpoints/iter_000002/actor/orz_checkpoint.json").is_file()
     assert (aside / "metrics.jsonl").read_text() == rows[2] and (out / "metrics.jsonl").read_text() == "".join(rows[:2])
-    run = subprocess.run([sys.executable, "-m", "orz.train", *overrides, change], capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
+    capsys.readouterr()
+    code = main([*overrides, change])
+    run = capsys.readouterr()
+    assert code == 0, run.out[-3000:] + run.err[:3000]
     again = _history(out)[-1]
     assert again["step"] == 2 and again["reward/mean"] == history[2]["reward/mean"]  # the same samples
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/moe_aux_loss"):
