@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args, ray_session,
+    RAY_ADDRESS_HELP, SMOKE_LIMITS, best_limits, char_llama, emit, machine, machine_limits, param_count, parse_args, ray_session,
     set_threads,
 )
 
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--syncs", type=int, default=3, help="timed syncs per side, after a warm-up")
     parser.add_argument("--small-tokens", type=int, default=128, help="the memory's second batch: one row of these")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ray-address", default="", help=RAY_ADDRESS_HELP)
     args = parse_args(parser, {"hidden": 64, "layers": 2, "vocab": 256, "steps": 2, "rows": 2, "tokens": 16,
                                "syncs": 1, "small_tokens": 8}, argv)
     threads = set_threads(args.threads)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = HFCheckpoint(model_dir)
         full = {name: ckpt.get(name) for name in ckpt.keys()}
         adapter = _adapter_tensors(model_dir)
-        with ray_session():
+        with ray_session(address=args.ray_address):
             full_seconds, _ = _syncs(model_dir, full, None, args.syncs)
             adapter_seconds, load = _syncs(model_dir, adapter, adapter_config(LoraSpec(rank=RANK, alpha=ALPHA),
                                                                              model_dir), args.syncs)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BENCHES = sorted(path.stem.removeprefix("bench_") for path in (REPO / "bench").glob("bench_*.py"))
 LANES = [["e2e", "async", "distill"], [name for name in BENCHES if name not in ("e2e", "async", "distill")]]
-NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn", "distill"}
+NEEDS_RAY = {"rollout", "weight_sync", "e2e", "async", "multiturn", "distill", "lora"}
 NEEDS_BASE = {"e2e", "async", "distill"}
 SMOKE_ARGS = {"multiturn": ["--vary-latency", "--repeats", "2"]}  # beside --smoke: what a test below checks
 
