@@ -17,7 +17,8 @@ from reference_models import reference_models
 RANK, ALPHA = 4, 8.0  # scaling 2: a dropped alpha/rank shows
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHARED_A = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one Megatron layer each: one A
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, dp) in one world of 2
+# (tp, pp, dp, distributed optimizer) in one world of 2
+LAYOUTS = [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (1, 1, 2, True)]
 PROMPTS = [[1, 4, 5, 16, 6, 7, 18], [1, 6, 6, 16, 9], [1, 12, 17, 8]]
 PROMPT_IDS = [1, 4, 5, 16, 6, 7, 18, 9, 12]
 TWO_TARGETS = ("linear_qkv", "linear_fc2")  # the engine test's: adapters on some layers only
@@ -73,12 +74,12 @@ def _lora_at_layouts(rank, world, layouts, path, tokens, adapter):
     from megatron.core import parallel_state as ps
 
     out = {}
-    for tp, pp, dp in layouts:
+    for tp, pp, dp, zero in layouts:
         sizes = Sizes(tp=tp, pp=pp, dp=dp)
         init_model_parallel(sizes)
         ckpt = HFCheckpoint(path)
-        model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=OptimSpec(lr=1e-3, clip_grad=1e6),
-                                                   lora=LoraSpec(rank=RANK, alpha=ALPHA)))
+        optim = OptimSpec(lr=1e-3, clip_grad=1e6, use_distributed_optimizer=zero)
+        model = MegatronModel(ckpt.arch, ModelSpec(sizes=sizes, optim=optim, lora=LoraSpec(rank=RANK, alpha=ALPHA)))
         model.load_hf(ckpt)
         rows = tokens.chunk(dp)[ps.get_data_parallel_rank()]
         first = model.full_logits(rows)
@@ -95,23 +96,24 @@ def _lora_at_layouts(rank, world, layouts, path, tokens, adapter):
 
         exported = {name: t.clone() for name, t in model.adapter_tensors()}
         grad_norm = model.train_step([ModelInputs(rows)], nll)["grad_norm"]  # clip_grad 1e6: grads unscaled
-        trained = {name for name, p in model.module.named_parameters() if p.requires_grad}
-        in_optimizer = sum(len(g["params"]) for g in model.optimizer.param_groups)
+        stepped = {name: t.clone() for name, t in model.adapter_tensors()}
+        trained = {name: p.numel() for name, p in model.module.named_parameters() if p.requires_grad}
+        in_optimizer = sum(p.numel() for g in model.optimizer.param_groups for p in g["params"])  # its fp32 masters
         with torch.no_grad():  # the gradients, exported as the adapters are
             for _, layer in adapter_layers(model.module):
                 layer.lora_A.copy_(layer.lora_A.main_grad)
                 layer.lora_B.copy_(layer.lora_B.main_grad)
         grads = dict(model.adapter_tensors())
-        out[tp, pp, dp] = dict(first=first, base=base, logits=logits, off=off, exported=exported, grads=grads,
-                               trained=trained, in_optimizer=in_optimizer, grad_norm=grad_norm)
+        out[tp, pp, dp, zero] = dict(first=first, base=base, logits=logits, off=off, exported=exported, grads=grads,
+                                     trained=trained, in_optimizer=in_optimizer, grad_norm=grad_norm, stepped=stepped)
     return out
 
 
 def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
     ref = reference
     ranks = run_world(_lora_at_layouts, 2, LAYOUTS, ref["path"], ref["tokens"], ref["adapter"])
-    for tp, pp, dp in LAYOUTS:
-        results = [r[tp, pp, dp] for r in ranks]
+    for tp, pp, dp, zero in LAYOUTS:
+        results = [r[tp, pp, dp, zero] for r in ranks]
         holders = [r for r in results if r["logits"] is not None]  # the last stage's TP rank 0, per replica
         assert len(holders) == dp
         logits = torch.cat([r["logits"] for r in holders])
@@ -121,10 +123,17 @@ def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
         # With the adapter: peft's logits; with it off: the base's again.
         assert (logits - ref["logits"]).abs().max() < 1e-4, (tp, pp, dp)
         assert (torch.cat([r["off"] for r in holders]) - ref["base_logits"]).abs().max() < 1e-4
-        # Only the adapters train: 2 matrices × 4 layers per transformer layer, over this rank's stage.
+        # Only the adapters train: 2 matrices × 4 layers per transformer layer, over this rank's stage;
+        # the optimizer holds their elements only, split over DP by the distributed optimizer.
         for r in results:
             assert r["trained"] and all(name.rsplit(".", 1)[1] in ("lora_A", "lora_B") for name in r["trained"])
-            assert r["in_optimizer"] == len(r["trained"]) == 2 * 4 * 2 // pp
+            assert len(r["trained"]) == 2 * 4 * 2 // pp
+        adapter_elements = [sum(r["trained"].values()) for r in results]
+        if zero:
+            assert adapter_elements[0] == adapter_elements[1] == sum(r["in_optimizer"] for r in results)
+            assert all(0 < r["in_optimizer"] < adapter_elements[0] for r in results)
+        else:
+            assert [r["in_optimizer"] for r in results] == adapter_elements
         # The export, on rank 0 only: peft's tensors bit for bit; the gradients: peft's, a shared A's
         # the sum of its modules'.
         exported, grads = results[0]["exported"], results[0]["grads"]
@@ -132,6 +141,15 @@ def test_megatron_lora_matches_peft_at_tp2_pp2_dp2(reference):
         assert exported.keys() == ref["adapter"].keys()
         for name, tensor in ref["adapter"].items():
             assert torch.equal(exported[name], tensor), name
+        # One Adam step from the same gradients: the distributed optimizer's adapters are the plain one's.
+        if zero:
+            plain = ranks[0][tp, pp, dp, False]["stepped"]
+            assert plain.keys() == results[0]["stepped"].keys() == exported.keys()
+            assert all(not torch.equal(plain[name], exported[name]) for name in plain)  # the premise: it stepped
+            assert all((results[0]["stepped"][name] - plain[name]).abs().max() <= 1e-6 for name in plain)
+            assert all(r["grad_norm"] == pytest.approx(ranks[0][tp, pp, dp, False]["grad_norm"], rel=1e-6)
+                       for r in results)
+            continue  # its gradients are reduce-scattered: each rank holds its shard's only
         squares = 0.0  # Σ g² over Megatron's parameters: each B once, each shared A once
         for name, want in ref["grads"].items():
             group = next((g for g in SHARED_A if any(f".{m}." in name for m in g)), None)
