@@ -416,6 +416,15 @@ def _check_quiet_console(console: str, log_dir: Path) -> None:
     assert "vLLM" in logs["engine-0.log"] or "vllm" in logs["engine-0.log"]
 
 
+def _train_command(capsys, argv):
+    """`orz train ARGV` (its `main`, in this process) after a clean exit: what it printed."""
+    capsys.readouterr()
+    code = main(argv)
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
+    return printed
+
+
 # The MoE's actor spreads its 4 experts over 2 of its 2 DP ranks, with the load-balancing loss on,
 # its passes packed, its tokens sent by the all-to-all dispatcher; Qwen3's is split over TP 2 × PP 2 (its tied LM head on the last stage).
 ACTOR = {"qwen3_moe": ["actor.dp=2", "actor.ep=2", "model.moe_aux_loss_coef=0.001", "actor.pack=true",
@@ -462,10 +471,7 @@ def test_grpo_through_the_command_on_qwen3_a_scaled_rope_llama_a_moe_and_hybrids
                  *ACTOR[family], joined(ray_cluster)]
     tests = os.path.dirname(__file__)  # shaped_reward.py, for the reward's processes
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
-    capsys.readouterr()
-    code = main(overrides)
-    run = capsys.readouterr()
-    assert code == 0, run.out[-3000:] + run.err[-3000:]
+    run = _train_command(capsys, overrides)
     history = _check_run(out, model, 2)
     for row in history[1:]:
         assert 0 < row["reward/mean"] < 1  # the premise: scores differ
@@ -512,10 +518,7 @@ def _check_resume_elsewhere(out, overrides, capsys, history, change, size, saved
     aside = max((out / "set_aside").iterdir())
     assert (aside / "checkpoints/iter_000002/actor/orz_checkpoint.json").is_file()
     assert (aside / "metrics.jsonl").read_text() == rows[2] and (out / "metrics.jsonl").read_text() == "".join(rows[:2])
-    capsys.readouterr()
-    code = main([*overrides, change])
-    run = capsys.readouterr()
-    assert code == 0, run.out[-3000:] + run.err[:3000]
+    _train_command(capsys, [*overrides, change])
     again = _history(out)[-1]
     assert again["step"] == 2 and again["reward/mean"] == history[2]["reward/mean"]  # the same samples
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/moe_aux_loss"):
